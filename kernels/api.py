@@ -1,0 +1,204 @@
+"""`verify_attention`: the one entry point every backend shares.
+
+Checks the metadata (shapes, dtypes, devices) always, and the values that need a host read
+(indptr monotonic, slots in range, each request holding its T draft keys) unless the current
+stream is being captured into a CUDA graph, where a host sync is illegal.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .backends import Backend, LaunchArgs, SplitTable, get_backend
+from .shapes import MAX_DRAFT_TOKENS, VerifyProblem
+
+DEFAULT_KV_LORA_RANK = 512
+
+
+def _is_capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _need_tensor(x, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def describe_problem(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale,
+                     kv_lora_rank: int = DEFAULT_KV_LORA_RANK) -> VerifyProblem:
+    """Check the metadata of a verify call and return its `VerifyProblem`.
+
+    Raises ValueError naming the offending argument. Reads no tensor values.
+    """
+    q = _need_tensor(q, "q")
+    kv_cache = _need_tensor(kv_cache, "kv_cache")
+    kv_indptr = _need_tensor(kv_indptr, "kv_indptr")
+    kv_indices = _need_tensor(kv_indices, "kv_indices")
+    tree_mask = _need_tensor(tree_mask, "tree_mask")
+    if q.dim() != 3:
+        raise ValueError(f"q: expected [B*T, H, Dk], got shape {tuple(q.shape)}")
+    if q.dtype != torch.bfloat16:
+        raise ValueError(f"q: expected dtype torch.bfloat16, got {q.dtype}")
+    if q.stride(-1) != 1:
+        raise ValueError("q: the last (Dk) dimension must be contiguous (stride 1)")
+    device = q.device
+    if kv_cache.dim() != 2:
+        raise ValueError(f"kv_cache: expected [num_slots, Dk], got shape {tuple(kv_cache.shape)}")
+    if kv_cache.dtype != torch.bfloat16:
+        raise ValueError(f"kv_cache: expected dtype torch.bfloat16, got {kv_cache.dtype}")
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache: rows must be contiguous (last-dimension stride 1)")
+    Dk = q.shape[2]
+    if kv_cache.shape[1] != Dk:
+        raise ValueError(f"kv_cache: row width {kv_cache.shape[1]} != q's Dk {Dk}")
+    if not isinstance(kv_lora_rank, int) or not 0 < kv_lora_rank <= Dk:
+        raise ValueError(f"kv_lora_rank: must be an int in (0, Dk={Dk}], got {kv_lora_rank!r}")
+    for name, t in (("kv_cache", kv_cache), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
+                    ("tree_mask", tree_mask)):
+        if t.device != device:
+            raise ValueError(f"{name}: on {t.device}, but q is on {device}; all tensors must share a device")
+    if kv_indptr.dim() != 1 or kv_indptr.numel() < 2:
+        raise ValueError(f"kv_indptr: expected [B+1] with B >= 1, got shape {tuple(kv_indptr.shape)}")
+    if kv_indptr.dtype != torch.int32:
+        raise ValueError(f"kv_indptr: expected dtype torch.int32, got {kv_indptr.dtype}")
+    if kv_indices.dim() != 1:
+        raise ValueError(f"kv_indices: expected a 1-D tensor, got shape {tuple(kv_indices.shape)}")
+    if kv_indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"kv_indices: expected dtype torch.int32 or torch.int64, got {kv_indices.dtype}")
+    if kv_indices.numel() and kv_indices.stride(0) != 1:
+        raise ValueError("kv_indices: must be contiguous")
+    if not kv_indptr.is_contiguous():
+        raise ValueError("kv_indptr: must be contiguous")
+    B = kv_indptr.numel() - 1
+    if q.shape[0] % B:
+        raise ValueError(f"q: {q.shape[0]} query rows is not a multiple of B={B} (from kv_indptr); "
+                         "T = q.shape[0] // B must divide exactly")
+    T = q.shape[0] // B
+    if not 1 <= T <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"q: T = {T} draft tokens per request; the tree mask supports 1..{MAX_DRAFT_TOKENS}")
+    if tree_mask.dtype != torch.int64:
+        raise ValueError(f"tree_mask: expected dtype torch.int64, got {tree_mask.dtype}")
+    if tree_mask.dim() != 1 or tree_mask.numel() != B * T:
+        raise ValueError(f"tree_mask: expected shape [{B * T}] (B*T), got {tuple(tree_mask.shape)}")
+    if not tree_mask.is_contiguous():
+        raise ValueError("tree_mask: must be contiguous")
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale) \
+            or sm_scale <= 0:
+        raise ValueError(f"sm_scale: expected a positive finite float, got {sm_scale!r}")
+    H = q.shape[1]
+    if H < 1:
+        raise ValueError("q: needs at least one head")
+    return VerifyProblem(B=B, T=T, H=H, Dk=Dk, Dv=kv_lora_rank, device=device)
+
+
+def check_values(problem: VerifyProblem, kv_cache, kv_indptr, kv_indices) -> None:
+    """Checks that read tensor values (one host sync). Not callable under graph capture."""
+    indptr = kv_indptr.to("cpu", torch.int64)
+    if int(indptr[0]) < 0:
+        raise ValueError(f"kv_indptr: kv_indptr[0] = {int(indptr[0])} is negative")
+    lens = indptr[1:] - indptr[:-1]
+    if bool((lens < 0).any()):
+        b = int(torch.nonzero(lens < 0)[0])
+        raise ValueError(f"kv_indptr: not monotonic at request {b} ({int(indptr[b])} > {int(indptr[b + 1])})")
+    if int(indptr[-1]) > kv_indices.numel():
+        raise ValueError(f"kv_indptr: kv_indptr[-1] = {int(indptr[-1])} exceeds kv_indices' length "
+                         f"{kv_indices.numel()}")
+    short = lens < problem.T
+    if bool(short.any()):
+        b = int(torch.nonzero(short)[0])
+        raise ValueError(f"kv_indptr: request {b} holds {int(lens[b])} keys, fewer than its T={problem.T} "
+                         "draft keys")
+    used = kv_indices[int(indptr[0]):int(indptr[-1])]
+    if used.numel():
+        lo, hi = int(used.min()), int(used.max())
+        if lo < 0 or hi >= kv_cache.shape[0]:
+            raise ValueError(f"kv_indices: slot {lo if lo < 0 else hi} out of range [0, {kv_cache.shape[0]})")
+
+
+def workspace_bytes(problem: VerifyProblem, backend: str | Backend = "triton", params: Any = None) -> int:
+    """Scratch bytes `verify_attention` needs for `problem` with `backend`/`params`."""
+    be = get_backend(backend)
+    params = be.default_params(problem) if params is None else params
+    return be.workspace_bytes(problem, params)
+
+
+def verify_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, backend="triton",
+                     params=None, out=None, return_lse=False, *, lse=None, workspace=None,
+                     split_table: SplitTable | None = None, kv_lora_rank: int = DEFAULT_KV_LORA_RANK,
+                     check_values_: bool | None = None):
+    """MLA verify attention of T draft tokens per request against a gathered KV cache.
+
+    q: `[B*T, H, Dk]` bf16, request-major rows (row b*T+t is draft t of request b).
+    kv_cache: `[num_slots, Dk]` bf16, one token per row (row stride may exceed Dk);
+        V is a row's first `kv_lora_rank` (Dv) columns.
+    kv_indptr: `[B+1]` int32; kv_indices: int32 or int64; request b's keys are
+        `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`: its P_b prefix slots, then its T drafts.
+    tree_mask: `[B*T]` int64, bit j of row i = draft query i may see draft key j.
+    sm_scale: softmax scale.
+    backend: "reference" | "triton" | "cuda" (or any registered name / Backend instance).
+    params: the backend's parameter dataclass; None = its default.
+    out: optional `[B*T, H, Dv]` bf16 output; lse: optional `[B*T, H]` fp32 (implies return_lse).
+    workspace: optional scratch tensor of at least `workspace_bytes(...)` bytes, so the call
+        need not allocate (CUDA-graph capture).
+    split_table: optional per-request NSPLIT chosen on the device (see `SplitTable`).
+    check_values_: force (True) or skip (False) the value checks; default: on, except
+        during CUDA-graph capture.
+
+    Returns o `[B*T, H, Dv]` bf16, or (o, lse) with lse `[B*T, H]` fp32 (natural log; -inf
+    for a row that sees no key) when `return_lse` or `lse` is given.
+    """
+    problem = describe_problem(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, kv_lora_rank)
+    be = get_backend(backend)
+    why = be.supports(problem.device)
+    if why:
+        raise ValueError(f"backend: {be.name} cannot run here: {why}")
+    if params is None:
+        params = be.default_params(problem)
+    elif be.params_type is not None and not isinstance(params, be.params_type):
+        raise ValueError(f"params: backend {be.name!r} takes {be.params_type.__name__}, "
+                         f"got {type(params).__name__}")
+    be.check_params(params, problem)
+    capturing = _is_capturing(problem.device)
+    do_check = (not capturing) if check_values_ is None else check_values_
+    if do_check:
+        check_values(problem, kv_cache, kv_indptr, kv_indices)
+    shape_o = (problem.rows, problem.H, problem.Dv)
+    if out is None:
+        out = torch.empty(shape_o, dtype=torch.bfloat16, device=problem.device)
+    else:
+        _need_tensor(out, "out")
+        if tuple(out.shape) != shape_o or out.dtype != torch.bfloat16 or out.device != problem.device:
+            raise ValueError(f"out: expected bf16 {list(shape_o)} on {problem.device}, got {out.dtype} "
+                             f"{list(out.shape)} on {out.device}")
+        if out.stride(-1) != 1:
+            raise ValueError("out: the last dimension must be contiguous")
+    if lse is not None:
+        return_lse = True
+        _need_tensor(lse, "lse")
+        if tuple(lse.shape) != shape_o[:2] or lse.dtype != torch.float32 or lse.device != problem.device:
+            raise ValueError(f"lse: expected fp32 {list(shape_o[:2])} on {problem.device}, got {lse.dtype} "
+                             f"{list(lse.shape)} on {lse.device}")
+    elif return_lse:
+        lse = torch.empty(shape_o[:2], dtype=torch.float32, device=problem.device)
+    need = be.workspace_bytes(problem, params)
+    if workspace is None:
+        if need:
+            workspace = torch.empty(need, dtype=torch.uint8, device=problem.device)
+    else:
+        _need_tensor(workspace, "workspace")
+        have = workspace.numel() * workspace.element_size()
+        if workspace.device != problem.device or not workspace.is_contiguous() or have < need:
+            raise ValueError(f"workspace: need a contiguous tensor of >= {need} bytes on {problem.device}, "
+                             f"got {have} bytes on {workspace.device}")
+    if split_table is not None:
+        if not isinstance(split_table, SplitTable):
+            raise ValueError(f"split_table: expected a SplitTable, got {type(split_table).__name__}")
+        for name, t in (("max_keys", split_table.max_keys), ("nsplit", split_table.nsplit)):
+            if t.dtype != torch.int32 or t.device != problem.device or t.dim() != 1:
+                raise ValueError(f"split_table.{name}: expected a 1-D int32 tensor on {problem.device}")
+    be.launch(LaunchArgs(problem, q, kv_cache, kv_indptr, kv_indices, tree_mask, float(sm_scale), out, lse,
+                         workspace, split_table), params)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,164 @@
+"""The backend interface and its registry.
+
+Every implementation of the verify contract (the fp32 oracle, the Triton kernel, the
+NVRTC-compiled CUDA kernel) is a `Backend`: a parameter dataclass, a default, a workspace
+size, a static feasibility check and a launch. `verify_attention`, the tuner, the runtime
+and the conformance tests all go through this interface, so backends are interchangeable.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .shapes import VerifyProblem
+
+
+@dataclass(frozen=True)
+class SplitTable:
+    """Per-request NSPLIT, chosen on the device from the request's key count L_b.
+
+    Request b uses `nsplit[i]` for the first bucket i with `L_b <= max_keys[i]`, and the
+    last bucket's NSPLIT beyond the last bound. Both are int32 `[num_buckets]` tensors on
+    the kernel's device; every entry must be in [1, params.NSPLIT] (the grid size). Used by
+    the serving runtime so that one captured CUDA graph stays tuned while contexts grow.
+    """
+
+    max_keys: torch.Tensor
+    nsplit: torch.Tensor
+
+    @staticmethod
+    def build(max_keys: list[int], nsplit: list[int], device) -> "SplitTable":
+        if len(max_keys) != len(nsplit) or not max_keys:
+            raise ValueError("SplitTable needs as many NSPLIT values as bucket bounds (at least one)")
+        if any(b <= a for a, b in zip(max_keys, max_keys[1:])):
+            raise ValueError(f"SplitTable bounds must increase strictly, got {max_keys}")
+        if any(int(n) < 1 for n in nsplit):
+            raise ValueError(f"SplitTable NSPLIT values must be >= 1, got {nsplit}")
+        return SplitTable(torch.tensor(max_keys, dtype=torch.int32, device=device),
+                          torch.tensor(nsplit, dtype=torch.int32, device=device))
+
+    @property
+    def num_buckets(self) -> int:
+        return int(self.max_keys.numel())
+
+
+@dataclass
+class LaunchArgs:
+    """Everything one launch needs, already validated by `verify_attention`.
+
+    q `[B*T, H, Dk]` bf16 (last dim contiguous); kv_cache `[num_slots, Dk]` bf16 (row
+    stride >= Dk); kv_indptr `[B+1]` int32; kv_indices int32/int64; tree_mask `[B*T]`
+    int64; out `[B*T, H, Dv]` bf16; lse `[B*T, H]` fp32 or None; workspace a flat tensor of
+    at least `backend.workspace_bytes(problem, params)` bytes on the device.
+    """
+
+    problem: VerifyProblem
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    tree_mask: torch.Tensor
+    sm_scale: float
+    out: torch.Tensor
+    lse: torch.Tensor | None
+    workspace: torch.Tensor | None
+    split_table: SplitTable | None = None
+
+
+class Backend(abc.ABC):
+    """One implementation of the verify-attention contract."""
+
+    name: str = ""
+    #: the frozen parameter dataclass of this backend (None for the oracle)
+    params_type: type | None = None
+
+    def default_params(self, problem: VerifyProblem) -> Any:
+        """The untuned default for this problem (None for backends without parameters)."""
+        return None
+
+    def check_params(self, params: Any, problem: VerifyProblem) -> None:
+        """Raise ValueError if `params` cannot run `problem` (mirrors the kernel's asserts)."""
+
+    def workspace_bytes(self, problem: VerifyProblem, params: Any) -> int:
+        """Bytes of scratch one launch needs (split-K partials)."""
+        return 0
+
+    def static_reject(self, params: Any, problem: VerifyProblem, arch: str | None = None) -> str | None:
+        """Why `params` is statically impossible on `arch` (compile error, spills, shared
+        memory over the limit), or None. Costs no GPU time."""
+        try:
+            self.check_params(params, problem)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def supports(self, device: torch.device) -> str | None:
+        """Why this backend cannot run on `device`, or None."""
+        return None
+
+    @abc.abstractmethod
+    def launch(self, args: LaunchArgs, params: Any) -> None:
+        """Write `args.out` (and `args.lse` when given); no host sync, no allocation."""
+
+
+def params_from_dict(params_type: type, values: dict, where: str = "params") -> Any:
+    """Build a parameter dataclass from a mapping, naming unknown or missing keys."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{where}: expected a mapping of parameter names to values, got {type(values).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(params_type)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(f"{where}: unknown parameter(s) {unknown} for {params_type.__name__}; "
+                         f"known: {sorted(fields)}")
+    missing = sorted(n for n, f in fields.items() if n not in values
+                     and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    if missing:
+        raise ValueError(f"{where}: missing parameter(s) {missing} for {params_type.__name__}")
+    return params_type(**values)
+
+
+# name -> "module:attribute" of a zero-argument constructor; imported lazily so that the
+# CUDA backend's NVRTC bindings load only when asked for.
+_REGISTRY: dict[str, str] = {
+    "reference": "kvtune.kernels.reference:ReferenceBackend",
+    "triton": "kvtune.kernels.triton_kernel:TritonBackend",
+    "cuda": "kvtune.kernels.cuda.backend:CudaBackend",
+}
+_INSTANCES: dict[str, Backend] = {}
+
+
+def register_backend(name: str, factory: str | Callable[[], Backend]) -> None:
+    """Register a backend under `name` ("module:attr" string or a constructor). Tests use
+    this to plug in deliberately broken variants."""
+    _INSTANCES.pop(name, None)
+    if callable(factory):
+        _INSTANCES[name] = factory()
+        _REGISTRY[name] = "<instance>"
+    else:
+        _REGISTRY[name] = factory
+
+
+def unregister_backend(name: str) -> None:
+    _INSTANCES.pop(name, None)
+    _REGISTRY.pop(name, None)
+
+
+def backend_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get_backend(name: str | Backend) -> Backend:
+    """The backend registered as `name` (a Backend instance is returned as is)."""
+    if isinstance(name, Backend):
+        return name
+    if name not in _REGISTRY:
+        raise ValueError(f"backend: unknown backend {name!r}; known: {backend_names()}")
+    if name not in _INSTANCES:
+        module, attr = _REGISTRY[name].split(":")
+        _INSTANCES[name] = getattr(importlib.import_module(module), attr)()
+    return _INSTANCES[name]

@@ -1,0 +1,107 @@
+"""Realistic inputs for tests and measurements.
+
+A KV pool larger than the requests need, each request's slots a random scattered subset
+(a fragmented cache), ragged prefix lengths, chain or random trees, fresh random values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .tree import chain_parents, random_parents, tree_mask_from_parents
+
+
+@dataclass
+class VerifyInputs:
+    """One verify call's inputs (see `verify_attention` for shapes and layouts)."""
+
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    tree_mask: torch.Tensor
+    sm_scale: float
+    prefix_lens: list[int]
+    parents: list[list[int]]
+    kv_lora_rank: int = 512
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def args(self) -> tuple:
+        """Positional arguments of `verify_attention`."""
+        return (self.q, self.kv_cache, self.kv_indptr, self.kv_indices, self.tree_mask, self.sm_scale)
+
+    @property
+    def B(self) -> int:
+        return len(self.prefix_lens)
+
+    @property
+    def T(self) -> int:
+        return len(self.parents[0])
+
+
+def make_inputs(batch: int, draft_tokens: int, heads: int, prefix_lens: int | Sequence[int], *,
+                tree: str | Sequence = "chain", kv_lora_rank: int = 512, rope_dim: int = 64,
+                pool_factor: float = 1.5, row_stride: int | None = None, indices_dtype=torch.int32,
+                device="cpu", seed: int | None = None, generator: torch.Generator | None = None,
+                sm_scale: float | None = None, q_noncontiguous: bool = False) -> VerifyInputs:
+    """Build fresh random inputs.
+
+    prefix_lens: one int for every request, or one per request (ragged).
+    tree: "chain", "random", or explicit parents (`[T]` or `[B, T]`).
+    pool_factor: the KV pool holds `pool_factor` times the tokens the batch needs.
+    row_stride: kv_cache row stride in elements (> Dk to test padded rows).
+    q_noncontiguous: q is a strided view (heads dimension not packed).
+    """
+    if generator is None:
+        generator = torch.Generator().manual_seed(seed if seed is not None else
+                                                  int(torch.randint(0, 2**31 - 1, (1,))))
+    if isinstance(prefix_lens, int):
+        prefix_lens = [prefix_lens] * batch
+    prefix_lens = [int(p) for p in prefix_lens]
+    if len(prefix_lens) != batch:
+        raise ValueError(f"prefix_lens: {len(prefix_lens)} values for batch={batch}")
+    T, H = draft_tokens, heads
+    Dk = kv_lora_rank + rope_dim
+    if tree == "chain":
+        parents = [chain_parents(T) for _ in range(batch)]
+    elif tree == "random":
+        parents = [random_parents(T, generator) for _ in range(batch)]
+    else:
+        parents = [list(p) for p in tree] if isinstance(tree[0], (list, tuple)) else [list(tree)] * batch
+    mask = tree_mask_from_parents(parents)
+
+    lens = [p + T for p in prefix_lens]
+    total = sum(lens)
+    num_slots = max(total + 1, int(total * pool_factor))
+    perm = torch.randperm(num_slots, generator=generator)[:total]
+    indptr = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32)
+
+    stride = Dk if row_stride is None else row_stride
+    if stride < Dk:
+        raise ValueError(f"row_stride {stride} < Dk {Dk}")
+    # generate on the CPU with the seeded generator, then move: same values on any device
+    pool = torch.randn(num_slots, stride, generator=generator).to(torch.bfloat16)
+    kv_cache = pool.to(device)[:, :Dk]
+    if q_noncontiguous:
+        qfull = torch.randn(batch * T, H, 2 * Dk, generator=generator).to(torch.bfloat16).to(device)
+        q = qfull[:, :, :Dk]  # row stride 2*Dk: heads not packed
+    else:
+        q = torch.randn(batch * T, H, Dk, generator=generator).to(torch.bfloat16).to(device)
+    scale = sm_scale if sm_scale is not None else (128 + rope_dim) ** -0.5
+    return VerifyInputs(q=q, kv_cache=kv_cache, kv_indptr=indptr.to(device),
+                        kv_indices=perm.to(indices_dtype).to(device), tree_mask=mask.to(device),
+                        sm_scale=scale, prefix_lens=prefix_lens, parents=parents, kv_lora_rank=kv_lora_rank)
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp32; NaN or inf anywhere gives inf (never passes)."""
+    out = out.float()
+    ref = ref.float()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    den = ref.norm().item()
+    num = (out - ref).norm().item()
+    return num / den if den > 0 else num

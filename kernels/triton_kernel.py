@@ -1,0 +1,256 @@
+"""Triton reference kernel for MLA verify attention: split-K flash-decode.
+
+Reads top to bottom: the parameters, stage 1 (one key range of one request for a group of
+heads, all `heads x T` query rows folded into one tile so each key row is loaded once per
+split and head group), stage 2 (log-sum-exp merge of the NSPLIT partials), the launcher and
+the backend.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .backends import Backend, LaunchArgs
+from .shapes import VerifyProblem, cdiv, next_pow2
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class TritonParams:
+    """Compile-time parameters of the Triton kernel (NSPLIT is the stage-1 grid's split count).
+
+    NSPLIT: key-range splits per request (1..256); BLOCK_N: keys per tile (16..256, pow2);
+    BLOCK_H: heads per program (1..64; the tile has next_pow2(BLOCK_H*T) rows, at least 16);
+    num_warps: 1..16, pow2; num_stages: 1..5.
+    """
+
+    NSPLIT: int = 16
+    BLOCK_N: int = 32
+    BLOCK_H: int = 2
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        def need(ok, msg):
+            if not ok:
+                raise ValueError(f"TritonParams: {msg}")
+        for f in ("NSPLIT", "BLOCK_N", "BLOCK_H", "num_warps", "num_stages"):
+            v = getattr(self, f)
+            need(isinstance(v, int) and not isinstance(v, bool), f"{f} must be an int, got {v!r}")
+        need(1 <= self.NSPLIT <= 256, f"NSPLIT must be in [1, 256], got {self.NSPLIT}")
+        need(self.BLOCK_N in (16, 32, 64, 128, 256), f"BLOCK_N must be a power of two in [16, 256], got {self.BLOCK_N}")
+        need(1 <= self.BLOCK_H <= 64, f"BLOCK_H must be in [1, 64], got {self.BLOCK_H}")
+        need(self.num_warps in (1, 2, 4, 8, 16), f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        need(1 <= self.num_stages <= 5, f"num_stages must be in [1, 5], got {self.num_stages}")
+
+    def block_m(self, T: int) -> int:
+        """Rows of the stage-1 tile: BLOCK_H*T padded to a power of two (>= 16 for tl.dot)."""
+        return max(16, next_pow2(self.BLOCK_H * T))
+
+
+@triton.jit
+def _num_splits(L, SplitMaxKeys, SplitValues, NSPLIT: tl.constexpr, NUM_BUCKETS: tl.constexpr):
+    """NSPLIT of a request with L keys: the grid's, or the first bucket with L <= bound."""
+    if NUM_BUCKETS == 0:
+        n = NSPLIT
+    else:
+        n = tl.load(SplitValues + NUM_BUCKETS - 1)
+        for i in tl.static_range(NUM_BUCKETS - 1, -1, -1):
+            if L <= tl.load(SplitMaxKeys + i):
+                n = tl.load(SplitValues + i)
+        n = tl.minimum(tl.maximum(n, 1), NSPLIT)
+    return n
+
+
+@triton.jit
+def _verify_split_kernel(
+    Q, KV, Indptr, Indices, Mask, PartO, PartLse, SplitMaxKeys, SplitValues,
+    qk_scale,                                   # sm_scale * log2(e): softmax in base 2
+    stride_qm, stride_qh, stride_kv,
+    stride_ps, stride_pm, stride_ph,            # partial o [NSPLIT, B*T, H, DV] (last dim 1)
+    stride_ls, stride_lm,                       # partial lse [NSPLIT, B*T, H] (last dim 1)
+    H,
+    T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DV: tl.constexpr, DPE: tl.constexpr, NSPLIT: tl.constexpr, NUM_BUCKETS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    tl.static_assert(BLOCK_M >= BLOCK_H * T)
+    tl.static_assert(BLOCK_M >= 16)
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_hg = tl.cdiv(H, BLOCK_H)
+    b = pid // num_hg
+    hg = pid % num_hg
+
+    kv_start = tl.load(Indptr + b)
+    L = tl.load(Indptr + b + 1) - kv_start
+    P = L - T                                    # prefix keys; draft key d sits at P + d
+    nsplit = _num_splits(L, SplitMaxKeys, SplitValues, NSPLIT, NUM_BUCKETS)
+    chunk = tl.cdiv(tl.cdiv(L, nsplit), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, L)
+    hi = tl.where(split < nsplit, hi, lo)        # splits past this request's NSPLIT are empty
+
+    # -- fold the heads x T query rows of this head group into one tile of BLOCK_M rows
+    rows = tl.arange(0, BLOCK_M)
+    h_loc = rows // T
+    t = rows % T
+    head = hg * BLOCK_H + h_loc
+    row_ok = (rows < BLOCK_H * T) & (head < H)
+    qrow = b * T + t
+    offs_dv = tl.arange(0, DV)
+    offs_pe = tl.arange(0, DPE)
+    q_base = Q + qrow[:, None] * stride_qm + head[:, None] * stride_qh
+    q_nope = tl.load(q_base + offs_dv[None, :], mask=row_ok[:, None], other=0.0)
+    q_pe = tl.load(q_base + DV + offs_pe[None, :], mask=row_ok[:, None], other=0.0)
+    if UPCAST:  # the interpreter's bf16 tl.dot is wrong; fp32 is exact there
+        q_nope = q_nope.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+    tree_bits = tl.load(Mask + qrow, mask=row_ok, other=0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV], tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        slot = tl.load(Indices + kv_start + offs_n, mask=n_ok, other=0).to(tl.int64)
+        k_base = KV + slot[None, :] * stride_kv
+        k_nope = tl.load(k_base + offs_dv[:, None], mask=n_ok[None, :], other=0.0)    # [DV, BLOCK_N]
+        k_pe = tl.load(k_base + DV + offs_pe[:, None], mask=n_ok[None, :], other=0.0)  # [DPE, BLOCK_N]
+        if UPCAST:
+            k_nope = k_nope.to(tl.float32)
+            k_pe = k_pe.to(tl.float32)
+        qk = tl.dot(q_nope, k_nope)
+        qk = tl.dot(q_pe, k_pe, qk)
+        qk = qk * qk_scale
+        # -- tree mask: the prefix is always visible, draft key d only if bit d is set
+        d = offs_n - P
+        draft_ok = ((tree_bits[:, None] >> tl.maximum(d, 0)[None, :].to(tl.int64)) & 1) != 0
+        visible = ((d < 0)[None, :] | draft_ok) & n_ok[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+        # -- online softmax: update m_i and l_i (rows with nothing visible yet stay at -inf)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # -- acc += P V; V is the first DV columns of the key rows already loaded
+        v = tl.trans(k_nope)
+        if UPCAST:
+            acc = tl.dot(p, v, acc * alpha[:, None])
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    # -- partial result of this split: normalised o and lse (natural log); empty -> 0, -inf
+    seen = l_i > 0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
+    po = PartO + split * stride_ps + qrow[:, None] * stride_pm + head[:, None] * stride_ph + offs_dv[None, :]
+    tl.store(po, o, mask=row_ok[:, None])
+    tl.store(PartLse + split * stride_ls + qrow * stride_lm + head, lse, mask=row_ok)
+
+
+@triton.jit
+def _verify_merge_kernel(
+    PartO, PartLse, Out, Lse, Indptr, SplitMaxKeys, SplitValues,
+    stride_ps, stride_pm, stride_ph, stride_ls, stride_lm,
+    stride_om, stride_oh, stride_lsm,
+    H,
+    T: tl.constexpr, DV: tl.constexpr, NSPLIT: tl.constexpr, NUM_BUCKETS: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = m // T
+    L = tl.load(Indptr + b + 1) - tl.load(Indptr + b)
+    nsplit = _num_splits(L, SplitMaxKeys, SplitValues, NSPLIT, NUM_BUCKETS)
+    offs_dv = tl.arange(0, DV)
+    # -- merge the partials by log-sum-exp; empty splits carry lse = -inf and weigh nothing
+    m_run = float("-inf")
+    s_run = 0.0
+    acc = tl.zeros([DV], tl.float32)
+    for s in range(0, nsplit):
+        lse_s = tl.load(PartLse + s * stride_ls + m * stride_lm + h)
+        m_new = tl.maximum(m_run, lse_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w_old = tl.exp(m_run - m_safe)
+        w_s = tl.exp(lse_s - m_safe)
+        o_s = tl.load(PartO + s * stride_ps + m * stride_pm + h * stride_ph + offs_dv)
+        acc = acc * w_old + o_s * w_s
+        s_run = s_run * w_old + w_s
+        m_run = m_new
+    seen = s_run > 0
+    o = acc / tl.where(seen, s_run, 1.0)
+    tl.store(Out + m * stride_om + h * stride_oh + offs_dv, o.to(Out.dtype.element_ty))
+    if WRITE_LSE:
+        lse = tl.where(seen, m_run + tl.log(tl.where(seen, s_run, 1.0)), float("-inf"))
+        tl.store(Lse + m * stride_lsm + h, lse)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def partials(problem: VerifyProblem, nsplit: int, workspace: torch.Tensor):
+    """Views of the workspace: partial o `[NSPLIT, B*T, H, Dv]` fp32 and lse `[NSPLIT, B*T, H]` fp32."""
+    n_o = nsplit * problem.rows * problem.H * problem.Dv
+    n_l = nsplit * problem.rows * problem.H
+    ws = workspace.view(torch.uint8)[: 4 * (n_o + n_l)].view(torch.float32)
+    return (ws[:n_o].view(nsplit, problem.rows, problem.H, problem.Dv),
+            ws[n_o:].view(nsplit, problem.rows, problem.H))
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    params_type = TritonParams
+
+    def default_params(self, problem: VerifyProblem) -> TritonParams:
+        # 2 heads x T rows per tile; enough splits to give ~2 programs per SM at batch 1
+        return TritonParams(NSPLIT=16, BLOCK_N=32, BLOCK_H=max(1, min(problem.H, 32 // problem.T)),
+                            num_warps=4, num_stages=2)
+
+    def check_params(self, params: TritonParams, problem: VerifyProblem) -> None:
+        dpe = problem.Dk - problem.Dv
+        if problem.Dv != next_pow2(problem.Dv) or dpe != next_pow2(dpe) or dpe < 16 or problem.Dv < 16:
+            raise ValueError(f"triton backend needs power-of-two Dv and Dk-Dv >= 16, got Dk={problem.Dk}, "
+                             f"Dv={problem.Dv}")
+        if params.block_m(problem.T) > 256:
+            raise ValueError(f"TritonParams: BLOCK_H*T = {params.BLOCK_H * problem.T} rows per tile exceeds 256")
+
+    def workspace_bytes(self, problem: VerifyProblem, params: TritonParams) -> int:
+        return 4 * params.NSPLIT * problem.rows * problem.H * (problem.Dv + 1)
+
+    def launch(self, a: LaunchArgs, params: TritonParams) -> None:
+        pb = a.problem
+        part_o, part_lse = partials(pb, params.NSPLIT, a.workspace)
+        st = a.split_table
+        nb = st.num_buckets if st is not None else 0
+        smk = st.max_keys if st is not None else a.kv_indptr
+        sv = st.nsplit if st is not None else a.kv_indptr
+        grid1 = (pb.B * cdiv(pb.H, params.BLOCK_H), params.NSPLIT)
+        _verify_split_kernel[grid1](
+            a.q, a.kv_cache, a.kv_indptr, a.kv_indices, a.tree_mask, part_o, part_lse, smk, sv,
+            a.sm_scale * LOG2E,
+            a.q.stride(0), a.q.stride(1), a.kv_cache.stride(0),
+            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+            pb.H,
+            T=pb.T, BLOCK_H=params.BLOCK_H, BLOCK_M=params.block_m(pb.T), BLOCK_N=params.BLOCK_N,
+            DV=pb.Dv, DPE=pb.Dk - pb.Dv, NSPLIT=params.NSPLIT, NUM_BUCKETS=nb, UPCAST=_interpreting(),
+            num_warps=params.num_warps, num_stages=params.num_stages,
+        )
+        lse = a.lse if a.lse is not None else part_lse  # dummy pointer when not written
+        _verify_merge_kernel[(pb.rows, pb.H)](
+            part_o, part_lse, a.out, lse, a.kv_indptr, smk, sv,
+            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+            a.out.stride(0), a.out.stride(1), lse.stride(0),
+            pb.H,
+            T=pb.T, DV=pb.Dv, NSPLIT=params.NSPLIT, NUM_BUCKETS=nb, WRITE_LSE=a.lse is not None,
+            num_warps=4,
+        )

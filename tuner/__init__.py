@@ -1,0 +1,1 @@
+"""kvtune.tuner: measurement, search, studies, export and the `kvtune` CLI."""
