@@ -1,13 +1,25 @@
-"""The `kvtune` command line."""
+"""The `kvtune` command line: one subcommand module each, registered below."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+# Each module has `register(subparsers)`, which adds its subcommand(s) with `set_defaults(func=...)`.
+COMMAND_MODULES = [
+    # kvtune compile-check (CUDA backend)
+    # kvtune sweep / export / calibrate (tuner)
+    # kvtune report (review)
+    # kvtune worker (distributed sweeps)
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvtune", description="Autotune the MLA verify attention kernel.")
-    p.add_subparsers(dest="command", metavar="COMMAND")
+    p = argparse.ArgumentParser(prog="kvtune", description="Autotune the MLA speculative-decoding verify "
+                                "attention kernel and export per-deployment defaults.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for mod in COMMAND_MODULES:
+        importlib.import_module(mod).register(sub)
     return p
 
 
@@ -17,7 +29,11 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kvtune {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
