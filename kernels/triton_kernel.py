@@ -194,6 +194,12 @@ def _verify_merge_kernel(
         tl.store(Lse + m * stride_lsm + h, lse)
 
 
+def kernel_source_hash() -> str:
+    """sha256[:16] of this file: the Triton kernel's identity in exported provenance."""
+    import hashlib
+    return hashlib.sha256(open(__file__, "rb").read()).hexdigest()[:16]
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 

@@ -1,0 +1,242 @@
+"""The exported per-deployment YAML: schema, strict loading and writing.
+
+Written by `kvtune export`, read at serving time by the runtime. Lives with the kernels
+(not the tuner) because serving reads it; it needs only PyYAML.
+
+Schema (version 1)::
+
+    schema_version: 1
+    deployment: kimi-k2-h200            # name of the deployment config it came from
+    model: {name: Kimi-K2, num_heads: 64, kv_lora_rank: 512, qk_rope_head_dim: 64,
+            draft_tokens: 9, sm_scale: 0.0721}
+    provenance: {device_name: NVIDIA H200, arch: sm_90, sm_count: 132, driver: "580.159.04",
+                 cuda: "13.0", nvrtc: "13.0", torch: "2.11.0", triton: "3.6.0",
+                 kernel_hash: {triton: "<sha256[:16]>", cuda: "<sha256[:16]>"},
+                 date: "2026-11-29T18:00:00Z", timing: graph, kvtune: "0.1.0"}
+    entries:                            # one per (tp, batch bucket)
+      - tp: 8
+        heads_per_rank: 8
+        max_batch: 1                    # serves batches up to this size (first entry that fits)
+        backend: cuda                   # reference | triton | cuda
+        params: {NSPLIT: 32, VEC: 8, ...}   # the backend's parameter dataclass; NSPLIT = grid
+        buckets:                        # NSPLIT per context bucket (context = prefix tokens P_b)
+          - {max_context: 4096, NSPLIT: 8, latency_us: 9.1, default_latency_us: 14.0, floor_us: 5.2}
+          - {max_context: 131072, NSPLIT: 32}
+
+Bucket policy: a request with prefix P uses the first bucket with P <= max_context, and the
+last bucket beyond it; a batch of size n uses the first entry of its tp with n <= max_batch,
+and the largest entry beyond it. Every bucket's NSPLIT is <= params.NSPLIT.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SCHEMA_VERSION = 1
+BACKEND_NAMES = ("reference", "triton", "cuda")
+PROVENANCE_KEYS = ("device_name", "arch", "sm_count", "driver", "cuda", "nvrtc", "torch", "triton",
+                   "kernel_hash", "date", "timing", "kvtune")
+MODEL_KEYS = ("name", "num_heads", "kv_lora_rank", "qk_rope_head_dim", "draft_tokens", "sm_scale")
+
+
+class SchemaError(ValueError):
+    """A tuned-defaults file does not follow the schema; the message names file and key."""
+
+
+@dataclass(frozen=True)
+class ContextBucket:
+    max_context: int
+    NSPLIT: int
+    latency_us: float | None = None
+    default_latency_us: float | None = None
+    floor_us: float | None = None
+
+
+@dataclass(frozen=True)
+class TunedEntry:
+    tp: int
+    heads_per_rank: int
+    max_batch: int
+    backend: str
+    params: dict
+    buckets: tuple[ContextBucket, ...]
+
+    def bucket_for(self, context: int) -> ContextBucket:
+        for b in self.buckets:
+            if context <= b.max_context:
+                return b
+        return self.buckets[-1]
+
+
+@dataclass(frozen=True)
+class TunedDefaults:
+    deployment: str
+    model: dict
+    provenance: dict
+    entries: tuple[TunedEntry, ...]
+    schema_version: int = SCHEMA_VERSION
+    source: str = field(default="<memory>", compare=False)
+
+    def entries_for(self, tp: int) -> list[TunedEntry]:
+        return sorted((e for e in self.entries if e.tp == tp), key=lambda e: e.max_batch)
+
+    def lookup(self, tp: int, batch: int) -> TunedEntry | None:
+        """The entry serving `batch` requests at `tp` (policy in the module docstring)."""
+        cands = self.entries_for(tp)
+        for e in cands:
+            if batch <= e.max_batch:
+                return e
+        return cands[-1] if cands else None
+
+    def to_dict(self) -> dict:
+        return {
+            "schema_version": self.schema_version,
+            "deployment": self.deployment,
+            "model": dict(self.model),
+            "provenance": dict(self.provenance),
+            "entries": [
+                {"tp": e.tp, "heads_per_rank": e.heads_per_rank, "max_batch": e.max_batch, "backend": e.backend,
+                 "params": dict(e.params),
+                 "buckets": [{k: v for k, v in asdict(b).items() if v is not None} for b in e.buckets]}
+                for e in self.entries
+            ],
+        }
+
+
+def _err(src: str, key: str, msg: str) -> SchemaError:
+    return SchemaError(f"{src}: {key}: {msg}")
+
+
+def _int(src, key, v, lo=1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise _err(src, key, f"expected an int >= {lo}, got {v!r}")
+    return v
+
+
+def _opt_float(src, key, v):
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _err(src, key, f"expected a number, got {v!r}")
+    return float(v)
+
+
+def _mapping(src, key, v) -> dict:
+    if not isinstance(v, dict):
+        raise _err(src, key, f"expected a mapping, got {type(v).__name__}")
+    return v
+
+
+def _only(src, key, d: dict, allowed, required=()) -> None:
+    unknown = sorted(set(d) - set(allowed))
+    if unknown:
+        raise _err(src, key, f"unknown key(s) {unknown}; allowed: {list(allowed)}")
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise _err(src, key, f"missing key(s) {missing}")
+
+
+def parse_tuned(data: Any, source: str = "<memory>", check_params: bool = True) -> TunedDefaults:
+    """Validate a parsed YAML document and build `TunedDefaults` (SchemaError on any problem).
+
+    check_params: also build each entry's parameter dataclass (imports that backend).
+    """
+    src = source
+    d = _mapping(src, "<top>", data)
+    _only(src, "<top>", d, ("schema_version", "deployment", "model", "provenance", "entries"),
+          ("schema_version", "deployment", "model", "provenance", "entries"))
+    if d["schema_version"] != SCHEMA_VERSION:
+        raise _err(src, "schema_version", f"expected {SCHEMA_VERSION}, got {d['schema_version']!r}")
+    if not isinstance(d["deployment"], str) or not d["deployment"]:
+        raise _err(src, "deployment", f"expected a non-empty string, got {d['deployment']!r}")
+    model = _mapping(src, "model", d["model"])
+    _only(src, "model", model, MODEL_KEYS, MODEL_KEYS[1:])
+    for k in ("num_heads", "kv_lora_rank", "qk_rope_head_dim", "draft_tokens"):
+        _int(src, f"model.{k}", model[k])
+    if _opt_float(src, "model.sm_scale", model["sm_scale"]) is None or model["sm_scale"] <= 0:
+        raise _err(src, "model.sm_scale", f"expected a positive number, got {model['sm_scale']!r}")
+    prov = _mapping(src, "provenance", d["provenance"])
+    _only(src, "provenance", prov, PROVENANCE_KEYS, ("device_name", "arch", "kernel_hash", "date"))
+    if not isinstance(prov["arch"], str) or not (prov["arch"].startswith("sm_") or prov["arch"] == "cpu"):
+        raise _err(src, "provenance.arch", f"expected e.g. 'sm_90' (or 'cpu'), got {prov['arch']!r}")
+    _mapping(src, "provenance.kernel_hash", prov["kernel_hash"])
+    entries_raw = d["entries"]
+    if not isinstance(entries_raw, list) or not entries_raw:
+        raise _err(src, "entries", "expected a non-empty list")
+    entries = []
+    seen = set()
+    for i, e in enumerate(entries_raw):
+        key = f"entries[{i}]"
+        e = _mapping(src, key, e)
+        _only(src, key, e, ("tp", "heads_per_rank", "max_batch", "backend", "params", "buckets"),
+              ("tp", "heads_per_rank", "max_batch", "backend", "params", "buckets"))
+        tp = _int(src, f"{key}.tp", e["tp"])
+        hpr = _int(src, f"{key}.heads_per_rank", e["heads_per_rank"])
+        if model["num_heads"] != hpr * tp:
+            raise _err(src, f"{key}.heads_per_rank", f"{hpr} x tp {tp} != model.num_heads {model['num_heads']}")
+        mb = _int(src, f"{key}.max_batch", e["max_batch"])
+        if (tp, mb) in seen:
+            raise _err(src, key, f"duplicate entry for tp={tp}, max_batch={mb}")
+        seen.add((tp, mb))
+        if e["backend"] not in BACKEND_NAMES:
+            raise _err(src, f"{key}.backend", f"expected one of {list(BACKEND_NAMES)}, got {e['backend']!r}")
+        params = _mapping(src, f"{key}.params", e["params"])
+        grid_nsplit = params.get("NSPLIT")
+        if check_params and e["backend"] != "reference":
+            from .backends import get_backend, params_from_dict
+            try:
+                params_from_dict(get_backend(e["backend"]).params_type, params, where=f"{src}: {key}.params")
+            except ValueError as exc:
+                raise SchemaError(str(exc) if str(exc).startswith(src) else f"{src}: {key}.params: {exc}") from None
+        braw = e["buckets"]
+        if not isinstance(braw, list) or not braw:
+            raise _err(src, f"{key}.buckets", "expected a non-empty list")
+        buckets = []
+        prev = 0
+        for j, b in enumerate(braw):
+            bkey = f"{key}.buckets[{j}]"
+            b = _mapping(src, bkey, b)
+            _only(src, bkey, b, ("max_context", "NSPLIT", "latency_us", "default_latency_us", "floor_us"),
+                  ("max_context", "NSPLIT"))
+            mc = _int(src, f"{bkey}.max_context", b["max_context"])
+            if mc <= prev:
+                raise _err(src, f"{bkey}.max_context", f"buckets must increase strictly ({mc} after {prev})")
+            prev = mc
+            ns = _int(src, f"{bkey}.NSPLIT", b["NSPLIT"])
+            if grid_nsplit is not None and ns > grid_nsplit:
+                raise _err(src, f"{bkey}.NSPLIT", f"{ns} exceeds params.NSPLIT={grid_nsplit} (the grid size)")
+            buckets.append(ContextBucket(mc, ns, _opt_float(src, f"{bkey}.latency_us", b.get("latency_us")),
+                                         _opt_float(src, f"{bkey}.default_latency_us", b.get("default_latency_us")),
+                                         _opt_float(src, f"{bkey}.floor_us", b.get("floor_us"))))
+        entries.append(TunedEntry(tp, hpr, mb, e["backend"], dict(params), tuple(buckets)))
+    return TunedDefaults(deployment=d["deployment"], model=dict(model), provenance=dict(prov),
+                         entries=tuple(entries), source=src)
+
+
+def load_tuned(path: str | os.PathLike, check_params: bool = True) -> TunedDefaults:
+    """Read and validate one exported YAML file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SchemaError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise SchemaError(f"{path}: not valid YAML: {e}") from None
+    return parse_tuned(data, str(path), check_params)
+
+
+def dump_tuned(tuned: TunedDefaults, path: str | os.PathLike) -> Path:
+    """Validate and write `tuned` to `path` (atomically: write then rename)."""
+    parse_tuned(tuned.to_dict(), str(path), check_params=False)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(tuned.to_dict(), sort_keys=False, default_flow_style=None, width=110))
+    os.replace(tmp, path)
+    return path
