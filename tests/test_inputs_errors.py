@@ -1,0 +1,112 @@
+"""Bad inputs: every error of the contract is a ValueError that names the argument."""
+import pytest
+import torch
+
+from conftest import DEVICE
+from kvtune.kernels import ModelShape, make_inputs, tree_mask_from_parents, verify_attention
+from kvtune.kernels.triton_kernel import TritonParams
+
+
+@pytest.fixture
+def x():
+    return make_inputs(2, 4, 2, [5, 9], device=DEVICE)
+
+
+def call(x, **over):
+    args = dict(q=x.q, kv_cache=x.kv_cache, kv_indptr=x.kv_indptr, kv_indices=x.kv_indices,
+                tree_mask=x.tree_mask, sm_scale=x.sm_scale)
+    args.update(over)
+    backend = args.pop("backend", "reference")
+    return verify_attention(**args, backend=backend)
+
+
+@pytest.mark.parametrize("over,name", [
+    (lambda x: dict(q=x.q.float()), "q"),
+    (lambda x: dict(q=x.q[0]), "q"),
+    (lambda x: dict(q=x.q[:-1]), "q"),                                  # T does not divide
+    (lambda x: dict(kv_cache=x.kv_cache.half()), "kv_cache"),
+    (lambda x: dict(kv_cache=x.kv_cache[:, :500]), "kv_cache"),          # width != Dk
+    (lambda x: dict(kv_indptr=x.kv_indptr.long()), "kv_indptr"),
+    (lambda x: dict(kv_indptr=x.kv_indptr[:1]), "kv_indptr"),
+    (lambda x: dict(kv_indices=x.kv_indices.float()), "kv_indices"),
+    (lambda x: dict(kv_indices=x.kv_indices[None]), "kv_indices"),
+    (lambda x: dict(tree_mask=x.tree_mask.int()), "tree_mask"),
+    (lambda x: dict(tree_mask=x.tree_mask[:-1]), "tree_mask"),
+    (lambda x: dict(sm_scale=float("nan")), "sm_scale"),
+    (lambda x: dict(sm_scale=-1.0), "sm_scale"),
+    (lambda x: dict(sm_scale="0.1"), "sm_scale"),
+    (lambda x: dict(backend="nope"), "backend"),
+])
+def test_metadata_errors_name_the_argument(x, over, name):
+    with pytest.raises(ValueError, match=rf"^{name}"):
+        call(x, **over(x))
+
+
+def test_t_over_64_rejected():
+    q = torch.zeros(65, 1, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(100, 576, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^q: T = 65"):
+        verify_attention(q, kv, torch.tensor([0, 65], dtype=torch.int32), torch.arange(65, dtype=torch.int32),
+                         torch.zeros(65, dtype=torch.int64), 0.1, backend="reference")
+
+
+def test_device_mismatch_named():
+    x = make_inputs(1, 2, 1, [3])
+    if not torch.cuda.is_available():
+        pytest.skip("needs a second device type")
+    with pytest.raises(ValueError, match="^kv_cache"):
+        verify_attention(x.q.cuda(), *x.args[1:], backend="reference")
+
+
+@pytest.mark.parametrize("mutate,name,msg", [
+    (lambda x: x.kv_indptr.copy_(torch.tensor([0, 9, 8], dtype=torch.int32)), "kv_indptr", "monotonic"),
+    (lambda x: x.kv_indptr.copy_(torch.tensor([0, 2, 13], dtype=torch.int32)), "kv_indptr", "fewer than"),
+    (lambda x: x.kv_indptr.copy_(torch.tensor([0, 9, 10**6], dtype=torch.int32)), "kv_indptr", "exceeds"),
+    (lambda x: x.kv_indices.__setitem__(3, 10**7), "kv_indices", "out of range"),
+    (lambda x: x.kv_indices.__setitem__(0, -1), "kv_indices", "out of range"),
+])
+def test_value_errors(x, mutate, name, msg):
+    mutate(x)
+    with pytest.raises(ValueError, match=rf"^{name}.*{msg}"):
+        call(x, backend="triton")
+
+
+def test_out_and_params_errors(x):
+    with pytest.raises(ValueError, match="^out"):
+        call(x, out=torch.empty(8, 2, 256, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(ValueError, match="^params"):
+        call(x, backend="triton", params=object())
+    with pytest.raises(ValueError, match="^lse"):
+        verify_attention(*x.args, backend="reference", lse=torch.empty(8, 2, dtype=torch.float64, device=DEVICE))
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(NSPLIT=0), "NSPLIT"), (dict(BLOCK_N=24), "BLOCK_N"), (dict(BLOCK_H=0), "BLOCK_H"),
+    (dict(num_warps=3), "num_warps"), (dict(num_stages=9), "num_stages"), (dict(NSPLIT=2.0), "NSPLIT"),
+])
+def test_triton_params_validation(kw, field):
+    with pytest.raises(ValueError, match=field):
+        TritonParams(**kw)
+
+
+def test_tree_mask_from_parents():
+    # chain: row i sees 0..i; tree 0 -> {1, 2}, 1 -> 3
+    assert tree_mask_from_parents([-1, 0, 1]).tolist() == [1, 3, 7]
+    assert tree_mask_from_parents([-1, 0, 0, 1]).tolist() == [1, 3, 5, 11]
+    both = tree_mask_from_parents([[-1, 0], [-1, -1]])
+    assert both.dtype == torch.int64 and both.tolist() == [1, 3, 1, 2]
+    full = tree_mask_from_parents(list(range(-1, 63)))      # a 64-chain uses bit 63
+    assert full[-1].item() == -1                            # all 64 bits set
+    for bad in ([0], [-1, 1], [-1, -2], [[-1, 0], [-1]], list(range(-1, 64))):
+        with pytest.raises(ValueError, match="parents"):
+            tree_mask_from_parents(bad)
+
+
+def test_model_shape():
+    m = ModelShape(num_heads=64, draft_tokens=9)
+    assert [m.heads_per_rank(tp) for tp in (1, 2, 4, 8)] == [64, 32, 16, 8]
+    assert m.dk == 576 and m.dv == 512 and m.flops_per_key(8) == 2176 * 9 * 8
+    with pytest.raises(ValueError, match="tp=3 does not divide num_heads=64"):
+        m.heads_per_rank(3)
+    with pytest.raises(ValueError, match="draft_tokens"):
+        ModelShape(num_heads=8, draft_tokens=65)
