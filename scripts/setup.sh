@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Creates (or reuses) a virtual environment and installs kvtune with its tuner and test extras.
+# The CPU build of torch is installed first: a plain `torch` requirement would pull a
+# multi-GB CUDA build on machines without a GPU.
+set -euo pipefail
+venv=${1:-.venv}
+py=${PYTHON:-python3}
+[ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+. "$venv/bin/activate"
+python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+if ! python -c "import torch" 2>/dev/null; then
+    if python -c "import sys; sys.exit(0 if sys.platform == 'linux' else 1)" && ! command -v nvidia-smi >/dev/null; then
+        python -m pip install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
+    fi
+fi
+python -m pip install -q -e ".[test,review]" 2>&1 | grep -v "^WARNING: Location" || true
+python -c "import kvtune.kernels, kvtune.tuner, torch, triton; print(f'kvtune installed: torch {torch.__version__}, triton {triton.__version__}')"

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test suite, on a fresh machine: installs into .venv (scripts/setup.sh), then pytest.
+# Without a GPU: Triton under its interpreter, NVRTC compiles only, GPU tests skipped.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh .venv
+. .venv/bin/activate
+python -m pytest -q -n 2 --timeout=1800 "$@"
