@@ -1,0 +1,513 @@
+"""Serving runtime: read the exported YAML once, then run the tuned verify kernel every step.
+
+Reads top to bottom: the environment switches, finding and loading a defaults file
+(schema via `tuned.py`, then provenance), and `VerifyAttention`, the object a serving
+engine creates once per (deployment, tp) and calls inside its CUDA graphs.
+
+Never imports the tuner, Optuna or pandas: only torch, PyYAML and the kernels.
+
+Lookup (`find_defaults`): the folders of `KVTUNE_CONFIG_DIR` (os.pathsep-separated, first
+wins) before the packaged `kvtune/kernels/defaults/`; in each folder, `<deployment>.yaml`
+first, then `<model>__<device>.yaml` (both names slugged: characters other than
+`A-Za-z0-9._-` become `_`, e.g. `Kimi-K2__NVIDIA_H200.yaml`). No file -> a warning logged
+once and the backend's untuned default.
+
+Policy (see `tuned.py`): a batch of n requests uses the first entry of its tp with
+n <= max_batch (the largest entry beyond); a request with prefix P uses the first bucket
+with P <= max_context (the last bucket beyond). The batch entry is chosen on the host from
+the static shapes; the context bucket on the device, per request, from the split table.
+
+`KVTUNE_VERIFY`: `auto` (default) runs what the YAML names; `reference|triton|cuda` forces
+that backend (the YAML's parameters are used for entries of that backend, its default
+parameters elsewhere); `off` makes `from_defaults` return None so the caller keeps its own
+attention path.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .api import DEFAULT_KV_LORA_RANK, verify_attention
+from .backends import Backend, SplitTable, get_backend, params_from_dict
+from .shapes import MAX_DRAFT_TOKENS, ModelShape, VerifyProblem
+from .tuned import SchemaError, TunedDefaults, TunedEntry, load_tuned
+
+log = logging.getLogger("kvtune.runtime")
+
+ENV_CONFIG_DIR = "KVTUNE_CONFIG_DIR"
+ENV_VERIFY = "KVTUNE_VERIFY"
+VERIFY_MODES = ("off", "auto", "reference", "triton", "cuda")
+DEFAULT_BACKEND = "triton"
+#: bf16 tolerance of the start-up self-check against the oracle (||o-ref|| / ||ref||)
+SELF_CHECK_TOL = 3e-2
+
+
+class ProvenanceError(ValueError):
+    """A defaults file was tuned for another arch, kernel source or deployment."""
+
+
+# -- warn once: serving loops call into here every step; a message per step is noise
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, msg: str, level: int = logging.WARNING) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.log(level, msg)
+
+
+def _reset_warn_once() -> None:
+    """Forget which warnings were logged (tests)."""
+    _warned.clear()
+
+
+# -- environment -----------------------------------------------------------------------
+
+def verify_mode() -> str:
+    """`KVTUNE_VERIFY`, lower-cased; unset or empty means `auto`."""
+    raw = os.environ.get(ENV_VERIFY, "").strip().lower() or "auto"
+    if raw not in VERIFY_MODES:
+        raise ValueError(f"{ENV_VERIFY}={os.environ.get(ENV_VERIFY)!r}: expected one of {list(VERIFY_MODES)}")
+    return raw
+
+
+def packaged_defaults_dir() -> Path:
+    """The folder of defaults shipped with the package (`kvtune/kernels/defaults/`)."""
+    return Path(__file__).resolve().parent / "defaults"
+
+
+def config_dirs() -> list[Path]:
+    """Folders searched for defaults, first wins: `KVTUNE_CONFIG_DIR` entries, then packaged."""
+    user = [Path(p).expanduser() for p in os.environ.get(ENV_CONFIG_DIR, "").split(os.pathsep) if p.strip()]
+    return user + [packaged_defaults_dir()]
+
+
+def slug(name: str) -> str:
+    """A file-name-safe form of a model, device or deployment name."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(name).strip()).strip("_")
+
+
+def defaults_file_names(deployment: str | None = None, model: str | None = None,
+                        device_name: str | None = None) -> list[str]:
+    """Candidate file names, most specific first: `<deployment>.yaml`, `<model>__<device>.yaml`."""
+    names = []
+    if deployment:
+        names.append(f"{slug(deployment)}.yaml")
+    if model and device_name:
+        names.append(f"{slug(model)}__{slug(device_name)}.yaml")
+    return names
+
+
+def find_defaults(deployment: str | None = None, *, model: str | None = None, device_name: str | None = None,
+                  dirs: Sequence[str | os.PathLike] | None = None) -> Path | None:
+    """The first existing defaults file for this deployment (or model + device), or None."""
+    names = defaults_file_names(deployment, model, device_name)
+    if not names:
+        raise ValueError("find_defaults: give a deployment name, or both model and device_name")
+    for d in (config_dirs() if dirs is None else [Path(p) for p in dirs]):
+        for n in names:
+            p = Path(d) / n
+            if p.is_file():
+                return p
+    return None
+
+
+# -- provenance ------------------------------------------------------------------------
+
+def device_arch(device: torch.device | str) -> str:
+    """`sm_XY` of a CUDA device, `cpu` otherwise (the spelling of `provenance.arch`)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "cpu"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def device_name(device: torch.device | str) -> str:
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def backend_kernel_hash(name: str) -> str | None:
+    """The running kernel source hash of backend `name`: its `kernel_source_hash()` (on the
+    backend object, or in the module that defines it); None for backends without one (the
+    oracle). Raises ValueError when the backend cannot be imported."""
+    try:
+        be = get_backend(name)
+    except ImportError as e:
+        raise ValueError(f"backend {name!r} cannot be imported: {e}") from None
+    fn = getattr(be, "kernel_source_hash", None) or getattr(sys.modules.get(type(be).__module__),
+                                                            "kernel_source_hash", None)
+    return fn() if callable(fn) else None
+
+
+def provenance_mismatches(tuned: TunedDefaults, device: torch.device | str,
+                          deployment: str | None = None) -> list[str]:
+    """What differs between where `tuned` was measured and what runs here, one line each,
+    naming the file and the key. Empty when everything matches."""
+    src = tuned.source
+    out = []
+    want_arch = device_arch(device)
+    if tuned.provenance.get("arch") != want_arch:
+        out.append(f"{src}: provenance.arch: tuned on {tuned.provenance.get('arch')!r}, "
+                   f"this device is {want_arch!r}")
+    hashes = tuned.provenance.get("kernel_hash") or {}
+    for name in sorted({e.backend for e in tuned.entries}):
+        try:
+            running = backend_kernel_hash(name)
+        except ValueError as e:
+            out.append(f"{src}: entries: backend {name!r} is unavailable here ({e})")
+            continue
+        if running is None:
+            continue  # the oracle: nothing compiled, nothing to match
+        recorded = hashes.get(name)
+        if recorded is None:
+            out.append(f"{src}: provenance.kernel_hash.{name}: missing (entries use backend {name!r})")
+        elif recorded != running:
+            out.append(f"{src}: provenance.kernel_hash.{name}: tuned against kernel source {recorded!r}, "
+                       f"running {running!r}")
+    if deployment is not None and tuned.deployment != deployment:
+        out.append(f"{src}: deployment: file is for {tuned.deployment!r}, asked for {deployment!r}")
+    return out
+
+
+def check_provenance(tuned: TunedDefaults, device: torch.device | str, *, deployment: str | None = None,
+                     allow_mismatch: bool = False) -> list[str]:
+    """Raise ProvenanceError on any mismatch, or (allow_mismatch) log each once and return them."""
+    bad = provenance_mismatches(tuned, device, deployment)
+    if bad and not allow_mismatch:
+        raise ProvenanceError("tuned defaults do not match this machine (pass allow_mismatch=True to use them "
+                              "anyway):\n  " + "\n  ".join(bad))
+    for line in bad:
+        _warn_once(f"prov:{line}", f"kvtune: using mismatched tuned defaults: {line}")
+    if not bad and tuned.provenance.get("device_name") not in (None, device_name(device)):
+        # same arch and kernel, other SKU (H100 vs H200): legal, but the tuning may not be optimal
+        _warn_once(f"sku:{tuned.source}", f"kvtune: {tuned.source} was tuned on "
+                   f"{tuned.provenance.get('device_name')!r}, running on {device_name(device)!r}",
+                   logging.INFO)
+    return bad
+
+
+def load_defaults(path: str | os.PathLike | None = None, *, deployment: str | None = None,
+                  model: str | None = None, device: torch.device | str | None = None,
+                  allow_mismatch: bool = False) -> TunedDefaults | None:
+    """Find, validate and provenance-check an exported defaults file.
+
+    path: a YAML file (loaded as is), a folder (searched for `<deployment>.yaml`, then
+        `<model>__<device>.yaml`) or None (search `config_dirs()`).
+    deployment: the deployment name; also checked against the file's `deployment` key.
+    device: the device the kernel will run on (default: the current CUDA device, else cpu).
+    allow_mismatch: use a file tuned for another arch / kernel source / deployment, logging
+        each difference once, instead of raising ProvenanceError.
+
+    Returns None (after logging once) when no file matches; raises SchemaError for a file
+    that breaks the schema (the message names the file and the key).
+    """
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if path is not None and Path(path).is_file():
+        found = Path(path)
+    elif path is not None and not Path(path).exists():
+        raise SchemaError(f"{path}: no such file or folder")
+    else:
+        dirs = None if path is None else [path]
+        found = find_defaults(deployment, model=model, device_name=device_name(device), dirs=dirs)
+        if found is None:
+            where = [str(d) for d in (config_dirs() if dirs is None else dirs)]
+            names = defaults_file_names(deployment, model, device_name(device))
+            _warn_once(f"nofile:{names}:{where}", f"kvtune: no tuned defaults {names} in {where}; "
+                       "falling back to the backend's untuned default parameters")
+            return None
+    tuned = load_tuned(found)
+    check_provenance(tuned, device, deployment=deployment, allow_mismatch=allow_mismatch)
+    return tuned
+
+
+# -- the verify-attention object -------------------------------------------------------
+
+@dataclass(frozen=True)
+class Plan:
+    """How batches of up to `max_batch` requests run (one per batch entry of the YAML).
+
+    split_table: device-side NSPLIT per context bucket (None: the grid's NSPLIT always).
+    entry: the YAML entry (None for the untuned fallback); `source` says where it came from.
+    """
+
+    max_batch: int
+    backend: Backend
+    params: Any
+    split_table: SplitTable | None
+    entry: TunedEntry | None
+    source: str
+
+    def nsplit_for(self, prefix_len: int) -> int:
+        """The NSPLIT the kernel picks on the device for a request with this prefix (host
+        mirror of the device-side choice; the policy is `TunedEntry.bucket_for`)."""
+        grid = getattr(self.params, "NSPLIT", 1)
+        if self.split_table is None:
+            return grid
+        return max(1, min(grid, self.entry.bucket_for(prefix_len).NSPLIT))
+
+
+class VerifyAttention:
+    """The tuned verify kernel of one (deployment, tp), ready to call inside CUDA graphs.
+
+    Build it with `from_defaults`. Its call does no allocation and no host sync: the batch
+    entry is chosen on the host from `kv_indptr.shape` (static under a graph), the workspace
+    was allocated up front, value checks are off, and NSPLIT per request is chosen on the
+    device from the split table, so one captured graph stays tuned as contexts grow.
+
+    Attributes: T (draft tokens), H (heads on this rank), Dk, Dv, sm_scale, max_batch,
+    max_context, plans (sorted by max_batch), workspace_bytes (scratch), allocated_bytes
+    (everything it preallocated).
+    """
+
+    def __init__(self, *, plans: list[Plan], T: int, H: int, Dk: int, Dv: int, sm_scale: float, tp: int,
+                 max_batch: int, max_context: int, device: torch.device, tuned: TunedDefaults | None,
+                 workspace_budget_bytes: int | None = None, preallocate_out: bool = True,
+                 check_values: bool = False):
+        self.plans = sorted(plans, key=lambda p: p.max_batch)
+        self.T, self.H, self.Dk, self.Dv = T, H, Dk, Dv
+        self.sm_scale = float(sm_scale)
+        self.tp = tp
+        self.max_batch, self.max_context = max_batch, max_context
+        self.device = device
+        self.tuned = tuned
+        self.check_values = check_values
+        # batch size -> plan index, so the call does one list lookup
+        self._plan_of_batch = [0] * (max_batch + 1)
+        for n in range(1, max_batch + 1):
+            self._plan_of_batch[n] = next((i for i, p in enumerate(self.plans) if n <= p.max_batch),
+                                          len(self.plans) - 1)
+        need = 0
+        for n in {self._serves_up_to(i) for i in range(len(self.plans))}:
+            p = self.plans[self._plan_of_batch[n]]
+            need = max(need, p.backend.workspace_bytes(self.problem(n), p.params))
+        self.workspace_bytes = need
+        out_bytes = max_batch * T * H * Dv * 2 if preallocate_out else 0
+        table_bytes = sum(8 * p.split_table.num_buckets for p in self.plans if p.split_table is not None)
+        self.allocated_bytes = need + out_bytes + table_bytes
+        if workspace_budget_bytes is not None and self.allocated_bytes > workspace_budget_bytes:
+            raise ValueError(f"workspace_budget_bytes: VerifyAttention for max_batch={max_batch} needs "
+                             f"{self.allocated_bytes} bytes ({need} scratch + {out_bytes} output), over the "
+                             f"budget of {workspace_budget_bytes}; lower max_batch or the tuned NSPLIT")
+        self.workspace = torch.empty(max(need, 1), dtype=torch.uint8, device=device)
+        self.out_buf = (torch.empty(max_batch * T, H, Dv, dtype=torch.bfloat16, device=device)
+                        if preallocate_out else None)
+        log.info("kvtune: VerifyAttention tp=%d max_batch=%d max_context=%d preallocated %d bytes (%d scratch)",
+                 tp, max_batch, max_context, self.allocated_bytes, need)
+
+    # -- construction from the exported YAML
+    @classmethod
+    def from_defaults(cls, tuned: TunedDefaults | str | os.PathLike | None = None, tp: int = 1,
+                      max_batch: int = 1, max_context: int = 131072, device: torch.device | str | None = None,
+                      *, deployment: str | None = None, draft_tokens: int | None = None,
+                      heads: int | None = None, kv_lora_rank: int | None = None, rope_dim: int | None = None,
+                      sm_scale: float | None = None, backend: str | None = None,
+                      workspace_budget_bytes: int | None = None, allow_mismatch: bool = False,
+                      warmup: bool = True, preallocate_out: bool = True,
+                      check_values: bool = False) -> "VerifyAttention | None":
+        """Build the runtime for one (deployment, tp) from tuned defaults.
+
+        tuned: a `TunedDefaults`, a YAML file or folder, or None (search `KVTUNE_CONFIG_DIR`,
+            then the packaged defaults, by `deployment`).
+        tp, max_batch, max_context: this rank's tensor parallelism, the largest batch and
+            prefix length it must serve (buffers are sized for them; longer prefixes still
+            run, with the last context bucket).
+        draft_tokens, heads, kv_lora_rank, rope_dim, sm_scale: the model on this rank;
+            default from the YAML's `model` (heads = num_heads / tp). Required without a YAML.
+        backend: the backend of the untuned fallback (default: triton). `KVTUNE_VERIFY`
+            overrides both the YAML's and this choice.
+        workspace_budget_bytes: refuse (ValueError) to preallocate more than this.
+        warmup: compile every config at start-up and self-check it against the oracle.
+        preallocate_out: keep an output buffer so a call without `out=` does not allocate.
+        check_values: run the host-syncing value checks on every call (debugging only).
+
+        Returns None when `KVTUNE_VERIFY=off`: the caller keeps its own attention path.
+        """
+        mode = verify_mode()
+        if mode == "off":
+            _warn_once("mode:off", f"kvtune: {ENV_VERIFY}=off: the tuned verify runtime is disabled",
+                       logging.INFO)
+            return None
+        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        for name, v in (("tp", tp), ("max_batch", max_batch), ("max_context", max_context)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+        if not isinstance(tuned, TunedDefaults):
+            tuned = load_defaults(tuned, deployment=deployment, device=device, allow_mismatch=allow_mismatch)
+        else:
+            check_provenance(tuned, device, deployment=deployment, allow_mismatch=allow_mismatch)
+
+        # -- the model on this rank: the YAML's, unless the caller says otherwise
+        m = tuned.model if tuned is not None else {}
+        src = tuned.source if tuned is not None else "<no tuned defaults>"
+
+        def pick(name, given, from_yaml, default=None):
+            if from_yaml is None:
+                if given is None and default is None:
+                    raise ValueError(f"{name}: no tuned defaults to take it from; pass {name}=")
+                return given if given is not None else default
+            if given is not None and given != from_yaml:
+                msg = f"{src}: {name}: tuned for {from_yaml!r}, runtime asked for {given!r}"
+                if not allow_mismatch:
+                    raise ProvenanceError(msg + " (pass allow_mismatch=True to use these defaults anyway)")
+                _warn_once(f"model:{msg}", f"kvtune: {msg}")
+                return given
+            return from_yaml
+
+        yaml_heads = None
+        if tuned is not None:
+            if m["num_heads"] % tp:
+                raise ValueError(f"tp: {tp} does not divide {src}: model.num_heads={m['num_heads']}")
+            yaml_heads = m["num_heads"] // tp
+        T = pick("draft_tokens", draft_tokens, m.get("draft_tokens"))
+        H = pick("heads", heads, yaml_heads)
+        Dv = pick("kv_lora_rank", kv_lora_rank, m.get("kv_lora_rank"), DEFAULT_KV_LORA_RANK)
+        dpe = pick("rope_dim", rope_dim, m.get("qk_rope_head_dim"), 64)
+        if sm_scale is None:
+            sm_scale = m.get("sm_scale") or ModelShape(num_heads=H * tp, kv_lora_rank=Dv,
+                                                       qk_rope_head_dim=dpe).scale
+        if not 1 <= T <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"draft_tokens: {T} not in [1, {MAX_DRAFT_TOKENS}]")
+        kw = dict(T=T, H=H, Dk=Dv + dpe, Dv=Dv, sm_scale=sm_scale, tp=tp, max_batch=max_batch,
+                  max_context=max_context, device=device, tuned=tuned)
+
+        # -- one plan per batch entry this rank can hit; the untuned default without entries
+        forced = mode if mode != "auto" else None
+        entries = tuned.entries_for(tp) if tuned is not None else []
+        if tuned is not None and not entries:
+            _warn_once(f"notp:{src}:{tp}", f"kvtune: {src} has no entry for tp={tp}; falling back to the "
+                       "backend's untuned default parameters")
+        plans: list[Plan] = []
+        for i, e in enumerate(entries):
+            plans.append(_plan_from_entry(e, forced, kw, max_batch, f"{src} (tp={tp}, max_batch={e.max_batch})"))
+            if e.max_batch >= max_batch:
+                break
+        if not plans:
+            name = forced or backend or DEFAULT_BACKEND
+            be = get_backend(name)
+            params = be.default_params(_problem(kw, max_batch))
+            plans.append(Plan(max_batch, be, params, None, None, f"untuned default of {name}"))
+        for p in plans:
+            why = p.backend.supports(device)
+            if why:
+                raise ValueError(f"backend: {p.backend.name} (from {p.source}) cannot run on {device}: {why}")
+            p.backend.check_params(p.params, _problem(kw, min(p.max_batch, max_batch)))
+        self = cls(plans=plans, workspace_budget_bytes=workspace_budget_bytes, preallocate_out=preallocate_out,
+                   check_values=check_values, **kw)
+        if warmup:
+            self.warmup()
+        return self
+
+    def problem(self, batch: int) -> VerifyProblem:
+        return VerifyProblem(B=batch, T=self.T, H=self.H, Dk=self.Dk, Dv=self.Dv, device=self.device)
+
+    def _serves_up_to(self, i: int) -> int:
+        return self.max_batch if i == len(self.plans) - 1 else min(self.plans[i].max_batch, self.max_batch)
+
+    def plan_for(self, batch: int) -> Plan:
+        """The plan serving a batch of `batch` requests (host side, no sync)."""
+        if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= self.max_batch:
+            raise ValueError(f"batch: {batch!r} requests; this VerifyAttention serves 1..{self.max_batch}")
+        return self.plans[self._plan_of_batch[batch]]
+
+    def nsplit_for(self, batch: int, prefix_len: int) -> int:
+        """NSPLIT the kernel will choose on the device for a request with this prefix (host mirror)."""
+        return self.plan_for(batch).nsplit_for(prefix_len)
+
+    def warmup(self) -> None:
+        """Compile every plan's kernel now (not in the first captured step) and check it
+        against the oracle on fresh inputs: a config that computes wrong values fails here."""
+        from .inputs import make_inputs, rel_error
+        from .reference import reference_attention
+        for i, p in enumerate(self.plans):
+            n = min(self._serves_up_to(i), 2)
+            inp = make_inputs(n, self.T, self.H, [1, 37][:n], tree="random", kv_lora_rank=self.Dv,
+                              rope_dim=self.Dk - self.Dv, device=self.device, seed=1234 + i,
+                              sm_scale=self.sm_scale)
+            out = torch.full((n * self.T, self.H, self.Dv), float("nan"), dtype=torch.bfloat16, device=self.device)
+            verify_attention(*inp.args, backend=p.backend, params=p.params, out=out, workspace=self.workspace,
+                             split_table=p.split_table, kv_lora_rank=self.Dv, check_values_=True)
+            ref, _ = reference_attention(*inp.args, kv_lora_rank=self.Dv)
+            err = rel_error(out, ref)
+            if not err <= SELF_CHECK_TOL:
+                raise RuntimeError(f"kvtune: start-up self-check failed for {p.source}: backend {p.backend.name} "
+                                   f"params {p.params} gives relative error {err:.3g} against the oracle")
+
+    def describe(self) -> dict:
+        """A plain summary (for logs): plans, parameters, buckets and preallocated bytes."""
+        return {"tp": self.tp, "T": self.T, "H": self.H, "max_batch": self.max_batch,
+                "max_context": self.max_context, "workspace_bytes": self.workspace_bytes,
+                "allocated_bytes": self.allocated_bytes,
+                "plans": [{"max_batch": p.max_batch, "backend": p.backend.name, "params": p.params,
+                           "buckets": [(b.max_context, b.NSPLIT) for b in p.entry.buckets] if p.entry else None,
+                           "source": p.source} for p in self.plans]}
+
+    # -- the call
+    def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor,
+                 kv_indices: torch.Tensor, tree_mask: torch.Tensor, out: torch.Tensor | None = None, *,
+                 lse: torch.Tensor | None = None, sm_scale: float | None = None):
+        """Verify attention with the tuned config; no allocation, no host sync.
+
+        q `[B*T, H, Dk]` bf16; kv_cache `[num_slots, Dk]` bf16 (row stride may exceed Dk);
+        kv_indptr `[B+1]` int32; kv_indices int32/int64 (request b: its prefix slots, then
+        its T draft slots); tree_mask `[B*T]` int64 (bit j: may see draft j).
+        out: `[B*T, H, Dv]` bf16, default a view of the preallocated buffer (overwritten by
+        the next call). lse: optional `[B*T, H]` fp32 to fill. sm_scale: default the model's.
+
+        Returns out, or (out, lse) when lse is given.
+        """
+        B = kv_indptr.shape[0] - 1 if kv_indptr.dim() == 1 else -1
+        if not 1 <= B <= self.max_batch:
+            raise ValueError(f"kv_indptr: shape {tuple(kv_indptr.shape)} gives B={B} requests; this "
+                             f"VerifyAttention serves 1..{self.max_batch}")
+        if tuple(q.shape) != (B * self.T, self.H, self.Dk):
+            raise ValueError(f"q: expected [{B * self.T}, {self.H}, {self.Dk}] (B*T, H, Dk) for B={B}, T={self.T}, "
+                             f"got {list(q.shape)}")
+        plan = self.plans[self._plan_of_batch[B]]
+        if out is None:
+            if self.out_buf is None:
+                raise ValueError("out: required (this VerifyAttention was built with preallocate_out=False)")
+            out = self.out_buf[:B * self.T]
+        return verify_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask,
+                                self.sm_scale if sm_scale is None else sm_scale, backend=plan.backend,
+                                params=plan.params, out=out, lse=lse, workspace=self.workspace,
+                                split_table=plan.split_table, kv_lora_rank=self.Dv,
+                                check_values_=self.check_values)
+
+
+def _problem(kw: dict, batch: int) -> VerifyProblem:
+    return VerifyProblem(B=batch, T=kw["T"], H=kw["H"], Dk=kw["Dk"], Dv=kw["Dv"], device=kw["device"])
+
+
+def _plan_from_entry(e: TunedEntry, forced: str | None, kw: dict, max_batch: int, source: str) -> Plan:
+    """A Plan from one YAML entry; with a forced backend other than the entry's, that
+    backend's default parameters (logged once) and no split table."""
+    if e.heads_per_rank != kw["H"]:
+        _warn_once(f"heads:{source}", f"kvtune: {source}: tuned for {e.heads_per_rank} heads per rank, "
+                   f"running {kw['H']}")
+    if forced is not None and forced != e.backend:
+        be = get_backend(forced)
+        params = be.default_params(_problem(kw, min(e.max_batch, max_batch)))
+        _warn_once(f"forced:{source}:{forced}", f"kvtune: {ENV_VERIFY}={forced} overrides {source}'s backend "
+                   f"{e.backend!r}: running {forced} with its default parameters {params}")
+        return Plan(e.max_batch, be, params, None, None, f"{source}, overridden by {ENV_VERIFY}={forced}")
+    be = get_backend(e.backend)
+    params = params_from_dict(be.params_type, dict(e.params), where=f"{source}: params") \
+        if be.params_type is not None else None
+    table = None
+    grid = getattr(params, "NSPLIT", None)
+    if grid is not None:
+        # the kernel compares L_b = prefix + T keys with the bound; the YAML's bounds are prefixes
+        table = SplitTable.build([b.max_context + kw["T"] for b in e.buckets],
+                                 [min(b.NSPLIT, grid) for b in e.buckets], kw["device"])
+    return Plan(e.max_batch, be, params, table, e, source)
