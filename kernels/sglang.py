@@ -1,0 +1,313 @@
+"""SGLang-layout adapter: run kvtune's tuned verify kernel where SGLang's Triton backend
+calls `extend_attention_fwd` for MLA target-verify.
+
+SGLang's layout (target verify, page size 1, `python/sglang/srt/layers/attention/
+triton_backend.py` + `triton_ops/extend_attention.py`):
+- `q_extend` `[B*T, H, Dk]`; `k_extend` `[B*T, 1, Dk]` the drafts' own keys (MLA: the
+  latent + rope row), `v_extend` its first Dv columns; `o_extend` `[B*T, H, Dv]`.
+- `k_buffer` `[num_slots, 1, Dk]` the layer's KV pool; `v_buffer` a view of its first Dv
+  columns (MLA).
+- `qo_indptr` `[B+1]` = `arange(B+1) * T`; `kv_indptr` `[B+1]` over the PREFIXES only,
+  `kv_indices` the prefix slots.
+- `custom_mask`: flat bool; request b's block starts at `mask_indptr[b]` and is
+  `T x (P_b + T)` row-major (row stride P_b + T): row t = draft query t, columns = the
+  prefix, then the T drafts. With `skip_prefix_custom_mask=True` (SGLang's default) the
+  prefix columns are not read: the prefix is always visible, as in kvtune's contract.
+- Before the call SGLang has already written the drafts' K/V into `k_buffer` at
+  `forward_batch.out_cache_loc` (`set_kv_buffer(layer, out_cache_loc, k, v)`).
+
+kvtune's kernel reads every key (prefix and draft) from the pool through one index list,
+and takes the draft visibility as one int64 per query row. The adapter builds both on the
+device with one small Triton launch (no host sync, no allocation: its buffers are
+preallocated for max batch and context), then calls the tuned `VerifyAttention`:
+- combined indices: request b's prefix slots followed by its T draft slots, at
+  `kv_indptr[b] + b*T`; combined indptr `kv_indptr + arange(B+1)*T`.
+- draft slots: `out_cache_loc` (pass `forward_batch.out_cache_loc`; the drafts' K/V are
+  already there). Without it, the adapter needs `scratch_slots`: `max_batch*T` slots the
+  caller reserved in the pool once at start-up; each call then copies `k_extend` there
+  first (same launch), so the pool need not hold the drafts.
+- tree mask: bit j of row (b, t) = `custom_mask[mask_indptr[b] + t*(P_b+T) + P_b + j]`;
+  without a custom mask, a chain (`is_causal`) or all drafts visible.
+
+Buffers are sized for `max_batch * (max_context + T)` combined keys. Under CUDA graphs a
+batch whose prefixes add up to more cannot be refused without a host sync: the extra keys
+are dropped (never read or written out of bounds), the result of that batch is wrong, and
+a sticky device flag records it (`overflowed()`, read it outside the graph). Eager calls
+with `check_values=True` raise instead.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .runtime import VerifyAttention
+from .shapes import cdiv, next_pow2
+
+MASK_CUSTOM, MASK_CAUSAL, MASK_FULL = 0, 1, 2
+_PACK_BLOCK = 1024          # combined-index entries per program iteration
+_PACK_MAX_CHUNKS = 64       # programs per request (each strides over its key range)
+
+
+@triton.jit
+def _pack_verify_kernel(
+    KvIndptr, KvIndices, DraftSlots, Mask, MaskIndptr, KExt, KV,
+    OutIndptr, OutIndices, OutTree, Overflow,
+    capacity, stride_kext, stride_kv, num_req,
+    T: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+    MASK_MODE: tl.constexpr, WRITE_KV: tl.constexpr, DK: tl.constexpr, BLOCK_DK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    start = tl.load(KvIndptr + b).to(tl.int64)
+    end = tl.load(KvIndptr + b + 1).to(tl.int64)
+    P = end - start
+    L = P + T
+    dst = start + b * T                          # request b's first key in the combined list
+
+    # -- combined key list: the prefix slots, then the T draft slots; entries past the
+    #    capacity are dropped (the indptr below is clamped to match, and the flag set)
+    for s in range(c * BLOCK, L, NUM_CHUNKS * BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        ok = offs < L
+        in_prefix = offs < P
+        pre = tl.load(KvIndices + start + offs, mask=in_prefix, other=0).to(tl.int64)
+        dft = tl.load(DraftSlots + b * T + (offs - P), mask=ok & (offs >= P), other=0).to(tl.int64)
+        slot = tl.where(in_prefix, pre, dft)
+        tl.store(OutIndices + dst + offs, slot.to(OutIndices.dtype.element_ty), mask=ok & (dst + offs < capacity))
+
+    if c == 0:
+        tl.store(OutIndptr + b + 1, tl.minimum(end + (b + 1) * T, capacity).to(tl.int32))
+        if b == 0:
+            tl.store(OutIndptr, tl.minimum(start, capacity).to(tl.int32))
+        if b == num_req - 1:
+            # indptr is monotonic, so the last request's end is the furthest write
+            over = (end + (b + 1) * T > capacity).to(tl.int32)
+            tl.store(Overflow, tl.maximum(tl.load(Overflow), over))
+
+        # -- packed tree mask: bit j of row t = draft query t may see draft key j
+        t = tl.arange(0, BLOCK_T)
+        j = tl.arange(0, BLOCK_T)
+        t_ok = t < T
+        j_ok = j < T
+        if MASK_MODE == 0:
+            mstart = tl.load(MaskIndptr + b).to(tl.int64)
+            mptr = Mask + mstart + t[:, None].to(tl.int64) * L + P + j[None, :]
+            vis = tl.load(mptr, mask=t_ok[:, None] & j_ok[None, :], other=0) != 0
+        elif MASK_MODE == 1:
+            vis = (j[None, :] <= t[:, None]) & j_ok[None, :]
+        else:
+            vis = j_ok[None, :] & t_ok[:, None]
+        one = tl.full([BLOCK_T, BLOCK_T], 1, tl.int64)
+        bits = tl.where(vis, one << j[None, :].to(tl.int64), 0)
+        tl.store(OutTree + b * T + t, tl.sum(bits, axis=1), mask=t_ok)   # disjoint bits: sum == or
+
+        if WRITE_KV:
+            # -- copy the drafts' own K rows into their (scratch) slots of the pool
+            d = tl.arange(0, BLOCK_DK)
+            rows = b * T + t
+            dmask = t_ok[:, None] & (d < DK)[None, :]
+            k = tl.load(KExt + rows[:, None].to(tl.int64) * stride_kext + d[None, :], mask=dmask, other=0.0)
+            slots = tl.load(DraftSlots + rows, mask=t_ok, other=0).to(tl.int64)
+            tl.store(KV + slots[:, None] * stride_kv + d[None, :], k, mask=dmask)
+
+
+def _is_capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _index_tensor(x, name: str, device, min_numel: int) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.int32, torch.int64) or x.dim() != 1 or x.device != device:
+        raise ValueError(f"{name}: expected a 1-D int32/int64 tensor on {device}, got {x.dtype} "
+                         f"{list(x.shape)} on {x.device}")
+    if x.numel() < min_numel:
+        raise ValueError(f"{name}: needs at least {min_numel} entries, got {x.numel()}")
+    if x.stride(0) != 1:
+        raise ValueError(f"{name}: must be contiguous")
+    return x
+
+
+class SGLangVerifyAdapter:
+    """`extend_attention_fwd` for SGLang's MLA target-verify, backed by a `VerifyAttention`.
+
+    Create once per (deployment, tp) with `from_defaults` (None when `KVTUNE_VERIFY=off`:
+    keep SGLang's own kernel), then call `extend_attention_fwd` (or the object) with
+    SGLang's arguments plus `out_cache_loc=forward_batch.out_cache_loc`.
+
+    Attributes: verify (the VerifyAttention), capacity (combined keys the buffers hold),
+    allocated_bytes (everything preallocated, the runtime's included).
+    """
+
+    def __init__(self, verify: VerifyAttention, *, scratch_slots: torch.Tensor | None = None):
+        self.verify = verify
+        v = verify
+        dev = v.device
+        self.capacity = v.max_batch * (v.max_context + v.T)
+        if self.capacity >= 2**31:
+            raise ValueError(f"max_batch * (max_context + T) = {self.capacity} combined keys exceeds int32 indexing")
+        self.indptr = torch.zeros(v.max_batch + 1, dtype=torch.int32, device=dev)
+        # zeros, not empty: a dropped (overflowing) entry then still names a valid slot (0)
+        self.indices = torch.zeros(self.capacity, dtype=torch.int32, device=dev)
+        self.tree = torch.zeros(v.max_batch * v.T, dtype=torch.int64, device=dev)
+        self.overflow = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.scratch_slots = None
+        if scratch_slots is not None:
+            self.scratch_slots = _index_tensor(scratch_slots, "scratch_slots", dev, v.max_batch * v.T)
+        self.num_chunks = max(1, min(_PACK_MAX_CHUNKS, cdiv(v.max_context + v.T, _PACK_BLOCK)))
+        self.allocated_bytes = v.allocated_bytes + 4 * (self.indptr.numel() + self.indices.numel() + 1) \
+            + 8 * self.tree.numel()
+
+    @classmethod
+    def from_defaults(cls, tuned=None, tp: int = 1, max_batch: int = 1, max_context: int = 131072, device=None,
+                      *, scratch_slots: torch.Tensor | None = None, **kwargs) -> "SGLangVerifyAdapter | None":
+        """`VerifyAttention.from_defaults(...)` (same arguments; no output buffer: SGLang
+        passes `o_extend`) wrapped in the adapter; None when `KVTUNE_VERIFY=off`."""
+        kwargs.setdefault("preallocate_out", False)
+        verify = VerifyAttention.from_defaults(tuned, tp, max_batch, max_context, device, **kwargs)
+        return None if verify is None else cls(verify, scratch_slots=scratch_slots)
+
+    def overflowed(self) -> bool:
+        """Whether any call since the last `reset_overflow()` had more combined keys than the
+        buffers hold (its output was wrong). Reads the device: call outside graph capture."""
+        return bool(self.overflow.item())
+
+    def reset_overflow(self) -> None:
+        self.overflow.zero_()
+
+    def extend_attention_fwd(self, q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr,
+                             kv_indptr, kv_indices, custom_mask, is_causal, mask_indptr, max_len_extend,
+                             k_scale=1.0, v_scale=1.0, sm_scale=None, logit_cap=0.0, skip_prefix_custom_mask=True,
+                             sliding_window_size=-1, sinks=None, window_kv_offsets=None, xai_temperature_len=-1,
+                             lse_extend=None, *, out_cache_loc=None, write_draft_kv: bool = False):
+        """SGLang's `extend_attention_fwd` argument layout (the version with k_scale/v_scale
+        after max_len_extend; pass `sm_scale=` by keyword on older SGLang).
+
+        q_extend `[B*T, H, Dk]` bf16; k_extend `[B*T, 1, Dk]` or `[B*T, Dk]` bf16 (read only
+        when the adapter writes the drafts' keys); v_extend unused (MLA: part of k);
+        o_extend `[B*T, H, Dv]` bf16, written; k_buffer `[num_slots, 1, Dk]` or
+        `[num_slots, Dk]` bf16; v_buffer its first Dv columns (a view); qo_indptr `[B+1]`
+        (= arange*T); kv_indptr `[B+1]` int32/int64 over prefixes; kv_indices the prefix
+        slots; custom_mask flat bool/uint8 (or None: is_causal picks chain or all-visible);
+        mask_indptr `[B+1]` int32/int64; max_len_extend == T.
+        out_cache_loc: `[>= B*T]` int32/int64, the drafts' slots in k_buffer (SGLang's
+            `forward_batch.out_cache_loc`); None = use `scratch_slots` and copy k_extend there.
+        write_draft_kv: also copy k_extend into `out_cache_loc` (when SGLang did not save it).
+        lse_extend: optional `[B*T, H]` fp32, filled with the natural-log LSE.
+
+        Returns o_extend (or (o_extend, lse_extend) when lse_extend is given).
+        Unsupported SGLang options (logit cap, sliding window, sinks, xai temperature, KV
+        scales, a prefix custom mask) raise ValueError: use SGLang's kernel for those.
+        """
+        v = self.verify
+        T, Dk, Dv = v.T, v.Dk, v.Dv
+        # -- options the tuned kernel does not implement: refuse rather than ignore
+        if logit_cap:
+            raise ValueError(f"logit_cap: {logit_cap!r}; kvtune's verify kernel has no logit cap")
+        if sliding_window_size is not None and sliding_window_size > 0:
+            raise ValueError(f"sliding_window_size: {sliding_window_size}; not supported by kvtune's verify kernel")
+        for name, val in (("sinks", sinks), ("window_kv_offsets", window_kv_offsets)):
+            if val is not None:
+                raise ValueError(f"{name}: not supported by kvtune's verify kernel (pass None)")
+        if xai_temperature_len is not None and xai_temperature_len > 0:
+            raise ValueError(f"xai_temperature_len: {xai_temperature_len}; not supported")
+        for name, val in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if val is not None and (isinstance(val, torch.Tensor) or float(val) != 1.0):
+                raise ValueError(f"{name}: {val!r}; kvtune reads an unscaled bf16 KV cache (1.0 or None). On an "
+                                 "SGLang without k_scale/v_scale arguments pass sm_scale= by keyword")
+        if custom_mask is not None and not skip_prefix_custom_mask:
+            raise ValueError("skip_prefix_custom_mask: False would mask prefix keys; kvtune's contract always "
+                             "shows the prefix (SGLang's target verify uses True)")
+        # -- shapes (host metadata only)
+        if not isinstance(q_extend, torch.Tensor) or q_extend.dim() != 3:
+            raise ValueError("q_extend: expected a [B*T, H, Dk] tensor")
+        dev = q_extend.device
+        qo_indptr = _index_tensor(qo_indptr, "qo_indptr", dev, 2)
+        B = qo_indptr.numel() - 1
+        if isinstance(max_len_extend, torch.Tensor) or int(max_len_extend) != T:
+            raise ValueError(f"max_len_extend: {max_len_extend!r}; this adapter was built for T={T} draft tokens")
+        if q_extend.shape[0] != B * T:
+            raise ValueError(f"q_extend: {q_extend.shape[0]} rows, expected B*T = {B}*{T} (B from qo_indptr)")
+        kv_indptr = _index_tensor(kv_indptr, "kv_indptr", dev, B + 1)
+        if kv_indptr.numel() != B + 1:
+            raise ValueError(f"kv_indptr: expected {B + 1} entries (B+1), got {kv_indptr.numel()}")
+        kv_indices = _index_tensor(kv_indices, "kv_indices", dev, 0)
+        kv = self._pool(k_buffer, v_buffer, Dk, Dv, dev)
+        if kv.shape[0] >= 2**31:
+            raise ValueError(f"k_buffer: {kv.shape[0]} slots exceed int32 indexing")
+        k_ext = k_extend.reshape(k_extend.shape[0], -1) if isinstance(k_extend, torch.Tensor) else None
+        if k_ext is None or tuple(k_ext.shape) != (B * T, Dk) or k_ext.dtype != kv.dtype or k_ext.stride(-1) != 1:
+            raise ValueError(f"k_extend: expected [{B * T}, 1, {Dk}] {kv.dtype} with contiguous rows, got "
+                             f"{getattr(k_extend, 'dtype', None)} {list(getattr(k_extend, 'shape', []))}")
+        if custom_mask is not None:
+            if not isinstance(custom_mask, torch.Tensor) or custom_mask.dim() != 1 or custom_mask.device != dev \
+                    or custom_mask.dtype not in (torch.bool, torch.uint8, torch.int8):
+                raise ValueError("custom_mask: expected a flat bool (or uint8) tensor on the device")
+            mask_indptr = _index_tensor(mask_indptr, "mask_indptr", dev, B + 1)
+            mode = 0
+            mask = custom_mask.view(torch.uint8) if custom_mask.dtype == torch.bool else custom_mask
+        else:
+            mode = 1 if is_causal else 2
+            mask, mask_indptr = kv_indptr, kv_indptr     # unused pointers
+        if out_cache_loc is not None:
+            slots = _index_tensor(out_cache_loc, "out_cache_loc", dev, B * T)
+            write = bool(write_draft_kv)
+        elif self.scratch_slots is not None:
+            slots, write = self.scratch_slots, True
+        else:
+            raise ValueError("out_cache_loc: needed to find the drafts' keys in k_buffer (pass "
+                             "forward_batch.out_cache_loc), or build the adapter with scratch_slots=")
+        if B > v.max_batch:
+            raise ValueError(f"qo_indptr: B={B} requests; this adapter serves 1..{v.max_batch}")
+        if v.check_values and not _is_capturing(dev):
+            self._check_values(B, T, qo_indptr, kv_indptr, kv_indices)
+
+        _pack_verify_kernel[(B, self.num_chunks)](
+            kv_indptr, kv_indices, slots, mask, mask_indptr, k_ext, kv,
+            self.indptr, self.indices, self.tree, self.overflow,
+            self.capacity, k_ext.stride(0), kv.stride(0), B,
+            T=T, BLOCK_T=max(16, next_pow2(T)), BLOCK=_PACK_BLOCK, NUM_CHUNKS=self.num_chunks,
+            MASK_MODE=mode, WRITE_KV=write, DK=Dk, BLOCK_DK=next_pow2(Dk), num_warps=4,
+        )
+        scale = sm_scale if sm_scale else 1.0 / math.sqrt(q_extend.shape[-1])   # SGLang's default
+        return v(q_extend, kv, self.indptr[:B + 1], self.indices, self.tree[:B * T], out=o_extend,
+                 lse=lse_extend, sm_scale=scale)
+
+    __call__ = extend_attention_fwd
+
+    @staticmethod
+    def _pool(k_buffer, v_buffer, Dk: int, Dv: int, dev) -> torch.Tensor:
+        """k_buffer as `[num_slots, Dk]` (a view), after checking v_buffer is its first Dv columns."""
+        if not isinstance(k_buffer, torch.Tensor) or k_buffer.device != dev:
+            raise ValueError(f"k_buffer: expected a tensor on {dev}")
+        if k_buffer.dim() == 3 and k_buffer.shape[1] == 1:
+            kv = k_buffer[:, 0, :]
+        elif k_buffer.dim() == 2:
+            kv = k_buffer
+        else:
+            raise ValueError(f"k_buffer: expected [num_slots, 1, {Dk}] (one MLA latent head), got {list(k_buffer.shape)}")
+        if kv.shape[1] != Dk:
+            raise ValueError(f"k_buffer: row width {kv.shape[1]}, expected Dk={Dk}")
+        if v_buffer is not None:
+            vb = v_buffer[:, 0, :] if v_buffer.dim() == 3 and v_buffer.shape[1] == 1 else v_buffer
+            if vb.dim() != 2 or vb.data_ptr() != kv.data_ptr() or vb.shape[1] != Dv or vb.stride(0) != kv.stride(0):
+                raise ValueError(f"v_buffer: must be a view of k_buffer's first {Dv} columns (MLA); got "
+                                 f"{list(v_buffer.shape)} at another address or stride")
+        return kv
+
+    def _check_values(self, B, T, qo_indptr, kv_indptr, kv_indices) -> None:
+        """Host-syncing checks of the SGLang metadata (eager debugging only)."""
+        want = torch.arange(B + 1, device=qo_indptr.device, dtype=torch.int64) * T
+        if not torch.equal(qo_indptr.to(torch.int64), want):
+            raise ValueError(f"qo_indptr: expected arange(B+1)*T (every request verifies T={T} drafts), "
+                             f"got {qo_indptr.tolist()}")
+        ip = kv_indptr.to("cpu", torch.int64)
+        if bool((ip[1:] < ip[:-1]).any()) or int(ip[0]) < 0 or int(ip[-1]) > kv_indices.numel():
+            raise ValueError(f"kv_indptr: must be monotonic within kv_indices' {kv_indices.numel()} entries, "
+                             f"got {ip.tolist()}")
+        if int(ip[-1]) + B * T > self.capacity:
+            raise ValueError(f"kv_indptr: {int(ip[-1])} prefix keys + {B * T} drafts exceed the adapter's "
+                             f"capacity {self.capacity} (max_batch * (max_context + T)); build it larger")
