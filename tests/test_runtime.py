@@ -1,0 +1,335 @@
+"""Serving runtime on the CPU (Triton under its interpreter): loading and validating the
+exported YAML, lookup order, provenance, the bucket policy, env overrides, and
+VerifyAttention against the fp32 oracle."""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import yaml
+
+from kvtune.kernels import make_inputs, reference_attention, rel_error
+from kvtune.kernels import runtime as rt
+from kvtune.kernels.backends import register_backend
+from kvtune.kernels.runtime import ProvenanceError, VerifyAttention, load_defaults
+from kvtune.kernels.triton_kernel import TritonBackend, TritonParams, kernel_source_hash, partials
+from kvtune.kernels.tuned import SchemaError, dump_tuned, parse_tuned
+
+T, TP, NUM_HEADS = 9, 8, 16          # 2 heads per rank: small enough for the interpreter
+H = NUM_HEADS // TP
+TOL = 2e-2
+
+
+def tuned_dict(device="cpu", **top) -> dict:
+    """A valid exported document for the running device and kernel source."""
+    d = {
+        "schema_version": 1,
+        "deployment": "tiny-test",
+        "model": {"name": "Tiny-MLA", "num_heads": NUM_HEADS, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                  "draft_tokens": T, "sm_scale": 0.0721},
+        "provenance": {"device_name": rt.device_name(device), "arch": rt.device_arch(device),
+                       "kernel_hash": {"triton": kernel_source_hash()}, "date": "2026-11-29T17:00:00Z",
+                       "timing": "graph", "kvtune": "0.1.0"},
+        "entries": [
+            {"tp": TP, "heads_per_rank": H, "max_batch": 1, "backend": "triton",
+             "params": {"NSPLIT": 4, "BLOCK_N": 16, "BLOCK_H": 2, "num_warps": 4, "num_stages": 1},
+             "buckets": [{"max_context": 64, "NSPLIT": 1, "latency_us": 3.0, "default_latency_us": 4.0},
+                         {"max_context": 128, "NSPLIT": 2},
+                         {"max_context": 256, "NSPLIT": 4}]},
+            {"tp": TP, "heads_per_rank": H, "max_batch": 4, "backend": "triton",
+             "params": {"NSPLIT": 2, "BLOCK_N": 32, "BLOCK_H": 1, "num_warps": 4, "num_stages": 2},
+             "buckets": [{"max_context": 100, "NSPLIT": 1}, {"max_context": 200, "NSPLIT": 2}]},
+            {"tp": 4, "heads_per_rank": 4, "max_batch": 8, "backend": "triton",
+             "params": {"NSPLIT": 8, "BLOCK_N": 32, "BLOCK_H": 2, "num_warps": 4, "num_stages": 2},
+             "buckets": [{"max_context": 4096, "NSPLIT": 8}]},
+        ],
+    }
+    d.update(top)
+    return d
+
+
+def write(tmp_path, doc, name="tiny-test.yaml"):
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return p
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    monkeypatch.delenv(rt.ENV_VERIFY, raising=False)
+    monkeypatch.delenv(rt.ENV_CONFIG_DIR, raising=False)
+    rt._reset_warn_once()
+    yield
+    rt._reset_warn_once()
+
+
+def check_against_oracle(va, prefix_lens, tree, seed, device):
+    inp = make_inputs(len(prefix_lens), T, H, prefix_lens, tree=tree, seed=seed, device=device,
+                      sm_scale=va.sm_scale)
+    lse = torch.empty(len(prefix_lens) * T, H, dtype=torch.float32, device=device)
+    o, lse = va(*inp.args[:5], lse=lse)
+    ref, ref_lse = reference_attention(*inp.args)
+    assert rel_error(o, ref) < TOL
+    assert torch.allclose(lse, ref_lse, atol=1e-2, rtol=1e-3)
+    return o
+
+
+# -- loading ---------------------------------------------------------------------------
+
+def test_round_trip_dump_and_load(tmp_path, device):
+    tuned = parse_tuned(tuned_dict(device), "mem")
+    path = dump_tuned(tuned, tmp_path / "tiny-test.yaml")
+    back = load_defaults(path, device=device)
+    assert back.to_dict() == tuned.to_dict()
+    assert back.source == str(path)
+    # the same file found by deployment name in a folder, and twice dumped is byte-identical
+    assert load_defaults(tmp_path, deployment="tiny-test", device=device).to_dict() == tuned.to_dict()
+    dump_tuned(back, tmp_path / "again.yaml")
+    assert (tmp_path / "again.yaml").read_text() == path.read_text()
+
+
+def _mutations():
+    def m(fn):
+        def apply(d):
+            d = copy.deepcopy(d)
+            fn(d)
+            return d
+        return apply
+    return [
+        ("schema_version", m(lambda d: d.update(schema_version=2))),
+        ("<top>", m(lambda d: d.pop("entries"))),
+        ("<top>", m(lambda d: d.update(extra=1))),
+        ("deployment", m(lambda d: d.update(deployment=""))),
+        ("model.sm_scale", m(lambda d: d["model"].update(sm_scale=-1.0))),
+        ("model.num_heads", m(lambda d: d["model"].update(num_heads="16"))),
+        ("provenance.arch", m(lambda d: d["provenance"].update(arch="hopper"))),
+        ("provenance", m(lambda d: d["provenance"].pop("kernel_hash"))),
+        ("entries", m(lambda d: d.update(entries=[]))),
+        ("entries[0].backend", m(lambda d: d["entries"][0].update(backend="fast"))),
+        ("entries[0].heads_per_rank", m(lambda d: d["entries"][0].update(heads_per_rank=3))),
+        ("entries[1]", m(lambda d: d["entries"][1].update(max_batch=1))),
+        ("entries[0].params", m(lambda d: d["entries"][0]["params"].update(VEC=8))),
+        ("entries[0].params", m(lambda d: d["entries"][0]["params"].update(BLOCK_N=24))),
+        ("entries[0].buckets[1].max_context", m(lambda d: d["entries"][0]["buckets"][1].update(max_context=64))),
+        ("entries[0].buckets[2].NSPLIT", m(lambda d: d["entries"][0]["buckets"][2].update(NSPLIT=5))),
+        ("entries[0].buckets[0]", m(lambda d: d["entries"][0]["buckets"][0].pop("NSPLIT"))),
+        ("entries[0].buckets", m(lambda d: d["entries"][0].update(buckets=[]))),
+    ]
+
+
+@pytest.mark.parametrize("key,mutate", _mutations(), ids=[f"{k}-{i}" for i, (k, _) in enumerate(_mutations())])
+def test_schema_errors_name_file_and_key(tmp_path, device, key, mutate):
+    path = write(tmp_path, mutate(tuned_dict(device)))
+    with pytest.raises(SchemaError) as e:
+        load_defaults(path, device=device)
+    msg = str(e.value)
+    assert str(path) in msg and key in msg, msg
+
+
+def test_unreadable_and_invalid_yaml(tmp_path, device):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("entries: [unclosed\n")
+    with pytest.raises(SchemaError, match="bad.yaml: not valid YAML"):
+        load_defaults(bad, device=device)
+    with pytest.raises(SchemaError, match="no such file"):
+        load_defaults(tmp_path / "missing.yaml", device=device)
+
+
+@pytest.mark.parametrize("what,mutate,key", [
+    ("arch", lambda d: d["provenance"].update(arch="sm_120" if d["provenance"]["arch"] != "sm_120" else "sm_90"),
+     "provenance.arch"),
+    ("hash", lambda d: d["provenance"]["kernel_hash"].update(triton="0123456789abcdef"),
+     "provenance.kernel_hash.triton"),
+    ("no-hash", lambda d: d["provenance"].update(kernel_hash={"cuda": "0123456789abcdef"}),
+     "provenance.kernel_hash.triton"),
+])
+def test_provenance_mismatch_is_an_error_unless_allowed(tmp_path, device, caplog, what, mutate, key):
+    doc = tuned_dict(device)
+    mutate(doc)
+    path = write(tmp_path, doc)
+    with pytest.raises(ProvenanceError) as e:
+        load_defaults(path, device=device)
+    assert key in str(e.value) and str(path) in str(e.value)
+    with caplog.at_level(logging.WARNING, logger="kvtune.runtime"):
+        for _ in range(3):
+            tuned = load_defaults(path, device=device, allow_mismatch=True)
+    assert tuned is not None
+    hits = [r for r in caplog.records if key in r.getMessage()]
+    assert len(hits) == 1, "a mismatch is logged exactly once"
+
+
+def test_deployment_name_mismatch(tmp_path, device):
+    path = write(tmp_path, tuned_dict(device, deployment="other"), name="tiny-test.yaml")
+    with pytest.raises(ProvenanceError, match="deployment: file is for 'other'"):
+        load_defaults(tmp_path, deployment="tiny-test", device=device)
+
+
+def test_lookup_user_dir_before_packaged(tmp_path, device, monkeypatch):
+    packaged, user1, user2 = (tmp_path / n for n in ("packaged", "user1", "user2"))
+    for d in (packaged, user1, user2):
+        d.mkdir()
+    monkeypatch.setattr(rt, "packaged_defaults_dir", lambda: packaged)
+    write(packaged, tuned_dict(device, deployment="tiny-test"))
+    assert load_defaults(deployment="tiny-test", device=device).source == str(packaged / "tiny-test.yaml")
+    # model + device naming is found too, but the deployment name is more specific
+    by_model = rt.defaults_file_names(model="Tiny-MLA", device_name=rt.device_name(device))[0]
+    write(user2, tuned_dict(device, deployment="tiny-test"), name=by_model)
+    monkeypatch.setenv(rt.ENV_CONFIG_DIR, f"{user1}{__import__('os').pathsep}{user2}")
+    assert load_defaults(deployment="tiny-test", model="Tiny-MLA", device=device).source == str(user2 / by_model)
+    assert load_defaults(deployment="tiny-test", device=device).source == str(packaged / "tiny-test.yaml")
+    write(user1, tuned_dict(device, deployment="tiny-test"))
+    assert load_defaults(deployment="tiny-test", device=device).source == str(user1 / "tiny-test.yaml")
+
+
+def test_no_file_falls_back_and_warns_once(tmp_path, device, caplog, monkeypatch):
+    monkeypatch.setattr(rt, "packaged_defaults_dir", lambda: tmp_path)
+    with caplog.at_level(logging.WARNING, logger="kvtune.runtime"):
+        assert load_defaults(deployment="absent", device=device) is None
+        va = VerifyAttention.from_defaults(None, tp=TP, max_batch=2, max_context=128, device=device,
+                                           deployment="absent", draft_tokens=T, heads=H)
+    assert sum("no tuned defaults" in r.getMessage() for r in caplog.records) == 1
+    assert va.plans[0].source == "untuned default of triton"
+    assert va.plans[0].params == TritonBackend().default_params(va.problem(2))
+    assert va.plans[0].split_table is None
+    check_against_oracle(va, [1, 97], "random", 3, device)
+    with pytest.raises(ValueError, match="heads: no tuned defaults"):
+        VerifyAttention.from_defaults(None, tp=TP, max_batch=1, device=device, deployment="absent", draft_tokens=T)
+
+
+# -- the bucket policy -----------------------------------------------------------------
+
+def test_bucket_policy_at_and_between_edges(device):
+    tuned = parse_tuned(tuned_dict(device), "mem")
+    e1 = tuned.lookup(TP, 1)
+    assert e1.max_batch == 1
+    assert [tuned.lookup(TP, n).max_batch for n in (2, 3, 4, 5, 64)] == [4, 4, 4, 4, 4]  # largest beyond
+    assert tuned.lookup(2, 1) is None
+    want = {1: 1, 63: 1, 64: 1, 65: 2, 127: 2, 128: 2, 129: 4, 256: 4, 257: 4, 100000: 4}
+    assert {p: e1.bucket_for(p).NSPLIT for p in want} == want
+    va = VerifyAttention.from_defaults(tuned, tp=TP, max_batch=6, max_context=300, device=device, warmup=False)
+    assert [p.max_batch for p in va.plans] == [1, 4]
+    assert all(va.nsplit_for(1, p) == n for p, n in want.items())
+    assert [va.nsplit_for(b, 100) for b in (2, 4, 6)] == [1, 1, 1]
+    assert [va.nsplit_for(3, p) for p in (100, 101, 200, 201)] == [1, 2, 2, 2]
+    # the split table holds key counts: L = prefix + T
+    assert va.plans[0].split_table.max_keys.tolist() == [64 + T, 128 + T, 256 + T]
+
+
+@pytest.mark.parametrize("prefix", [1, 55, 64, 65, 128, 129, 256, 300])
+def test_device_picks_nsplit_from_the_table(device, prefix):
+    """The kernel, not the host, chooses NSPLIT per request: count the splits that wrote
+    a partial result (an empty split stores lse = -inf) in the runtime's own workspace."""
+    tuned = parse_tuned(tuned_dict(device), "mem")
+    va = VerifyAttention.from_defaults(tuned, tp=TP, max_batch=1, max_context=300, device=device, warmup=False)
+    plan = va.plan_for(1)
+    inp = make_inputs(1, T, H, [prefix], tree="random", seed=prefix, device=device, sm_scale=va.sm_scale)
+    va.workspace.fill_(255)                                # NaN in every fp32 partial
+    o = va(*inp.args[:5])
+    assert rel_error(o, reference_attention(*inp.args)[0]) < TOL
+    _, part_lse = partials(va.problem(1), plan.params.NSPLIT, va.workspace)
+    n = plan.nsplit_for(prefix)
+    L = prefix + T
+    chunk = -(-(-(-L // n)) // plan.params.BLOCK_N) * plan.params.BLOCK_N
+    written = int(torch.isfinite(part_lse[:, 0, 0]).sum())
+    assert written == -(-L // chunk), (prefix, n, part_lse[:, 0, 0])
+    assert bool(torch.isneginf(part_lse[n:]).all())       # splits past this request's NSPLIT: empty
+
+
+# -- VerifyAttention -------------------------------------------------------------------
+
+@pytest.mark.parametrize("prefix_lens,tree", [([1], "chain"), ([54], "random"), ([1, 54, 97], "chain"),
+                                              ([97, 1, 54], "random"), ([300, 2, 160, 33], "random")])
+def test_verify_attention_matches_oracle(device, prefix_lens, tree):
+    tuned = parse_tuned(tuned_dict(device), "mem")
+    va = VerifyAttention.from_defaults(tuned, tp=TP, max_batch=4, max_context=300, device=device)
+    o = check_against_oracle(va, prefix_lens, tree, seed=len(prefix_lens), device=device)
+    assert o.data_ptr() == va.out_buf.data_ptr()          # no allocation: the preallocated output
+    assert va.workspace_bytes == max(TritonBackend().workspace_bytes(va.problem(b), p.params)
+                                     for b, p in ((1, va.plans[0]), (4, va.plans[1])))
+
+
+def test_workspace_budget(device):
+    tuned = parse_tuned(tuned_dict(device), "mem")
+    va = VerifyAttention.from_defaults(tuned, tp=TP, max_batch=4, max_context=300, device=device, warmup=False)
+    assert va.allocated_bytes >= va.workspace_bytes > 0
+    with pytest.raises(ValueError, match="workspace_budget_bytes"):
+        VerifyAttention.from_defaults(tuned, tp=TP, max_batch=4, max_context=300, device=device, warmup=False,
+                                      workspace_budget_bytes=va.allocated_bytes - 1)
+    VerifyAttention.from_defaults(tuned, tp=TP, max_batch=4, max_context=300, device=device, warmup=False,
+                                  workspace_budget_bytes=va.allocated_bytes)
+
+
+def test_model_mismatch_and_bad_calls(device):
+    tuned = parse_tuned(tuned_dict(device), "mem")
+    with pytest.raises(ProvenanceError, match="draft_tokens: tuned for 9"):
+        VerifyAttention.from_defaults(tuned, tp=TP, max_batch=1, device=device, draft_tokens=4)
+    with pytest.raises(ValueError, match="tp: 3 does not divide"):
+        VerifyAttention.from_defaults(tuned, tp=3, max_batch=1, device=device)
+    with pytest.raises(ValueError, match="max_batch"):
+        VerifyAttention.from_defaults(tuned, tp=TP, max_batch=0, device=device)
+    va = VerifyAttention.from_defaults(tuned, tp=TP, max_batch=2, max_context=128, device=device, warmup=False)
+    inp = make_inputs(3, T, H, 5, device=device)
+    with pytest.raises(ValueError, match="kv_indptr: .*B=3"):
+        va(*inp.args[:5])
+    inp = make_inputs(1, T, H + 1, 5, device=device)
+    with pytest.raises(ValueError, match=r"q: expected \[9, 2, 576\]"):
+        va(*inp.args[:5])
+
+
+def test_untuned_tp_falls_back(device, caplog):
+    tuned = parse_tuned(tuned_dict(device), "mem")
+    with caplog.at_level(logging.WARNING, logger="kvtune.runtime"):
+        va = VerifyAttention.from_defaults(tuned, tp=2, max_batch=1, max_context=128, device=device)
+    assert "no entry for tp=2" in caplog.text
+    assert va.H == NUM_HEADS // 2 and va.plans[0].split_table is None
+    assert va.nsplit_for(1, 10) == va.plans[0].params.NSPLIT
+
+
+# -- environment overrides -------------------------------------------------------------
+
+def test_env_off_disables(device, monkeypatch):
+    monkeypatch.setenv(rt.ENV_VERIFY, "off")
+    assert VerifyAttention.from_defaults(parse_tuned(tuned_dict(device), "mem"), tp=TP, device=device) is None
+
+
+def test_env_invalid_value(device, monkeypatch):
+    monkeypatch.setenv(rt.ENV_VERIFY, "fast")
+    with pytest.raises(ValueError, match="KVTUNE_VERIFY='fast'"):
+        VerifyAttention.from_defaults(parse_tuned(tuned_dict(device), "mem"), tp=TP, device=device)
+
+
+def test_env_forces_backend(device, monkeypatch, caplog):
+    tuned = parse_tuned(tuned_dict(device), "mem")
+    monkeypatch.setenv(rt.ENV_VERIFY, "reference")
+    with caplog.at_level(logging.WARNING, logger="kvtune.runtime"):
+        va = VerifyAttention.from_defaults(tuned, tp=TP, max_batch=4, max_context=300, device=device)
+    assert {p.backend.name for p in va.plans} == {"reference"}
+    assert "KVTUNE_VERIFY=reference overrides" in caplog.text
+    check_against_oracle(va, [1, 54, 97], "random", 5, device)
+    for mode in ("triton", "auto", "  AUTO "):
+        monkeypatch.setenv(rt.ENV_VERIFY, mode)
+        va = VerifyAttention.from_defaults(tuned, tp=TP, max_batch=4, max_context=300, device=device, warmup=False)
+        assert [p.params for p in va.plans] == [TritonParams(4, 16, 2, 4, 1), TritonParams(2, 32, 1, 4, 2)]
+        assert all(p.split_table is not None for p in va.plans)
+
+
+# -- a deliberately wrong kernel is caught at start-up ---------------------------------
+
+class _ScaleBugTriton(TritonBackend):
+    """The real Triton kernel launched with a wrong softmax scale: a plausible tuning bug."""
+
+    def launch(self, args, params):
+        args.sm_scale *= 2.0
+        super().launch(args, params)
+
+
+def test_startup_self_check_rejects_a_wrong_kernel(device):
+    register_backend("triton", _ScaleBugTriton)
+    try:
+        with pytest.raises(RuntimeError, match="self-check failed"):
+            VerifyAttention.from_defaults(parse_tuned(tuned_dict(device), "mem"), tp=TP, max_batch=1,
+                                          max_context=128, device=device)
+    finally:
+        register_backend("triton", "kvtune.kernels.triton_kernel:TritonBackend")
