@@ -1,0 +1,245 @@
+"""The SGLang-layout adapter on the CPU (Triton under its interpreter), against the fp32
+oracle and against a direct torch rendering of SGLang's own extend semantics."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvtune.kernels import make_inputs, reference_attention, rel_error
+from kvtune.kernels import runtime as rt
+from kvtune.kernels.reference import visibility
+from kvtune.kernels.sglang import SGLangVerifyAdapter
+from kvtune.kernels.triton_kernel import kernel_source_hash
+from kvtune.kernels.tuned import parse_tuned
+
+T, H, DV, DK = 9, 2, 512, 576
+TOL = 2e-2
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    monkeypatch.delenv(rt.ENV_VERIFY, raising=False)
+    monkeypatch.delenv(rt.ENV_CONFIG_DIR, raising=False)
+
+
+def tuned(device):
+    """Tuned defaults for the running device: small grids keep the interpreter quick."""
+    return parse_tuned({
+        "schema_version": 1, "deployment": "sglang-test",
+        "model": {"name": "Tiny-MLA", "num_heads": H, "kv_lora_rank": DV, "qk_rope_head_dim": DK - DV,
+                  "draft_tokens": T, "sm_scale": 0.0721},
+        "provenance": {"device_name": rt.device_name(device), "arch": rt.device_arch(device),
+                       "kernel_hash": {"triton": kernel_source_hash()}, "date": "2026-11-29T17:00:00Z"},
+        "entries": [{"tp": 1, "heads_per_rank": H, "max_batch": 4, "backend": "triton",
+                     "params": {"NSPLIT": 3, "BLOCK_N": 32, "BLOCK_H": 2, "num_warps": 4, "num_stages": 1},
+                     "buckets": [{"max_context": 50, "NSPLIT": 1}, {"max_context": 200, "NSPLIT": 2},
+                                 {"max_context": 400, "NSPLIT": 3}]}]}, "mem")
+
+
+def adapter(device, max_batch=4, max_context=300, **kw):
+    kw.setdefault("check_values", True)
+    return SGLangVerifyAdapter.from_defaults(tuned(device), tp=1, max_batch=max_batch, max_context=max_context,
+                                             device=device, **kw)
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """One adapter (compiled and self-checked once) for the tests that need no special config."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(rt.ENV_VERIFY, raising=False)
+        return adapter("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def sglang_args(inp, *, prefix_noise=False, mask_dtype=torch.bool, indices_dtype=torch.int32,
+                loc_dtype=torch.int64, generator=None):
+    """Rewrite kvtune-layout inputs into SGLang's target-verify layout.
+
+    Returns (kwargs for extend_attention_fwd, draft slots): kv_indptr over prefixes, the
+    drafts' keys in k_extend and in the pool at out_cache_loc, the flat custom mask with
+    row stride P_b + T and mask_indptr."""
+    B = inp.B
+    ip = inp.kv_indptr.tolist()
+    dev = inp.q.device
+    pre, drafts, masks, plens = [], [], [], []
+    for b in range(B):
+        s, e = ip[b], ip[b + 1]
+        P = e - s - T
+        pre.append(inp.kv_indices[s:s + P])
+        drafts.append(inp.kv_indices[s + P:e])
+        vis = visibility(T, P, inp.tree_mask[b * T:(b + 1) * T].cpu())
+        if prefix_noise:  # SGLang skips the prefix columns; garbage there must not matter
+            vis[:, :P] = torch.rand(T, P, generator=generator) < 0.5
+        masks.append(vis.flatten())
+        plens.append(P)
+    loc = torch.cat(drafts).to(loc_dtype)
+    k_buffer = inp.kv_cache.unsqueeze(1)                       # [num_slots, 1, Dk]
+    k_extend = inp.kv_cache[loc.long()].unsqueeze(1).contiguous()
+    args = dict(
+        q_extend=inp.q, k_extend=k_extend, v_extend=k_extend[..., :DV], o_extend=torch.full(
+            (B * T, H, DV), float("nan"), dtype=torch.bfloat16, device=dev),
+        k_buffer=k_buffer, v_buffer=k_buffer[..., :DV],
+        qo_indptr=torch.arange(B + 1, dtype=torch.int32, device=dev) * T,
+        kv_indptr=torch.tensor([0] + plens, device=dev).cumsum(0).to(torch.int32),
+        kv_indices=torch.cat(pre).to(indices_dtype),
+        custom_mask=torch.cat(masks).to(mask_dtype).to(dev), is_causal=False,
+        mask_indptr=torch.tensor([0] + [T * (P + T) for P in plens], device=dev).cumsum(0),
+        max_len_extend=T, sm_scale=inp.sm_scale)
+    return args, loc.to(dev)
+
+
+def sglang_semantics(a) -> torch.Tensor:
+    """fp32 torch rendering of SGLang's extend_attention_fwd (skip_prefix_custom_mask=True):
+    prefix keys from k_buffer through kv_indices, draft keys from k_extend, draft columns of
+    the custom mask. Independent of kvtune's index merge and mask packing."""
+    q, kb, ke = a["q_extend"].float(), a["k_buffer"][:, 0].float(), a["k_extend"][:, 0].float()
+    B = a["qo_indptr"].numel() - 1
+    ip = a["kv_indptr"].tolist()
+    mp = a["mask_indptr"].tolist() if a["custom_mask"] is not None else None
+    out = torch.zeros(B * T, H, DV)
+    for b in range(B):
+        P = ip[b + 1] - ip[b]
+        keys = torch.cat([kb[a["kv_indices"][ip[b]:ip[b + 1]].long()], ke[b * T:(b + 1) * T]])
+        if a["custom_mask"] is not None:
+            vis = a["custom_mask"][mp[b]:mp[b] + T * (P + T)].view(T, P + T).bool().clone()
+            vis[:, :P] = True
+        else:
+            vis = torch.ones(T, P + T, dtype=torch.bool)
+            if a["is_causal"]:
+                vis[:, P:] = torch.tril(vis[:, P:])
+        logits = torch.einsum("thd,ld->thl", q[b * T:(b + 1) * T], keys) * a["sm_scale"]
+        logits = logits.masked_fill(~vis[:, None, :], float("-inf"))
+        out[b * T:(b + 1) * T] = torch.einsum("thl,ld->thd", logits.softmax(-1), keys[:, :DV])
+    return out
+
+
+@pytest.mark.parametrize("prefix_lens,tree", [([1], "chain"), ([54], "random"), ([1, 54, 97], "chain"),
+                                              ([97, 1, 54], "random"), ([300, 7, 160, 33], "random")])
+def test_adapter_matches_oracle_and_sglang(device, shared, prefix_lens, tree):
+    ad = shared
+    inp = make_inputs(len(prefix_lens), T, H, prefix_lens, tree=tree, seed=sum(prefix_lens), device=device)
+    a, loc = sglang_args(inp)
+    lse = torch.empty(inp.B * T, H, dtype=torch.float32, device=device)
+    o, lse = ad.extend_attention_fwd(**a, out_cache_loc=loc, lse_extend=lse)
+    assert o.data_ptr() == a["o_extend"].data_ptr()
+    ref, ref_lse = reference_attention(*inp.args)
+    assert rel_error(o, ref) < TOL
+    assert rel_error(o, sglang_semantics(a)) < TOL
+    assert torch.allclose(lse, ref_lse, atol=1e-2, rtol=1e-3)
+    assert torch.equal(ad.tree[:inp.B * T], inp.tree_mask)           # the packed mask, bit for bit
+    assert torch.equal(ad.indptr[:inp.B + 1], inp.kv_indptr)
+    assert not ad.overflowed()
+
+
+def test_prefix_columns_of_the_mask_are_ignored(device, shared):
+    ad = shared
+    inp = make_inputs(3, T, H, [1, 54, 97], tree="random", seed=11, device=device)
+    a, loc = sglang_args(inp, prefix_noise=True, mask_dtype=torch.uint8, indices_dtype=torch.int64,
+                         loc_dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    o = ad(**a, out_cache_loc=loc)
+    assert rel_error(o, reference_attention(*inp.args)[0]) < TOL
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_no_custom_mask_is_causal_or_full(device, shared, is_causal):
+    ad = shared
+    parents = [i - 1 for i in range(T)] if is_causal else [-1] * T   # a chain, or T roots seeing all
+    inp = make_inputs(2, T, H, [20, 97], tree=parents, seed=4, device=device)
+    if not is_causal:
+        inp.tree_mask.fill_((1 << T) - 1)                                # every draft sees every draft
+    a, loc = sglang_args(inp)
+    a.update(custom_mask=None, mask_indptr=None, is_causal=is_causal)
+    o = ad(**a, out_cache_loc=loc)
+    assert rel_error(o, reference_attention(*inp.args)[0]) < TOL
+    assert rel_error(o, sglang_semantics(a)) < TOL
+
+
+def test_scratch_slots_receive_the_draft_keys(device):
+    """Without out_cache_loc the drafts' keys go to reserved scratch slots of the pool."""
+    B, max_batch = 3, 4
+    inp = make_inputs(B, T, H, [1, 54, 97], tree="random", seed=8, pool_factor=1.0, device=device)
+    a, _ = sglang_args(inp)
+    n_slots = inp.kv_cache.shape[0]
+    pool = torch.randn(n_slots + max_batch * T, DK).to(torch.bfloat16).to(device)
+    pool[:n_slots] = inp.kv_cache
+    scratch = torch.arange(n_slots, n_slots + max_batch * T, device=device)   # garbage there now
+    a.update(k_buffer=pool.unsqueeze(1), v_buffer=pool.unsqueeze(1)[..., :DV])
+    a["k_extend"] = torch.randn(B * T, 1, DK).to(torch.bfloat16).to(device)  # the drafts' fresh keys
+    ad = adapter(device, max_batch=max_batch, scratch_slots=scratch, warmup=False)
+    o = ad(**a)
+    assert torch.equal(pool[scratch[:B * T]], a["k_extend"][:, 0])
+    assert rel_error(o, sglang_semantics(a)) < TOL
+    # write_draft_kv=True does the same at SGLang's own slots
+    loc = scratch[:B * T].flip(0).contiguous()
+    a["k_extend"] = torch.randn(B * T, 1, DK).to(torch.bfloat16).to(device)
+    o = ad.extend_attention_fwd(**a, out_cache_loc=loc, write_draft_kv=True)
+    assert rel_error(o, sglang_semantics(a)) < TOL
+    assert torch.equal(pool[loc], a["k_extend"][:, 0])
+
+
+def test_overflow_is_flagged_not_out_of_bounds(device):
+    # capacity = 2 * (50 + T) combined keys; these prefixes need more
+    ad = adapter(device, max_batch=2, max_context=50, check_values=False, warmup=False)
+    inp = make_inputs(2, T, H, [100, 90], seed=2, device=device)
+    a, loc = sglang_args(inp)
+    ad(**a, out_cache_loc=loc)
+    assert ad.overflowed()
+    assert int(ad.indptr[2]) == ad.capacity and int(ad.indices.max()) < inp.kv_cache.shape[0]
+    ad.reset_overflow()
+    assert not ad.overflowed()
+    with pytest.raises(ValueError, match="exceed the adapter's capacity"):
+        adapter(device, max_batch=2, max_context=50, warmup=False)(**a, out_cache_loc=loc)
+
+
+def test_env_off_returns_none(device, monkeypatch):
+    monkeypatch.setenv(rt.ENV_VERIFY, "off")
+    assert adapter(device) is None
+
+
+def test_default_sm_scale_is_sglangs(device, shared):
+    ad = shared
+    inp = make_inputs(1, T, H, [40], seed=3, device=device, sm_scale=1 / math.sqrt(DK))
+    a, loc = sglang_args(inp)
+    a["sm_scale"] = None
+    assert rel_error(ad(**a, out_cache_loc=loc), reference_attention(*inp.args)[0]) < TOL
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(logit_cap=30.0), "logit_cap"),
+    (dict(sliding_window_size=128), "sliding_window_size"),
+    (dict(sinks="x"), "sinks"),
+    (dict(xai_temperature_len=4), "xai_temperature_len"),
+    (dict(k_scale=0.125), "k_scale"),
+    (dict(skip_prefix_custom_mask=False), "skip_prefix_custom_mask"),
+    (dict(max_len_extend=T + 1), "max_len_extend"),
+    (dict(out_cache_loc=None), "out_cache_loc"),
+    (dict(out_cache_loc="short"), "out_cache_loc: needs at least"),
+    (dict(v_buffer="copy"), "v_buffer"),
+    (dict(k_buffer="wide"), "k_buffer"),
+    (dict(qo_indptr="ragged"), "qo_indptr"),
+    (dict(kv_indptr="long"), "kv_indptr"),
+    (dict(custom_mask="float"), "custom_mask"),
+    (dict(k_extend="short"), "k_extend"),
+])
+def test_bad_arguments_are_named(device, shared, change, match):
+    ad = shared
+    inp = make_inputs(2, T, H, [5, 30], tree="random", seed=1, device=device)
+    a, loc = sglang_args(inp)
+    a["out_cache_loc"] = loc
+    for k, v in change.items():
+        if v == "copy":
+            v = a["k_buffer"][..., :DV].clone()
+        elif v == "wide":
+            v = torch.zeros(10, 2, DK, dtype=torch.bfloat16, device=device)
+        elif v == "ragged":
+            v = torch.tensor([0, 5, 18], dtype=torch.int32, device=device)
+        elif v == "long":
+            v = torch.cat([a["kv_indptr"], a["kv_indptr"][-1:]])
+        elif v == "float":
+            v = a["custom_mask"].float()
+        elif v == "short":
+            v = loc[:-1] if k == "out_cache_loc" else a["k_extend"][:-1]
+        a[k] = v
+    with pytest.raises(ValueError, match=match):
+        ad(**a)
