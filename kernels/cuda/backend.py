@@ -1,0 +1,332 @@
+"""The CUDA backend: `CudaParams`, per-arch limits, and the NVRTC-compiled launch.
+
+The kernel lives in `verify.cu` (split kernel + log-sum-exp merge); `nvrtc.py` compiles it
+to CUBIN for the exact arch and caches it. This module mirrors the kernel's static_asserts
+(`CudaParams` validation, `check_params`), sizes its shared memory and workspace, judges a
+config statically for any arch (`static_reject`, no GPU needed) and launches it on torch's
+current stream with no allocation and no host sync, so a CUDA graph can capture it.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..backends import Backend, LaunchArgs
+from ..shapes import VerifyProblem, cdiv
+
+DK, DV = 576, 512
+MERGE_SPLIT_GROUPS = 4  # the merge kernel's SG: split groups merged in parallel per (row, head)
+
+
+@dataclass(frozen=True)
+class ArchLimits:
+    """Per-SM and per-block resources of one compute capability (bytes, threads, registers)."""
+
+    smem_per_block: int
+    smem_per_sm: int
+    threads_per_sm: int
+    regs_per_sm: int = 65536
+    max_regs_per_thread: int = 255
+    max_threads_per_block: int = 1024
+
+
+#: The table the tuner and compile-check judge configs against (opt-in dynamic smem limits).
+ARCH_LIMITS: dict[str, ArchLimits] = {
+    "sm_80": ArchLimits(smem_per_block=163 * 1024, smem_per_sm=164 * 1024, threads_per_sm=2048),
+    "sm_86": ArchLimits(smem_per_block=99 * 1024, smem_per_sm=100 * 1024, threads_per_sm=1536),
+    "sm_89": ArchLimits(smem_per_block=99 * 1024, smem_per_sm=100 * 1024, threads_per_sm=1536),
+    "sm_90": ArchLimits(smem_per_block=227 * 1024, smem_per_sm=228 * 1024, threads_per_sm=2048),
+    "sm_120": ArchLimits(smem_per_block=99 * 1024, smem_per_sm=100 * 1024, threads_per_sm=1536),
+}
+
+
+def arch_limits(arch: str) -> ArchLimits:
+    if arch not in ARCH_LIMITS:
+        raise ValueError(f"arch: no limits known for {arch!r}; known: {sorted(ARCH_LIMITS)}")
+    return ARCH_LIMITS[arch]
+
+
+def device_arch(device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+@dataclass(frozen=True)
+class CudaParams:
+    """Parameters of the CUDA kernel (all but NSPLIT are template arguments).
+
+    NSPLIT: key-range splits per request (grid y, a launch-time value, 1..1024).
+    VEC: bf16 elements per gathered vector load: 2, 4 or 8 (4/8/16-byte cp.async).
+    BLOCK_N: keys per tile: 16, 32, 64 or 128.
+    NUM_WARPS: warps per block: 4, 8, 16 or 32 (each warp owns DV / NUM_WARPS value columns).
+    HEADS_PER_BLOCK: heads whose HEADS_PER_BLOCK x T query rows share one CTA (1..64).
+    STAGES: cp.async pipeline depth, 2..4.
+    """
+
+    NSPLIT: int = 64
+    VEC: int = 8
+    BLOCK_N: int = 32
+    NUM_WARPS: int = 16
+    HEADS_PER_BLOCK: int = 8
+    STAGES: int = 2
+
+    def __post_init__(self):
+        def need(ok, field, msg):
+            if not ok:
+                raise ValueError(f"CudaParams.{field}: {msg}")
+        for f in ("NSPLIT", "VEC", "BLOCK_N", "NUM_WARPS", "HEADS_PER_BLOCK", "STAGES"):
+            v = getattr(self, f)
+            need(isinstance(v, int) and not isinstance(v, bool), f, f"must be an int, got {v!r}")
+        need(1 <= self.NSPLIT <= 1024, "NSPLIT", f"must be in [1, 1024], got {self.NSPLIT}")
+        need(self.VEC in (2, 4, 8), "VEC", f"must be 2, 4 or 8 bf16 elements, got {self.VEC}")
+        need(self.BLOCK_N in (16, 32, 64, 128), "BLOCK_N", f"must be 16, 32, 64 or 128, got {self.BLOCK_N}")
+        need(self.NUM_WARPS in (4, 8, 16, 32), "NUM_WARPS", f"must be 4, 8, 16 or 32, got {self.NUM_WARPS}")
+        need(1 <= self.HEADS_PER_BLOCK <= 64, "HEADS_PER_BLOCK", f"must be in [1, 64], got {self.HEADS_PER_BLOCK}")
+        need(2 <= self.STAGES <= 4, "STAGES", f"must be in [2, 4], got {self.STAGES}")
+        need(self.NUM_WARPS * 32 >= self.BLOCK_N, "BLOCK_N",
+             f"{self.BLOCK_N} keys per tile need at least as many threads (NUM_WARPS={self.NUM_WARPS})")
+
+    @property
+    def threads(self) -> int:
+        return self.NUM_WARPS * 32
+
+
+@dataclass(frozen=True)
+class KernelGeometry:
+    """Derived compile-time constants (mirror of `Config` in verify.cu)."""
+
+    rows: int
+    row_tiles: int
+    acc_regs: int
+    smem_bytes: int
+
+    @staticmethod
+    def of(p: CudaParams, T: int) -> "KernelGeometry":
+        rows = p.HEADS_PER_BLOCK * T
+        nt = cdiv(rows, 8)
+        rows_pad = nt * 8
+        kpitch, ppitch, spitch = DK + 8, p.BLOCK_N + 8, p.BLOCK_N + 4
+        smem = (rows_pad * kpitch * 2 + p.STAGES * p.BLOCK_N * kpitch * 2 + rows_pad * spitch * 4
+                + rows_pad * ppitch * 2 + 2 * rows_pad * 4)
+        return KernelGeometry(rows=rows, row_tiles=nt, acc_regs=(DV // 16 // p.NUM_WARPS) * nt * 4, smem_bytes=smem)
+
+
+def split_expr(p: CudaParams, T: int) -> str:
+    return f"kvtune::verify_split_kernel<{p.VEC},{p.BLOCK_N},{p.NUM_WARPS},{p.HEADS_PER_BLOCK},{p.STAGES},{T}>"
+
+
+MERGE_EXPR = f"kvtune::verify_merge_kernel<{MERGE_SPLIT_GROUPS}>"
+
+
+def module_name(p: CudaParams, T: int) -> str:
+    """Readable cache name from every template value (NSPLIT is not one)."""
+    return (f"verify_T{T}_VEC{p.VEC}_BN{p.BLOCK_N}_W{p.NUM_WARPS}_HPB{p.HEADS_PER_BLOCK}_S{p.STAGES}"
+            f"_MSG{MERGE_SPLIT_GROUPS}")
+
+
+def compile_params(p: CudaParams, T: int, arch: str):
+    """Compile (or fetch) the module for `p` at T draft tokens on `arch` (no GPU needed)."""
+    from .nvrtc import compile_module
+    return compile_module(module_name(p, T), [split_expr(p, T), MERGE_EXPR], arch)
+
+
+def check_static(p: CudaParams, T: int) -> None:
+    """The kernel's static_asserts that depend on T, as ValueErrors naming the field."""
+    if not 1 <= T <= 64:
+        raise ValueError(f"T: {T} draft tokens; the CUDA kernel supports 1..64")
+    g = KernelGeometry.of(p, T)
+    if g.rows > 256:
+        raise ValueError(f"CudaParams.HEADS_PER_BLOCK: {p.HEADS_PER_BLOCK} heads x T={T} = {g.rows} rows per "
+                         "CTA exceeds 256")
+    if g.acc_regs > 192:
+        raise ValueError(f"CudaParams.NUM_WARPS: the O accumulator needs {g.acc_regs} registers per thread "
+                         f"(> 192) with {p.NUM_WARPS} warps and {g.rows} rows; use more warps or fewer heads")
+
+
+# ---------------------------------------------------------------- kernel arguments (mirror verify.cu)
+
+class _SplitArgs(ctypes.Structure):
+    _fields_ = [("q", ctypes.c_void_p), ("kv", ctypes.c_void_p), ("indptr", ctypes.c_void_p),
+                ("indices", ctypes.c_void_p), ("tree_mask", ctypes.c_void_p), ("part_o", ctypes.c_void_p),
+                ("part_lse", ctypes.c_void_p), ("split_max_keys", ctypes.c_void_p),
+                ("split_values", ctypes.c_void_p),
+                ("q_stride_m", ctypes.c_int64), ("q_stride_h", ctypes.c_int64), ("kv_stride", ctypes.c_int64),
+                ("qk_scale", ctypes.c_float),
+                ("H", ctypes.c_int), ("rows_total", ctypes.c_int), ("num_buckets", ctypes.c_int),
+                ("grid_nsplit", ctypes.c_int), ("indices_64", ctypes.c_int), ("q_vec16", ctypes.c_int)]
+
+
+class _MergeArgs(ctypes.Structure):
+    _fields_ = [("part_o", ctypes.c_void_p), ("part_lse", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("lse", ctypes.c_void_p), ("indptr", ctypes.c_void_p), ("split_max_keys", ctypes.c_void_p),
+                ("split_values", ctypes.c_void_p),
+                ("out_stride_m", ctypes.c_int64), ("out_stride_h", ctypes.c_int64), ("lse_stride_m", ctypes.c_int64),
+                ("H", ctypes.c_int), ("T", ctypes.c_int), ("rows_total", ctypes.c_int),
+                ("num_buckets", ctypes.c_int), ("grid_nsplit", ctypes.c_int)]
+
+
+# sizes static_assert'ed in verify.cu: a layout change on either side fails loudly
+assert ctypes.sizeof(_SplitArgs) == 128 and ctypes.sizeof(_MergeArgs) == 104
+
+LOG2E = 1.4426950408889634
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    params_type = CudaParams
+
+    def __init__(self):
+        self._sms: dict[int, int] = {}
+        self._kernels: dict[tuple, tuple] = {}
+
+    # -- parameters
+    def default_params(self, problem: VerifyProblem) -> CudaParams:
+        # 72 query rows per CTA (8 heads at T=9): one key read feeds 9 row tiles; 16 warps keep
+        # the 512-wide accumulator at 128 registers. NSPLIT: about one CTA per SM at batch 1.
+        hpb = max(1, min(problem.H, 72 // problem.T))
+        sms = 132
+        if problem.is_cuda and torch.cuda.is_available():
+            idx = problem.device.index if problem.device.index is not None else torch.cuda.current_device()
+            if idx not in self._sms:
+                self._sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+            sms = self._sms[idx]
+        arch = device_arch(problem.device) if problem.is_cuda and torch.cuda.is_available() else "sm_90"
+        p = default_for_arch(problem.T, hpb, arch)
+        ctas = problem.B * cdiv(problem.H, p.HEADS_PER_BLOCK)
+        return replace(p, NSPLIT=max(1, min(256, round(sms / ctas))))
+
+    def check_params(self, params: CudaParams, problem: VerifyProblem) -> None:
+        if not isinstance(params, CudaParams):
+            raise ValueError(f"params: the cuda backend takes CudaParams, got {type(params).__name__}")
+        if problem.Dk != DK or problem.Dv != DV:
+            raise ValueError(f"cuda backend is built for Dk={DK}, Dv={DV} (kv_lora_rank 512 + rope 64); "
+                             f"got Dk={problem.Dk}, Dv={problem.Dv}")
+        check_static(params, problem.T)
+
+    def workspace_bytes(self, problem: VerifyProblem, params: CudaParams) -> int:
+        return 4 * params.NSPLIT * problem.rows * problem.H * (problem.Dv + 1)
+
+    def static_reject(self, params: CudaParams, problem: VerifyProblem, arch: str | None = None) -> str | None:
+        try:
+            self.check_params(params, problem)
+        except ValueError as e:
+            return str(e)
+        if arch is None:
+            arch = device_arch(problem.device) if problem.is_cuda else "sm_90"
+        return reject_reason(params, problem.T, arch)
+
+    def supports(self, device: torch.device) -> str | None:
+        if device.type != "cuda":
+            return f"needs a CUDA device, got {device}"
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            return f"needs sm_80 or newer, got {device_arch(device)}"
+        try:
+            import cuda.bindings.driver  # noqa: F401
+            import cuda.bindings.nvrtc  # noqa: F401
+        except ImportError as e:
+            return f"cuda-bindings missing: {e}"
+        return None
+
+    # -- launch
+    def _get(self, params: CudaParams, T: int, device: torch.device):
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        key = (params.VEC, params.BLOCK_N, params.NUM_WARPS, params.HEADS_PER_BLOCK, params.STAGES, T, idx)
+        got = self._kernels.get(key)
+        if got is None:
+            from .nvrtc import load_kernels
+            arch = device_arch(idx)
+            geo = KernelGeometry.of(params, T)
+            limit = torch.cuda.get_device_properties(idx).shared_memory_per_block_optin
+            if geo.smem_bytes > limit:
+                raise ValueError(f"params: {geo.smem_bytes} bytes of shared memory per block exceed this "
+                                 f"device's {limit} ({arch}); use fewer STAGES, BLOCK_N or HEADS_PER_BLOCK")
+            mod = compile_params(params, T, arch)
+            ks = load_kernels(mod, idx, {split_expr(params, T): geo.smem_bytes})
+            got = (ks[split_expr(params, T)], ks[MERGE_EXPR], geo)
+            self._kernels[key] = got
+        return got
+
+    def launch(self, a: LaunchArgs, params: CudaParams) -> None:
+        from cuda.bindings import driver as drv
+        from .nvrtc import check_driver
+        pb = a.problem
+        split_k, merge_k, geo = self._get(params, pb.T, pb.device)
+        VEC = params.VEC
+        kv = a.kv_cache
+        if kv.stride(0) % VEC or kv.data_ptr() % (2 * VEC):
+            raise ValueError(f"kv_cache: row stride {kv.stride(0)} / base address must be multiples of "
+                             f"VEC={VEC} elements for {2 * VEC}-byte loads; use a smaller VEC")
+        out = a.out
+        if out.stride(0) % 4 or out.stride(1) % 4 or out.data_ptr() % 8:
+            raise ValueError("out: row and head strides must be multiples of 4 elements and the base 8-byte aligned")
+        q = a.q
+        q_vec16 = int(q.data_ptr() % 16 == 0 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0)
+        ns = params.NSPLIT
+        n_o = ns * pb.rows * pb.H * pb.Dv
+        ws = a.workspace
+        base = ws.data_ptr()
+        part_o, part_lse = base, base + 4 * n_o
+        st = a.split_table
+        nb = st.num_buckets if st is not None else 0
+        smk = st.max_keys.data_ptr() if st is not None else a.kv_indptr.data_ptr()
+        sv = st.nsplit.data_ptr() if st is not None else a.kv_indptr.data_ptr()
+        sa = _SplitArgs(q.data_ptr(), kv.data_ptr(), a.kv_indptr.data_ptr(), a.kv_indices.data_ptr(),
+                        a.tree_mask.data_ptr(), part_o, part_lse, smk, sv,
+                        q.stride(0), q.stride(1), kv.stride(0), a.sm_scale * LOG2E,
+                        pb.H, pb.rows, nb, ns, int(a.kv_indices.dtype == torch.int64), q_vec16)
+        lse = a.lse
+        ma = _MergeArgs(part_o, part_lse, out.data_ptr(), lse.data_ptr() if lse is not None else 0,
+                        a.kv_indptr.data_ptr(), smk, sv, out.stride(0), out.stride(1),
+                        lse.stride(0) if lse is not None else 0, pb.H, pb.T, pb.rows, nb, ns)
+        stream = drv.CUstream(torch.cuda.current_stream(pb.device).cuda_stream)
+        sp = (ctypes.c_void_p * 1)(ctypes.addressof(sa))
+        mp = (ctypes.c_void_p * 1)(ctypes.addressof(ma))
+        grid_x = pb.B * cdiv(pb.H, params.HEADS_PER_BLOCK)
+        check_driver(drv.cuLaunchKernel(split_k.function, grid_x, ns, 1, params.threads, 1, 1, geo.smem_bytes,
+                                        stream, ctypes.addressof(sp), 0), "cuLaunchKernel(verify_split)")
+        check_driver(drv.cuLaunchKernel(merge_k.function, pb.rows * pb.H, 1, 1, 128 * MERGE_SPLIT_GROUPS, 1, 1, 0,
+                                        stream, ctypes.addressof(mp), 0), "cuLaunchKernel(verify_merge)")
+
+
+def default_for_arch(T: int, heads_per_block: int, arch: str) -> CudaParams:
+    """The default template values for `arch`: the sm_90 shape (32-key tiles, 2 stages),
+    shrunk (16-key tiles, then fewer heads per CTA) until its shared memory fits the arch."""
+    limit = ARCH_LIMITS[arch].smem_per_block if arch in ARCH_LIMITS else ARCH_LIMITS["sm_120"].smem_per_block
+    p = CudaParams(VEC=8, BLOCK_N=32, NUM_WARPS=16, HEADS_PER_BLOCK=heads_per_block, STAGES=2)
+    if KernelGeometry.of(p, T).smem_bytes > limit:
+        p = replace(p, BLOCK_N=16)
+    while KernelGeometry.of(p, T).smem_bytes > limit and p.HEADS_PER_BLOCK > 1:
+        p = replace(p, HEADS_PER_BLOCK=p.HEADS_PER_BLOCK // 2)
+    return p
+
+
+def reject_reason(params: CudaParams, T: int, arch: str) -> str | None:
+    """Why `params` cannot run at T on `arch` (compile error, spills, smem/regs over the
+    arch's limits), or None. Compiles with NVRTC on the CPU."""
+    from .nvrtc import NvrtcError
+    try:
+        check_static(params, T)
+    except ValueError as e:
+        return str(e)
+    lim = arch_limits(arch)
+    geo = KernelGeometry.of(params, T)
+    if geo.smem_bytes > lim.smem_per_block:
+        return (f"shared memory {geo.smem_bytes} B per block exceeds {arch}'s {lim.smem_per_block} B "
+                f"(STAGES={params.STAGES}, BLOCK_N={params.BLOCK_N}, HEADS_PER_BLOCK={params.HEADS_PER_BLOCK})")
+    if params.threads > lim.threads_per_sm:
+        return f"{params.threads} threads per block exceed {arch}'s {lim.threads_per_sm} per SM"
+    try:
+        mod = compile_params(params, T, arch)
+    except NvrtcError as e:
+        return f"compile error on {arch}: {e}"
+    res = mod.resources[split_expr(params, T)]
+    if res.spills:
+        return (f"register spills on {arch}: {res.spill_stores} B stores / {res.spill_loads} B loads "
+                f"({res.registers} registers)")
+    if res.registers * params.threads > lim.regs_per_sm:
+        return f"{res.registers} registers x {params.threads} threads exceed {arch}'s {lim.regs_per_sm} per SM"
+    return None

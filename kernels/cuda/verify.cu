@@ -1,0 +1,544 @@
+// MLA verify attention, split-K, for NVRTC: one templated source for sm_80 .. sm_120.
+//
+// Reads top to bottom: the PTX helpers (cp.async, ldmatrix, mma.sync), the compile-time
+// configuration with its static_asserts, the split kernel (one key range of one request for
+// a group of heads), and the log-sum-exp merge of the partials.
+//
+// Shapes: q [B*T, H, DK] bf16 (row/head strides given), kv [num_slots, DK] bf16 (row stride
+// given), kv_indptr [B+1] int32, kv_indices int32 or int64, tree_mask [B*T] int64.
+// Partials: o [NSPLIT, B*T, H, DV] fp32 (normalised per split), lse [NSPLIT, B*T, H] fp32
+// (natural log, -inf for a row that saw nothing in that split).
+//
+// The split kernel computes S^T = K Q^T and O^T = V^T P^T ("swap AB"): keys and the value
+// width sit in the MMA's M dimension (16), the heads x T query rows of the request sit in N
+// (8), so H*T = 72 rows pad to 72, not 80, and each gathered key row is read from global
+// memory once per split and head group.
+#include <cuda_bf16.h>
+
+namespace kvtune {
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+typedef unsigned long long u64;
+
+constexpr int DK = 576;   // kv_lora_rank + qk_rope_head_dim
+constexpr int DV = 512;   // kv_lora_rank: V is the first DV columns of a cached row
+constexpr float LN2 = 0.6931471805599453f;
+
+// ---------------------------------------------------------------- PTX helpers (sm_80 class)
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// BYTES-wide asynchronous global->shared copy; src_bytes = 0 zero-fills the destination.
+template <int BYTES>
+__device__ __forceinline__ void cp_async(u32 dst, const void* src, int src_bytes) {
+  if constexpr (BYTES == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(BYTES),
+                 "r"(src_bytes));
+  }
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x2(u32 addr, u32& r0, u32& r1) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
+}
+
+// c[16x8] += a[16x16] * b[16x8], bf16 operands, fp32 accumulators.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // ex2(-inf) = +0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ u16 bf16_bits(float x) {
+  __nv_bfloat16 h = __float2bfloat16_rn(x);
+  return *reinterpret_cast<u16*>(&h);
+}
+
+// NSPLIT of a request with L keys: the grid's, or the first bucket with L <= bound (the
+// last bucket beyond the last bound), clamped to [1, grid_nsplit]. Same rule as Triton's.
+__device__ __forceinline__ int num_splits(int L, const int* max_keys, const int* values, int nb,
+                                          int grid_nsplit) {
+  if (nb == 0) return grid_nsplit;
+  int n = values[nb - 1];
+  for (int i = 0; i < nb; ++i) {
+    if (L <= max_keys[i]) { n = values[i]; break; }
+  }
+  return min(max(n, 1), grid_nsplit);
+}
+
+// ---------------------------------------------------------------- configuration
+
+template <int VEC, int BLOCK_N, int NUM_WARPS, int HPB, int STAGES, int T>
+struct Config {
+  static_assert(VEC == 2 || VEC == 4 || VEC == 8, "VEC must be 2, 4 or 8 bf16 (4/8/16-byte copies)");
+  static_assert(BLOCK_N == 16 || BLOCK_N == 32 || BLOCK_N == 64 || BLOCK_N == 128, "BLOCK_N in {16,32,64,128}");
+  static_assert(NUM_WARPS == 4 || NUM_WARPS == 8 || NUM_WARPS == 16 || NUM_WARPS == 32, "NUM_WARPS in {4,8,16,32}");
+  static_assert(STAGES >= 2 && STAGES <= 4, "STAGES in [2, 4]");
+  static_assert(T >= 1 && T <= 64, "T in [1, 64]: the tree mask is one int64 per row");
+  static_assert(HPB >= 1 && HPB * T <= 256, "HEADS_PER_BLOCK * T must be in [1, 256]");
+
+  static constexpr int THREADS = NUM_WARPS * 32;
+  static constexpr int ROWS = HPB * T;          // query rows of one CTA
+  static constexpr int NT = (ROWS + 7) / 8;     // n8 tiles of query rows
+  static constexpr int ROWS_PAD = NT * 8;
+  static constexpr int KT = BLOCK_N / 16;       // m16 tiles of keys
+  // smem pitches: a 16-byte pad makes each row start 16 bytes further round the banks, so
+  // the 8 row addresses of an ldmatrix hit 8 different 16-byte bank groups.
+  static constexpr int KPITCH = DK + 8;         // bf16 per K / Q row (1168 bytes = 73 x 16)
+  static constexpr int PPITCH = BLOCK_N + 8;    // bf16 per P row
+  static constexpr int SPITCH = BLOCK_N + 4;    // fp32 per S row: fragment stores conflict-free
+
+  // S^T = K Q^T: warps tile (key m16 tiles) x (row n8 tiles)
+  static constexpr int WS_K = NUM_WARPS <= KT ? NUM_WARPS : KT;
+  static constexpr int S_MT = KT / WS_K;
+  static constexpr int WS_R = NUM_WARPS / WS_K;
+  static constexpr int S_NT = (NT + WS_R - 1) / WS_R;
+  // O^T = V^T P^T: each warp owns DV / NUM_WARPS value columns for every query row
+  static constexpr int PV_MT = (DV / 16) / NUM_WARPS;
+  static_assert(PV_MT >= 1, "NUM_WARPS <= DV / 16");
+  static_assert(PV_MT * NT * 4 <= 192, "O accumulator over 192 registers per thread: fewer rows or more warps");
+
+  // gathered key copy: TPR threads per key row, each CPT chunks of VEC elements
+  static constexpr int CPR = DK / VEC;
+  static_assert(THREADS >= BLOCK_N && THREADS % BLOCK_N == 0, "threads must cover the key rows of a tile");
+  static constexpr int TPR = THREADS / BLOCK_N;
+  static constexpr int CPT = (CPR + TPR - 1) / TPR;
+
+  // online softmax: 8 lanes per row, BLOCK_N / 8 columns per lane
+  static constexpr int GROUPS = THREADS / 8;
+  static constexpr int PASSES = (ROWS + GROUPS - 1) / GROUPS;
+  static constexpr int CPL = BLOCK_N / 8;
+
+  // shared memory layout (bytes)
+  static constexpr int Q_OFF = 0;
+  static constexpr int K_OFF = Q_OFF + ROWS_PAD * KPITCH * 2;
+  static constexpr int K_STAGE = BLOCK_N * KPITCH * 2;
+  static constexpr int S_OFF = K_OFF + STAGES * K_STAGE;
+  static constexpr int P_OFF = S_OFF + ROWS_PAD * SPITCH * 4;
+  static constexpr int ALPHA_OFF = P_OFF + ROWS_PAD * PPITCH * 2;
+  static constexpr int L_OFF = ALPHA_OFF + ROWS_PAD * 4;
+  static constexpr int SMEM_BYTES = L_OFF + ROWS_PAD * 4;
+};
+
+struct SplitArgs {
+  const u16* q;             // [B*T, H, DK] bf16
+  const u16* kv;            // [num_slots, DK] bf16
+  const int* indptr;        // [B+1]
+  const void* indices;      // int32 or int64
+  const i64* tree_mask;     // [B*T]
+  float* part_o;            // [NSPLIT, B*T, H, DV]
+  float* part_lse;          // [NSPLIT, B*T, H]
+  const int* split_max_keys;
+  const int* split_values;
+  i64 q_stride_m, q_stride_h, kv_stride;  // in elements
+  float qk_scale;           // sm_scale * log2(e)
+  int H, rows_total, num_buckets, grid_nsplit, indices_64, q_vec16;
+};
+static_assert(sizeof(SplitArgs) == 128, "SplitArgs must match backend._SplitArgs");
+
+// ---------------------------------------------------------------- split kernel
+// grid (B * ceil(H / HPB), NSPLIT); block NUM_WARPS * 32; dynamic smem Config::SMEM_BYTES.
+template <int VEC, int BLOCK_N, int NUM_WARPS, int HPB, int STAGES, int T>
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const SplitArgs a) {
+  using C = Config<VEC, BLOCK_N, NUM_WARPS, HPB, STAGES, T>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  u16* Qs = reinterpret_cast<u16*>(smem + C::Q_OFF);
+  u16* Ks = reinterpret_cast<u16*>(smem + C::K_OFF);
+  float* Ss = reinterpret_cast<float*>(smem + C::S_OFF);
+  u16* Ps = reinterpret_cast<u16*>(smem + C::P_OFF);
+  float* alpha_s = reinterpret_cast<float*>(smem + C::ALPHA_OFF);
+  float* l_s = reinterpret_cast<float*>(smem + C::L_OFF);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int num_hg = (a.H + HPB - 1) / HPB;
+  const int b = blockIdx.x / num_hg, hg = blockIdx.x % num_hg;
+  const int split = blockIdx.y;
+
+  const int kv_start = a.indptr[b];
+  const int L = a.indptr[b + 1] - kv_start;
+  const int P = L - T;                          // prefix keys; draft key d sits at P + d
+  const int nsplit = num_splits(L, a.split_max_keys, a.split_values, a.num_buckets, a.grid_nsplit);
+  if (split >= nsplit) return;                  // the merge never reads splits past nsplit
+  const int chunk = ((L + nsplit - 1) / nsplit + BLOCK_N - 1) / BLOCK_N * BLOCK_N;
+  const int lo = split * chunk;
+  const int hi = min(lo + chunk, L);
+  const int n_tiles = hi > lo ? (hi - lo + BLOCK_N - 1) / BLOCK_N : 0;
+
+  if (n_tiles == 0) {  // empty split: lse = -inf; the merge skips its o
+    for (int r = tid; r < C::ROWS; r += C::THREADS) {
+      const int head = hg * HPB + r / T;
+      if (head < a.H)
+        a.part_lse[((i64)split * a.rows_total + b * T + r % T) * a.H + head] = -__int_as_float(0x7f800000);
+    }
+    return;
+  }
+
+  // -- zero the padded P rows once, alpha of padded rows 0 (their O columns are never stored)
+  for (int i = tid; i < C::ROWS_PAD * C::PPITCH; i += C::THREADS) Ps[i] = 0;
+  for (int r = tid; r < C::ROWS_PAD; r += C::THREADS) alpha_s[r] = 0.f;
+
+  // -- Q tile: the HPB x T rows of this head group, zero for padded rows / heads past H
+  const u32 qs_base = smem_u32(Qs);
+  if (a.q_vec16) {
+    constexpr int QC = DK / 8;
+    for (int c = tid; c < C::ROWS_PAD * QC; c += C::THREADS) {
+      const int r = c / QC, col = (c % QC) * 8;
+      const int head = hg * HPB + r / T;
+      const bool ok = r < C::ROWS && head < a.H;
+      const u16* src = ok ? a.q + (i64)(b * T + r % T) * a.q_stride_m + (i64)head * a.q_stride_h + col : a.q;
+      cp_async<16>(qs_base + (r * C::KPITCH + col) * 2, src, ok ? 16 : 0);
+    }
+  } else {
+    for (int c = tid; c < C::ROWS_PAD * DK; c += C::THREADS) {
+      const int r = c / DK, col = c % DK;
+      const int head = hg * HPB + r / T;
+      const bool ok = r < C::ROWS && head < a.H;
+      Qs[r * C::KPITCH + col] =
+          ok ? a.q[(i64)(b * T + r % T) * a.q_stride_m + (i64)head * a.q_stride_h + col] : (u16)0;
+    }
+  }
+
+  // -- gathered key tiles: thread `tid` copies row tid / TPR of each tile, chunks sub + TPR*i
+  const int my_row = tid / C::TPR, my_sub = tid % C::TPR;
+  auto load_slot = [&](int tile) -> i64 {  // -1: row past the split's end (zero-filled)
+    const int n = lo + tile * BLOCK_N + my_row;
+    if (tile >= n_tiles || n >= hi) return -1;
+    return a.indices_64 ? reinterpret_cast<const i64*>(a.indices)[kv_start + n]
+                        : (i64) reinterpret_cast<const int*>(a.indices)[kv_start + n];
+  };
+  const u32 ks_base = smem_u32(Ks);
+  auto issue_tile = [&](int tile, i64 slot) {
+    if (tile >= n_tiles) return;
+    const u32 dst = ks_base + (tile % STAGES) * C::K_STAGE + my_row * C::KPITCH * 2;
+    const u16* src = slot >= 0 ? a.kv + slot * a.kv_stride : a.kv;
+    const int bytes = slot >= 0 ? VEC * 2 : 0;
+#pragma unroll
+    for (int i = 0; i < C::CPT; ++i) {
+      const int c = my_sub + i * C::TPR;
+      if (C::CPR % C::TPR == 0 || c < C::CPR) cp_async<VEC * 2>(dst + c * VEC * 2, src + c * VEC, bytes);
+    }
+  };
+
+  i64 slot = load_slot(0);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    issue_tile(s, slot);
+    cp_async_commit();  // group 0 also carries the Q tile
+    slot = load_slot(s + 1);
+  }
+
+  // -- per-row softmax state, owned by the 8 lanes of row group tid / 8
+  const int grp = tid >> 3, sub8 = tid & 7;
+  float m_run[C::PASSES], l_run[C::PASSES];
+  i64 bits[C::PASSES];
+#pragma unroll
+  for (int p = 0; p < C::PASSES; ++p) {
+    m_run[p] = -__int_as_float(0x7f800000);
+    l_run[p] = 0.f;
+    const int r = p * C::GROUPS + grp;
+    bits[p] = r < C::ROWS ? a.tree_mask[b * T + r % T] : 0;
+  }
+
+  float acc[C::PV_MT][C::NT][4];
+#pragma unroll
+  for (int mt = 0; mt < C::PV_MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+
+  const int g = lane >> 2, t4 = lane & 3;
+  const int wk = warp % C::WS_K, wr = warp / C::WS_K;
+  const int dv0 = warp * C::PV_MT * 16;
+  const u32 ps_base = smem_u32(Ps);
+
+  for (int it = 0; it < n_tiles; ++it) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile `it` visible to all; every warp is done with tile it-1's stage
+    issue_tile(it + STAGES - 1, slot);
+    cp_async_commit();
+    slot = load_slot(it + STAGES);
+    const u32 kst = ks_base + (it % STAGES) * C::K_STAGE;
+
+    // -- S^T = K Q^T over the 576-wide reduction
+    {
+      float sacc[C::S_MT][C::S_NT][4];
+#pragma unroll
+      for (int mt = 0; mt < C::S_MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < C::S_NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sacc[mt][nt][e] = 0.f;
+      const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_col = (lane >> 4) * 8;
+      const int b_row = (lane & 7) + (lane >> 4) * 8, b_col = ((lane >> 3) & 1) * 8;
+#pragma unroll 4
+      for (int ks = 0; ks < DK / 16; ++ks) {
+        u32 af[C::S_MT][4];
+#pragma unroll
+        for (int mt = 0; mt < C::S_MT; ++mt) {
+          const int key = (wk * C::S_MT + mt) * 16 + a_row;
+          ldmatrix_x4(kst + (key * C::KPITCH + ks * 16 + a_col) * 2, af[mt][0], af[mt][1], af[mt][2], af[mt][3]);
+        }
+#pragma unroll
+        for (int np = 0; np < (C::S_NT + 1) / 2; ++np) {
+          const int nt0 = wr * C::S_NT + 2 * np;
+          u32 b0, b1, b2 = 0, b3 = 0;
+          const bool two = 2 * np + 1 < C::S_NT && nt0 + 1 < C::NT;
+          if (two) {
+            ldmatrix_x4(qs_base + ((nt0 * 8 + b_row) * C::KPITCH + ks * 16 + b_col) * 2, b0, b1, b2, b3);
+          } else if (nt0 < C::NT) {
+            ldmatrix_x2(qs_base + ((nt0 * 8 + (lane & 7)) * C::KPITCH + ks * 16 + b_col) * 2, b0, b1);
+          }
+          if (nt0 < C::NT) {
+#pragma unroll
+            for (int mt = 0; mt < C::S_MT; ++mt) mma_bf16(sacc[mt][2 * np], af[mt], b0, b1);
+          }
+          if (2 * np + 1 < C::S_NT && two) {
+#pragma unroll
+            for (int mt = 0; mt < C::S_MT; ++mt) mma_bf16(sacc[mt][2 * np + 1], af[mt], b2, b3);
+          }
+        }
+      }
+      // c0: (key g, row 2t), c1: (key g, row 2t+1), c2/c3: key g+8
+#pragma unroll
+      for (int mt = 0; mt < C::S_MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < C::S_NT; ++nt) {
+          const int ntg = wr * C::S_NT + nt;
+          if (ntg < C::NT) {
+            const int key = (wk * C::S_MT + mt) * 16 + g, row = ntg * 8 + 2 * t4;
+            Ss[row * C::SPITCH + key] = sacc[mt][nt][0];
+            Ss[(row + 1) * C::SPITCH + key] = sacc[mt][nt][1];
+            Ss[row * C::SPITCH + key + 8] = sacc[mt][nt][2];
+            Ss[(row + 1) * C::SPITCH + key + 8] = sacc[mt][nt][3];
+          }
+        }
+    }
+    __syncthreads();
+
+    // -- online softmax (base 2): tree mask on draft keys, update m and l, P to smem as bf16
+    {
+      const int n0 = lo + it * BLOCK_N + sub8 * C::CPL;
+#pragma unroll
+      for (int p = 0; p < C::PASSES; ++p) {
+        const int r = p * C::GROUPS + grp;
+        const bool row_ok = r < C::ROWS;
+        float s[C::CPL];
+        float mx = -__int_as_float(0x7f800000);
+#pragma unroll
+        for (int j = 0; j < C::CPL; ++j) {
+          const int n = n0 + j;
+          const int d = n - P;
+          const bool vis = row_ok && n < hi && (d < 0 || ((bits[p] >> d) & 1));
+          s[j] = vis ? Ss[r * C::SPITCH + sub8 * C::CPL + j] * a.qk_scale : -__int_as_float(0x7f800000);
+          mx = fmaxf(mx, s[j]);
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        const float m_new = fmaxf(m_run[p], mx);
+        const float m_safe = m_new == -__int_as_float(0x7f800000) ? 0.f : m_new;
+        const float alpha = fast_exp2(m_run[p] - m_safe);
+        float psum = 0.f;
+        if (row_ok) {
+#pragma unroll
+          for (int j = 0; j < C::CPL; j += 2) {
+            const float p0 = fast_exp2(s[j] - m_safe), p1 = fast_exp2(s[j + 1] - m_safe);
+            psum += p0 + p1;
+            const u32 packed = (u32)bf16_bits(p0) | ((u32)bf16_bits(p1) << 16);
+            *reinterpret_cast<u32*>(Ps + r * C::PPITCH + sub8 * C::CPL + j) = packed;
+          }
+          if (sub8 == 0) alpha_s[r] = alpha;
+        }
+        l_run[p] = l_run[p] * alpha + psum;  // lane-partial sums; reduced once at the end
+        m_run[p] = m_new;
+      }
+    }
+    __syncthreads();
+
+    // -- O^T = alpha * O^T + V^T P^T; V is the first DV columns of the key rows already in smem
+    {
+#pragma unroll
+      for (int nt = 0; nt < C::NT; ++nt) {
+        const float a0 = alpha_s[nt * 8 + 2 * t4], a1 = alpha_s[nt * 8 + 2 * t4 + 1];
+#pragma unroll
+        for (int mt = 0; mt < C::PV_MT; ++mt) {
+          acc[mt][nt][0] *= a0;
+          acc[mt][nt][1] *= a1;
+          acc[mt][nt][2] *= a0;
+          acc[mt][nt][3] *= a1;
+        }
+      }
+      const int b_row = (lane & 7) + (lane >> 4) * 8, b_col = ((lane >> 3) & 1) * 8;
+      const int v_key = (lane & 7) + (lane >> 4) * 8, v_col = ((lane >> 3) & 1) * 8;
+#pragma unroll
+      for (int ks = 0; ks < C::KT; ++ks) {
+        u32 bf[C::NT][2];
+#pragma unroll
+        for (int nt = 0; nt < C::NT; nt += 2) {
+          if (nt + 1 < C::NT) {
+            ldmatrix_x4(ps_base + ((nt * 8 + b_row) * C::PPITCH + ks * 16 + b_col) * 2, bf[nt][0], bf[nt][1],
+                        bf[nt + 1][0], bf[nt + 1][1]);
+          } else {
+            ldmatrix_x2(ps_base + ((nt * 8 + (lane & 7)) * C::PPITCH + ks * 16 + b_col) * 2, bf[nt][0], bf[nt][1]);
+          }
+        }
+#pragma unroll
+        for (int mt = 0; mt < C::PV_MT; ++mt) {
+          u32 af[4];
+          ldmatrix_x4_trans(kst + ((ks * 16 + v_key) * C::KPITCH + dv0 + mt * 16 + v_col) * 2, af[0], af[1], af[2],
+                            af[3]);
+#pragma unroll
+          for (int nt = 0; nt < C::NT; ++nt) mma_bf16(acc[mt][nt], af, bf[nt][0], bf[nt][1]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // -- this split's lse (natural log) and l for the normalisation of o
+#pragma unroll
+  for (int p = 0; p < C::PASSES; ++p) {
+    float l = l_run[p];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    l += __shfl_xor_sync(0xffffffffu, l, 4);
+    const int r = p * C::GROUPS + grp;
+    if (r < C::ROWS && sub8 == 0) {
+      l_s[r] = l;
+      const int head = hg * HPB + r / T;
+      if (head < a.H) {
+        const float lse = l > 0.f ? (m_run[p] + __log2f(l)) * LN2 : -__int_as_float(0x7f800000);
+        a.part_lse[((i64)split * a.rows_total + b * T + r % T) * a.H + head] = lse;
+      }
+    }
+  }
+  __syncthreads();
+
+  // -- normalised partial o: c0 (dv g, row 2t), c1 (dv g, row 2t+1), c2/c3 dv g+8
+#pragma unroll
+  for (int nt = 0; nt < C::NT; ++nt) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int r = nt * 8 + 2 * t4 + j;
+      if (r >= C::ROWS) continue;
+      const int head = hg * HPB + r / T;
+      if (head >= a.H) continue;
+      const float l = l_s[r];
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      float* dst = a.part_o + (((i64)split * a.rows_total + b * T + r % T) * a.H + head) * DV + dv0 + g;
+#pragma unroll
+      for (int mt = 0; mt < C::PV_MT; ++mt) {
+        dst[mt * 16] = acc[mt][nt][j] * inv;
+        dst[mt * 16 + 8] = acc[mt][nt][2 + j] * inv;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- merge kernel
+
+struct MergeArgs {
+  const float* part_o;      // [NSPLIT, B*T, H, DV]
+  const float* part_lse;    // [NSPLIT, B*T, H]
+  u16* out;                 // [B*T, H, DV] bf16 (strides given)
+  float* lse;               // [B*T, H] fp32 or null
+  const int* indptr;
+  const int* split_max_keys;
+  const int* split_values;
+  i64 out_stride_m, out_stride_h, lse_stride_m;
+  int H, T, rows_total, num_buckets, grid_nsplit;
+};
+static_assert(sizeof(MergeArgs) == 104, "MergeArgs must match backend._MergeArgs");
+
+// grid (B*T*H); block SG * 128: split group sg merges splits sg, sg+SG, ... for all DV
+// columns (4 per thread), then the SG running states are combined through shared memory.
+template <int SG>
+__global__ void __launch_bounds__(SG * 128) verify_merge_kernel(const MergeArgs a) {
+  __shared__ float red_m[SG], red_s[SG];
+  __shared__ float4 red_o[SG][128];
+  const int pair = blockIdx.x;                  // = row * H + head
+  const int row = pair / a.H, head = pair % a.H;
+  const int b = row / a.T;
+  const int L = a.indptr[b + 1] - a.indptr[b];
+  const int nsplit = num_splits(L, a.split_max_keys, a.split_values, a.num_buckets, a.grid_nsplit);
+  const int sg = threadIdx.x / 128, c = threadIdx.x % 128;
+  const float NEG_INF = -__int_as_float(0x7f800000);
+
+  // -- merge by log-sum-exp; an empty split (lse = -inf) weighs nothing and its o is not read
+  float m = NEG_INF, s = 0.f;
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+  const i64 split_stride = (i64)a.rows_total * a.H;
+#pragma unroll 2
+  for (int k = sg; k < nsplit; k += SG) {
+    const float lse_k = a.part_lse[k * split_stride + pair];
+    if (lse_k == NEG_INF) continue;
+    const float4 ok = reinterpret_cast<const float4*>(a.part_o + (k * split_stride + pair) * DV)[c];
+    const float m_new = fmaxf(m, lse_k);
+    const float w_old = __expf(m - m_new), w_k = __expf(lse_k - m_new);
+    o.x = o.x * w_old + ok.x * w_k;
+    o.y = o.y * w_old + ok.y * w_k;
+    o.z = o.z * w_old + ok.z * w_k;
+    o.w = o.w * w_old + ok.w * w_k;
+    s = s * w_old + w_k;
+    m = m_new;
+  }
+  if (SG > 1) {
+    if (c == 0) { red_m[sg] = m; red_s[sg] = s; }
+    red_o[sg][c] = o;
+    __syncthreads();
+    if (sg != 0) return;
+    m = NEG_INF;
+#pragma unroll
+    for (int i = 0; i < SG; ++i) m = fmaxf(m, red_m[i]);
+    s = 0.f;
+    o = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (m != NEG_INF) {
+#pragma unroll
+      for (int i = 0; i < SG; ++i) {
+        if (red_m[i] == NEG_INF) continue;
+        const float w = __expf(red_m[i] - m);
+        const float4 oi = red_o[i][c];
+        o.x += oi.x * w; o.y += oi.y * w; o.z += oi.z * w; o.w += oi.w * w;
+        s += red_s[i] * w;
+      }
+    }
+  }
+  const float inv = s > 0.f ? 1.f / s : 0.f;
+  u16* dst = a.out + (i64)row * a.out_stride_m + (i64)head * a.out_stride_h + c * 4;
+  const u32 lo2 = (u32)bf16_bits(o.x * inv) | ((u32)bf16_bits(o.y * inv) << 16);
+  const u32 hi2 = (u32)bf16_bits(o.z * inv) | ((u32)bf16_bits(o.w * inv) << 16);
+  *reinterpret_cast<uint2*>(dst) = make_uint2(lo2, hi2);
+  if (a.lse != nullptr && c == 0)
+    a.lse[(i64)row * a.lse_stride_m + head] = s > 0.f ? m + __logf(s) : NEG_INF;
+}
+
+}  // namespace kvtune

@@ -1,0 +1,125 @@
+"""The CUDA backend without a GPU: NVRTC compiles the kernel for every target arch, the
+resource report is sane, parameter validation names the field, and the cache is used."""
+import os
+
+import pytest
+import torch
+
+nvrtc_mod = pytest.importorskip("cuda.bindings.nvrtc")
+
+from kvtune.kernels import VerifyProblem  # noqa: E402
+from kvtune.kernels.cuda import nvrtc  # noqa: E402
+from kvtune.kernels.cuda.backend import (ARCH_LIMITS, CudaBackend, CudaParams, KernelGeometry,  # noqa: E402
+                                         compile_params, reject_reason, split_expr)
+
+ARCHS = ["sm_80", "sm_89", "sm_90", "sm_120"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cache(tmp_path_factory):
+    old = os.environ.get("KVTUNE_CACHE_DIR")
+    os.environ["KVTUNE_CACHE_DIR"] = str(tmp_path_factory.mktemp("kvtune-cuda-cache"))
+    yield
+    if old is None:
+        os.environ.pop("KVTUNE_CACHE_DIR", None)
+    else:
+        os.environ["KVTUNE_CACHE_DIR"] = old
+
+
+def _problem(H=8, T=9, B=1):
+    return VerifyProblem(B=B, T=T, H=H, Dk=576, Dv=512, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_default_compiles_without_spills(arch):
+    be = CudaBackend()
+    p = be.default_params(_problem())
+    mod = compile_params(p, 9, arch)
+    res = mod.resources[split_expr(p, 9)]
+    assert res.registers > 0 and res.spills == 0 and res.stack == 0, res
+    assert mod.cubin[:4] == b"\x7fELF"  # CUBIN, not PTX
+    # on the 99 KB parts the sm_90 default does not fit, and static_reject says why
+    why = be.static_reject(p, _problem(), arch)
+    if KernelGeometry.of(p, 9).smem_bytes > ARCH_LIMITS[arch].smem_per_block:
+        assert why is not None and "shared memory" in why
+    else:
+        assert why is None
+
+
+# a spread: small/large tiles, every VEC, deep pipelines, few/many heads, T = 1 and 64
+SPREAD = [
+    CudaParams(VEC=4, BLOCK_N=16, NUM_WARPS=8, HEADS_PER_BLOCK=2, STAGES=3),
+    CudaParams(VEC=2, BLOCK_N=32, NUM_WARPS=16, HEADS_PER_BLOCK=1, STAGES=2),
+    CudaParams(VEC=8, BLOCK_N=64, NUM_WARPS=8, HEADS_PER_BLOCK=1, STAGES=2),
+]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("i", range(len(SPREAD)))
+def test_spread_compiles(arch, i):
+    p = SPREAD[i]
+    mod = compile_params(p, 9, arch)
+    assert mod.resources[split_expr(p, 9)].registers > 0
+
+
+@pytest.mark.parametrize("T,H", [(1, 64), (64, 1), (16, 8)])
+def test_defaults_for_other_T_compile_on_sm120_shape(T, H):
+    be = CudaBackend()
+    p = be.default_params(_problem(H=H, T=T))
+    assert be.static_reject(p, _problem(H=H, T=T), "sm_90") is None
+
+
+def test_small_config_fits_sm120():
+    p = CudaParams(VEC=8, BLOCK_N=16, NUM_WARPS=8, HEADS_PER_BLOCK=2, STAGES=2)
+    assert reject_reason(p, 9, "sm_120") is None
+
+
+@pytest.mark.parametrize("field,value", [("VEC", 3), ("BLOCK_N", 48), ("NUM_WARPS", 6), ("STAGES", 1),
+                                         ("STAGES", 5), ("HEADS_PER_BLOCK", 0), ("NSPLIT", 0), ("NSPLIT", 2000),
+                                         ("VEC", True), ("BLOCK_N", 32.0)])
+def test_param_validation_names_field(field, value):
+    with pytest.raises(ValueError, match=f"CudaParams.{field}"):
+        CudaParams(**{field: value})
+
+
+def test_problem_validation():
+    be = CudaBackend()
+    with pytest.raises(ValueError, match="Dk=576"):
+        be.check_params(CudaParams(), VerifyProblem(B=1, T=9, H=8, Dk=192, Dv=128, device=torch.device("cpu")))
+    with pytest.raises(ValueError, match="HEADS_PER_BLOCK"):
+        be.check_params(CudaParams(HEADS_PER_BLOCK=64), _problem(T=9))       # 576 rows
+    with pytest.raises(ValueError, match="NUM_WARPS"):
+        be.check_params(CudaParams(NUM_WARPS=4, HEADS_PER_BLOCK=8), _problem(T=9))  # 288 acc registers
+
+
+def test_static_reject_reasons():
+    be = CudaBackend()
+    big = CudaParams(BLOCK_N=128, STAGES=4, HEADS_PER_BLOCK=8)
+    why = be.static_reject(big, _problem(), "sm_90")
+    assert why and "shared memory" in why
+    with pytest.raises(ValueError, match="arch"):
+        reject_reason(CudaParams(), 9, "sm_61")
+
+
+def test_cache_hit_and_source_hash():
+    p = CudaParams(VEC=8, BLOCK_N=16, NUM_WARPS=8, HEADS_PER_BLOCK=1, STAGES=2)
+    a = compile_params(p, 3, "sm_90")
+    nvrtc._mem_cache.clear()
+    b = compile_params(p, 3, "sm_90")        # from disk now
+    assert b.from_cache and b.cubin == a.cubin and b.resources == a.resources
+    assert a.name.startswith("verify_T3_VEC8_BN16_W8_HPB1_S2") and "sm_90" in a.name
+    assert nvrtc.kernel_source_hash() in a.name and len(nvrtc.kernel_source_hash()) == 16
+
+
+def test_compile_error_carries_the_log():
+    with pytest.raises(nvrtc.NvrtcError, match="NVRTC log"):
+        nvrtc.compile_module("bad", ["kvtune::verify_split_kernel<3,32,8,8,2,9>"], "sm_90")
+
+
+def test_parse_ptxas_log():
+    log = ("ptxas info    : Compiling entry function '_Z3foov' for 'sm_90'\n"
+           "ptxas info    : Function properties for _Z3foov\n"
+           "ptxas         .     8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n"
+           "ptxas info    : Used 200 registers, used 1 barriers, 1024 bytes smem, 400 bytes cmem[0]\n")
+    r = nvrtc.parse_ptxas_log(log)["_Z3foov"]
+    assert (r.registers, r.spill_stores, r.spill_loads, r.stack, r.static_smem) == (200, 4, 12, 8, 1024)
