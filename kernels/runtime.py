@@ -136,16 +136,24 @@ def device_name(device: torch.device | str) -> str:
 
 
 def backend_kernel_hash(name: str) -> str | None:
-    """The running kernel source hash of backend `name`: its `kernel_source_hash()` (on the
-    backend object, or in the module that defines it); None for backends without one (the
-    oracle). Raises ValueError when the backend cannot be imported."""
+    """The running kernel source hash of backend `name`: `kernel_source_hash()` on the
+    backend object, in the module of its class (or of a base class, for test variants), or
+    in that module's package. None when none is found (the oracle has none). Raises
+    ValueError when the backend cannot be imported."""
     try:
         be = get_backend(name)
     except ImportError as e:
         raise ValueError(f"backend {name!r} cannot be imported: {e}") from None
-    fn = getattr(be, "kernel_source_hash", None) or getattr(sys.modules.get(type(be).__module__),
-                                                            "kernel_source_hash", None)
-    return fn() if callable(fn) else None
+    fn = getattr(be, "kernel_source_hash", None)
+    for cls in type(be).__mro__:
+        if callable(fn):
+            break
+        mod = cls.__module__
+        for where in (mod, mod.rpartition(".")[0]):
+            fn = getattr(sys.modules.get(where), "kernel_source_hash", None)
+            if callable(fn):
+                break
+    return str(fn()) if callable(fn) else None
 
 
 def provenance_mismatches(tuned: TunedDefaults, device: torch.device | str,
@@ -166,7 +174,10 @@ def provenance_mismatches(tuned: TunedDefaults, device: torch.device | str,
             out.append(f"{src}: entries: backend {name!r} is unavailable here ({e})")
             continue
         if running is None:
-            continue  # the oracle: nothing compiled, nothing to match
+            if get_backend(name).params_type is not None:  # the oracle has nothing to match
+                _warn_once(f"nohash:{name}", f"kvtune: backend {name!r} exposes no kernel_source_hash(); "
+                           f"{src}'s kernel_hash.{name} cannot be checked")
+            continue
         recorded = hashes.get(name)
         if recorded is None:
             out.append(f"{src}: provenance.kernel_hash.{name}: missing (entries use backend {name!r})")
