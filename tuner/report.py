@@ -1,0 +1,33 @@
+"""`kvtune report DEPLOYMENT_OR_RESULTS_DIR`: the sweep review as a static HTML page.
+
+Writes `index.html` and one PNG per figure (default into `<results>/report/`): the same
+sections as `results/review.ipynb`, built by the same functions (`kvtune.tuner.review`).
+Needs the `kvtune[review]` extra; it is imported only when the command runs, so
+`kvtune --help` works without it.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def _cmd_report(args) -> int:
+    try:
+        import matplotlib
+        import pandas  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"needs the review extra ({e.name} is missing): pip install 'kvtune[review]'") from None
+    matplotlib.use("Agg")  # files only: never open a window, work without a display
+    from .review import write_report
+    page = write_report(args.target, args.out)
+    pngs = sorted(p.name for p in page.parent.glob("*.png"))
+    print(f"wrote {page} ({len(pngs)} plots: {', '.join(pngs)})")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("report", help="write the review of a sweep as a static HTML page with PNG plots",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", metavar="DEPLOYMENT_OR_RESULTS_DIR",
+                   help="a results folder (results/<deployment>), a deployment name, or a deployment YAML")
+    p.add_argument("--out", help="output folder (default <results folder>/report)")
+    p.set_defaults(func=_cmd_report)
