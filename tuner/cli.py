@@ -10,6 +10,7 @@ COMMAND_MODULES = [
     # kvtune compile-check (CUDA backend)
     # kvtune sweep / export / calibrate (tuner)
     # kvtune report (review)
+    "kvtune.tuner.report",
     # kvtune worker (distributed sweeps)
 ]
 
