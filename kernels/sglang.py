@@ -311,3 +311,34 @@ class SGLangVerifyAdapter:
         if int(ip[-1]) + B * T > self.capacity:
             raise ValueError(f"kv_indptr: {int(ip[-1])} prefix keys + {B * T} drafts exceed the adapter's "
                              f"capacity {self.capacity} (max_batch * (max_context + T)); build it larger")
+
+
+def sglang_verify_args(inp, *, mask_dtype: torch.dtype = torch.bool, indices_dtype: torch.dtype = torch.int32,
+                       loc_dtype: torch.dtype = torch.int64) -> dict:
+    """Rewrite kvtune-layout `VerifyInputs` in SGLang's target-verify layout (tests, benchmarks).
+
+    Returns the keyword arguments of `extend_attention_fwd` plus `out_cache_loc`:
+    kv_indptr/kv_indices over the prefixes only, the drafts' slots as out_cache_loc (their
+    keys stay in the pool, as after SGLang's set_kv_buffer) and copied to k_extend
+    `[B*T, 1, Dk]`, the flat custom mask (row stride P_b + T, prefix columns True) with
+    its mask_indptr, o_extend `[B*T, H, Dv]` filled with NaN. Reads the inputs on the host.
+    """
+    from .reference import visibility
+    B, T, dev = inp.B, inp.T, inp.q.device
+    Dv = inp.kv_lora_rank
+    ip = inp.kv_indptr.tolist()
+    plens = [ip[b + 1] - ip[b] - T for b in range(B)]
+    pre = torch.cat([inp.kv_indices[ip[b]:ip[b] + plens[b]] for b in range(B)])
+    loc = torch.cat([inp.kv_indices[ip[b + 1] - T:ip[b + 1]] for b in range(B)]).to(loc_dtype)
+    mask = torch.cat([visibility(T, plens[b], inp.tree_mask[b * T:(b + 1) * T]).flatten() for b in range(B)])
+    k_buffer = inp.kv_cache.unsqueeze(1)
+    k_extend = inp.kv_cache[loc.long()].unsqueeze(1).contiguous()
+    return dict(
+        q_extend=inp.q, k_extend=k_extend, v_extend=k_extend[..., :Dv],
+        o_extend=torch.full((B * T, inp.q.shape[1], Dv), float("nan"), dtype=torch.bfloat16, device=dev),
+        k_buffer=k_buffer, v_buffer=k_buffer[..., :Dv],
+        qo_indptr=torch.arange(B + 1, dtype=torch.int32, device=dev) * T,
+        kv_indptr=torch.tensor([0] + plens, device=dev).cumsum(0).to(torch.int32),
+        kv_indices=pre.to(indices_dtype), custom_mask=mask.to(mask_dtype), is_causal=False,
+        mask_indptr=torch.tensor([0] + [T * (p + T) for p in plens], device=dev).cumsum(0),
+        max_len_extend=T, sm_scale=inp.sm_scale, out_cache_loc=loc)

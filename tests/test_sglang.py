@@ -9,8 +9,7 @@ import torch
 
 from kvtune.kernels import make_inputs, reference_attention, rel_error
 from kvtune.kernels import runtime as rt
-from kvtune.kernels.reference import visibility
-from kvtune.kernels.sglang import SGLangVerifyAdapter
+from kvtune.kernels.sglang import SGLangVerifyAdapter, sglang_verify_args
 from kvtune.kernels.triton_kernel import kernel_source_hash
 from kvtune.kernels.tuned import parse_tuned
 
@@ -52,41 +51,18 @@ def shared():
         return adapter("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def sglang_args(inp, *, prefix_noise=False, mask_dtype=torch.bool, indices_dtype=torch.int32,
-                loc_dtype=torch.int64, generator=None):
-    """Rewrite kvtune-layout inputs into SGLang's target-verify layout.
-
-    Returns (kwargs for extend_attention_fwd, draft slots): kv_indptr over prefixes, the
-    drafts' keys in k_extend and in the pool at out_cache_loc, the flat custom mask with
-    row stride P_b + T and mask_indptr."""
-    B = inp.B
-    ip = inp.kv_indptr.tolist()
-    dev = inp.q.device
-    pre, drafts, masks, plens = [], [], [], []
-    for b in range(B):
-        s, e = ip[b], ip[b + 1]
-        P = e - s - T
-        pre.append(inp.kv_indices[s:s + P])
-        drafts.append(inp.kv_indices[s + P:e])
-        vis = visibility(T, P, inp.tree_mask[b * T:(b + 1) * T].cpu())
-        if prefix_noise:  # SGLang skips the prefix columns; garbage there must not matter
-            vis[:, :P] = torch.rand(T, P, generator=generator) < 0.5
-        masks.append(vis.flatten())
-        plens.append(P)
-    loc = torch.cat(drafts).to(loc_dtype)
-    k_buffer = inp.kv_cache.unsqueeze(1)                       # [num_slots, 1, Dk]
-    k_extend = inp.kv_cache[loc.long()].unsqueeze(1).contiguous()
-    args = dict(
-        q_extend=inp.q, k_extend=k_extend, v_extend=k_extend[..., :DV], o_extend=torch.full(
-            (B * T, H, DV), float("nan"), dtype=torch.bfloat16, device=dev),
-        k_buffer=k_buffer, v_buffer=k_buffer[..., :DV],
-        qo_indptr=torch.arange(B + 1, dtype=torch.int32, device=dev) * T,
-        kv_indptr=torch.tensor([0] + plens, device=dev).cumsum(0).to(torch.int32),
-        kv_indices=torch.cat(pre).to(indices_dtype),
-        custom_mask=torch.cat(masks).to(mask_dtype).to(dev), is_causal=False,
-        mask_indptr=torch.tensor([0] + [T * (P + T) for P in plens], device=dev).cumsum(0),
-        max_len_extend=T, sm_scale=inp.sm_scale)
-    return args, loc.to(dev)
+def sglang_args(inp, *, prefix_noise=False, generator=None, **dtypes):
+    """`sglang_verify_args` split into (extend_attention_fwd kwargs, out_cache_loc); with
+    prefix_noise, random garbage in the prefix columns of the mask (SGLang skips them)."""
+    a = sglang_verify_args(inp, **dtypes)
+    loc = a.pop("out_cache_loc")
+    if prefix_noise:
+        ip, mp = a["kv_indptr"].tolist(), a["mask_indptr"].tolist()
+        for b in range(inp.B):
+            P = ip[b + 1] - ip[b]
+            blk = a["custom_mask"][mp[b]:mp[b] + T * (P + T)].view(T, P + T)
+            blk[:, :P] = (torch.rand(T, P, generator=generator) < 0.5).to(blk.dtype)
+    return a, loc
 
 
 def sglang_semantics(a) -> torch.Tensor:
