@@ -7,8 +7,12 @@ import sys
 
 # Each module has `register(subparsers)`, which adds its subcommand(s) with `set_defaults(func=...)`.
 COMMAND_MODULES = [
+    "kvtune.tuner.compile_check",
     # kvtune compile-check (CUDA backend)
     # kvtune sweep / export / calibrate (tuner)
+    "kvtune.tuner.sweep",
+    "kvtune.tuner.export",
+    "kvtune.tuner.calibrate",
     # kvtune report (review)
     "kvtune.tuner.report",
     # kvtune worker (distributed sweeps)

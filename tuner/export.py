@@ -1,0 +1,178 @@
+"""`kvtune export DEPLOYMENT`: the trials table -> `results/<deployment>/<deployment>.yaml`.
+
+Per tp and batch bucket, one backend and one set of compile-time parameters must serve
+every context bucket under one CUDA graph, while NSPLIT is chosen per bucket on the device.
+So for each backend, configs are grouped by their compile-time part (all parameters but
+NSPLIT); a group qualifies when it has a correct measurement at every context bucket, and
+when at no bucket it is slower than the backend's own default measured there; the group
+with the least total latency over the buckets (best NSPLIT per bucket) wins, across
+backends. The default's own group always qualifies, so an exported config never loses to
+the default it was measured against. Latencies are the interleaved re-measurements where
+they exist, else the search measurement. `params.NSPLIT` is the largest bucket NSPLIT (the
+grid size); the file is written and validated with `kvtune.kernels.tuned`.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from statistics import median
+
+from kvtune.kernels.tuned import BACKEND_NAMES, ContextBucket, TunedDefaults, TunedEntry, dump_tuned
+
+from .config import Deployment, load_deployment
+from .table import read_trials
+
+
+def _latencies(df):
+    """(backend, tp, bs, ctx, params_json) -> (latency_us, role): re-measured median if any."""
+    out = {}
+    ok = df[df["outcome"] == "ok"]
+    for key, g in ok.groupby(["backend", "tp", "bs", "ctx", ok["params"].map(lambda p: json.dumps(p, sort_keys=True))]):
+        rem = g[g["phase"] == "remeasure"]["median_us"].astype(float).tolist()
+        srch = g[g["phase"] != "remeasure"]["median_us"].astype(float).tolist()
+        lat = median(rem) if rem else median(srch)
+        roles = set(g["role"].astype(str))
+        out[tuple(key[:4]) + (key[4],)] = (lat, "baseline" if "baseline" in roles else sorted(roles)[0])
+    return out
+
+
+def choose(df, backends, tp, bs, contexts):
+    """The winning (backend, compile params, {ctx: (NSPLIT, lat, default_lat, floor)}) or None."""
+    lat = _latencies(df)
+    floors = {int(c): float(f) for c, f in df[(df["tp"] == tp) & (df["bs"] == bs)][["ctx", "floor_us"]]
+              .dropna().drop_duplicates("ctx").itertuples(index=False)}
+    best = None
+    notes = []
+    for be in backends:
+        groups: dict[str, dict] = {}
+        default_lat: dict[int, float] = {}
+        default_key = None
+        for (b, t, s, ctx, pj), (v, role) in lat.items():
+            if (b, t, s) != (be, tp, bs) or ctx not in contexts:
+                continue
+            p = json.loads(pj)
+            ck = json.dumps({k: x for k, x in p.items() if k != "NSPLIT"}, sort_keys=True)
+            g = groups.setdefault(ck, {})
+            if ctx not in g or v < g[ctx][1]:
+                g[ctx] = (p.get("NSPLIT"), v)
+            if role == "baseline":
+                default_lat[ctx] = v
+                default_key = ck
+        for ck, g in groups.items():
+            if any(c not in g for c in contexts):
+                continue
+            if any(c in default_lat and g[c][1] > default_lat[c] for c in contexts):
+                continue  # would lose to the default at some bucket
+            total = sum(g[c][1] for c in contexts)
+            if best is None or total < best[0]:
+                best = (total, be, ck, g, default_lat, ck == default_key)
+        if not groups:
+            notes.append(f"{be}: no correct measurement at tp={tp} bs={bs}")
+    if best is None:
+        return None, notes
+    total, be, ck, g, dl, is_default = best
+    buckets = {c: (g[c][0], g[c][1], dl.get(c), floors.get(c)) for c in contexts}
+    return (be, json.loads(ck), buckets, is_default), notes
+
+
+def export_deployment(dep: Deployment | str, out: str = "results", trials_csv: str | None = None,
+                      path: str | None = None, quiet: bool = False) -> TunedDefaults:
+    dep = dep if isinstance(dep, Deployment) else load_deployment(dep)
+    out_dir = Path(out) / dep.name
+    df = read_trials(trials_csv or out_dir / "trials.csv")
+    df = df[df["deployment"] == dep.name]
+    if df.empty:
+        raise ValueError(f"{trials_csv or out_dir / 'trials.csv'}: no trials of deployment {dep.name!r}")
+    backends = [b for b in dict.fromkeys(df["backend"]) if b in BACKEND_NAMES and b != "reference"]
+    others = [b for b in dict.fromkeys(df["backend"]) if b not in BACKEND_NAMES]
+    if others and not quiet:
+        print(f"note: not exporting backends outside the schema's {list(BACKEND_NAMES)}: {others}", file=sys.stderr)
+    entries, report = [], []
+    order = list(df.columns[df.columns.get_loc("role") + 1: df.columns.get_loc("params")])
+    for tp in dep.tp:
+        for bs in dep.batches:
+            sel = df[(df["tp"] == tp) & (df["bs"] == bs) & (df["phase"] == "search")]
+            contexts = sorted(int(c) for c in set(sel["ctx"]))
+            if not contexts:
+                continue
+            missing = [c for c in dep.contexts if c not in contexts]
+            if missing and not quiet:
+                print(f"warning: tp={tp} bs={bs}: context buckets {missing} were not swept; the entry covers "
+                      f"{contexts} only", file=sys.stderr)
+            pick, notes = choose(df, backends, tp, bs, contexts)
+            for n in notes:
+                if not quiet:
+                    print(f"note: {n}", file=sys.stderr)
+            if pick is None:
+                print(f"warning: tp={tp} bs={bs}: no config measured correct at every context bucket "
+                      f"{contexts}; no entry exported", file=sys.stderr)
+                continue
+            be, cparams, buckets, is_default = pick
+            ns = [buckets[c][0] for c in contexts]
+            params = dict(cparams)
+            if all(n is not None for n in ns):
+                params["NSPLIT"] = max(ns)
+            params = {k: params[k] for k in sorted(params, key=lambda k: (order.index(k) if k in order else 99, k))}
+            bl = tuple(ContextBucket(max_context=c, NSPLIT=int(buckets[c][0] or 1),
+                                     latency_us=round(buckets[c][1], 3),
+                                     default_latency_us=None if buckets[c][2] is None else round(buckets[c][2], 3),
+                                     floor_us=None if buckets[c][3] is None else round(buckets[c][3], 3))
+                       for c in contexts)
+            entries.append(TunedEntry(tp=tp, heads_per_rank=dep.heads(tp), max_batch=bs, backend=be, params=params,
+                                      buckets=bl))
+            for b in bl:
+                report.append({"tp": tp, "bs": bs, "ctx": b.max_context, "backend": be, "NSPLIT": b.NSPLIT,
+                               "tuned_us": b.latency_us, "default_us": b.default_latency_us, "floor_us": b.floor_us,
+                               "pct_floor": 100 * b.floor_us / b.latency_us if b.floor_us else None,
+                               "speedup": b.default_latency_us / b.latency_us if b.default_latency_us else None,
+                               "params": "default" if is_default else json.dumps(params, sort_keys=True)})
+    if not entries:
+        raise ValueError(f"{out_dir}: nothing to export for {dep.name} (no config was correct at every bucket)")
+    used = {e.backend for e in entries}
+    rows = df[df["backend"].isin(list(used))]
+    first = rows.iloc[-1]
+    khash = {}
+    for be in sorted(used):
+        h = rows[rows["backend"] == be]["kernel_hash"].dropna()
+        khash[be] = str(h.iloc[-1]) if len(h) else ""
+    timing = sorted(set(rows["timing"].dropna().astype(str)))
+    m = dep.model
+    prov = {"device_name": str(first["device"]), "arch": str(first["arch"]), "sm_count": int(first["sm_count"]),
+            "driver": _s(first["driver"]), "cuda": _s(first["cuda"]), "nvrtc": _s(first["nvrtc"]),
+            "torch": _s(first["torch"]), "triton": _s(first["triton"]), "kernel_hash": khash,
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "timing": ",".join(timing),
+            "kvtune": _s(first["kvtune"])}
+    tuned = TunedDefaults(deployment=dep.name,
+                          model={"name": dep.model_name, "num_heads": m.num_heads, "kv_lora_rank": m.kv_lora_rank,
+                                 "qk_rope_head_dim": m.qk_rope_head_dim, "draft_tokens": m.draft_tokens,
+                                 "sm_scale": float(m.scale)},
+                          provenance=prov, entries=tuple(entries))
+    dest = Path(path) if path else out_dir / f"{dep.name}.yaml"
+    dump_tuned(tuned, dest)
+    if not quiet:
+        import pandas as pd
+        print(pd.DataFrame(report).to_string(index=False, float_format=lambda x: f"{x:.2f}"))
+        print(f"exported {dest}")
+    return tuned
+
+
+def _s(v) -> str:
+    import pandas as pd
+    return "" if v is None or pd.isna(v) else str(v)
+
+
+def _cmd_export(args) -> int:
+    export_deployment(args.deployment, out=args.out, trials_csv=args.trials_csv, path=args.path)
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("export", help="write the tuned-defaults YAML of a swept deployment",
+                              description=__doc__)
+    p.add_argument("deployment", help="deployment name or YAML path")
+    p.add_argument("--out", default="results", help="results root (default ./results)")
+    p.add_argument("--trials-csv", help="trials table (default <out>/<deployment>/trials.csv)")
+    p.add_argument("--path", help="output file (default <out>/<deployment>/<deployment>.yaml)")
+    p.set_defaults(func=_cmd_export)

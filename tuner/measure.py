@@ -1,0 +1,334 @@
+"""The measurement helper: what one trial's number means (DESIGN.md section 3).
+
+Every caller (the sweep, the re-measurement of winners, scripts) measures through
+`Measurer.measure`, in this order:
+
+1. static pruning, before any GPU time: `backend.static_reject(params, problem, arch)`
+   (compile error, spills, shared memory over the device limit) and the workspace budget
+   (`backend.workspace_bytes` at this batch) -> outcome `pruned` with the reason;
+2. correctness gate on fresh random inputs: the output (and lse) are poisoned with NaN,
+   the kernel runs, and ||o - ref|| / ||ref|| against the fp32 oracle must be < tol (NaN
+   never passes) -> outcome `wrong` with the error;
+3. timing with a cold L2: launches rotate over several KV pools whose total is several
+   times the L2 (one pool on the CPU); in `graph` mode many launches are captured in one
+   CUDA graph and its replays are timed with CUDA events, in `eager` mode the launches are
+   timed back to back; on the CPU (`cpu-eager`) with the host clock, labelled as such;
+4. median and spread (p10/p90 over repetitions) in microseconds per launch, GB/s, TFLOP/s
+   and the floor `max(bytes / read_bw, flops / mma_rate)` with `% of floor` = floor/median.
+
+Any exception is outcome `failed` with the error; a CUDA error that leaves the context
+unusable is flagged `fatal` so that the worker process running it is replaced.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kvtune.kernels import get_backend, make_inputs, params_from_dict, rel_error, verify_attention
+from kvtune.kernels.reference import reference_attention
+from kvtune.kernels.shapes import VerifyProblem
+
+OUTCOMES = ("ok", "pruned", "wrong", "failed")
+TIMINGS = ("graph", "eager", "cpu-eager")
+
+
+@dataclass(frozen=True)
+class ProblemSpec:
+    """One measured shape: `batch` requests of `context` prefix tokens plus T drafts each."""
+
+    heads: int
+    batch: int
+    context: int
+    draft_tokens: int
+    tree: str = "chain"
+    kv_lora_rank: int = 512
+    rope_dim: int = 64
+    sm_scale: float = 192 ** -0.5
+
+    @property
+    def Dk(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def keys(self) -> int:
+        return self.context + self.draft_tokens
+
+    def problem(self, device) -> VerifyProblem:
+        return VerifyProblem(B=self.batch, T=self.draft_tokens, H=self.heads, Dk=self.Dk, Dv=self.kv_lora_rank,
+                             device=torch.device(device))
+
+    def bytes_moved(self) -> int:
+        """Bytes one launch must move at least: every key row once, q, o and the indices."""
+        B, T, H = self.batch, self.draft_tokens, self.heads
+        return (B * self.keys * (2 * self.Dk + 4) + B * T * H * 2 * (self.Dk + self.kv_lora_rank)
+                + 4 * (B + 1) + 8 * B * T)
+
+    def flops(self) -> int:
+        """2*T*H*(Dk+Dv) per key per request (QK^T and PV; the mask is not discounted)."""
+        return 2 * self.draft_tokens * self.heads * (self.Dk + self.kv_lora_rank) * self.keys * self.batch
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    read_gbps: float
+    bf16_tflops: float
+
+    def floor_us(self, spec: ProblemSpec) -> float:
+        return max(spec.bytes_moved() / (self.read_gbps * 1e3), spec.flops() / (self.bf16_tflops * 1e6))
+
+
+@dataclass
+class MeasureOptions:
+    timing: str = "graph"             # graph | eager | cpu-eager
+    reps: int = 15                    # timed repetitions (graph replays / eager batches)
+    warmup: int = 2
+    target_rep_us: float = 2000.0     # launches per repetition chosen to last about this long
+    max_launches: int = 200
+    cold_l2_factor: float = 4.0       # KV pools total >= this x L2
+    max_pools: int = 64
+    tol: float = 1e-2                 # ||o - ref|| / ||ref||
+    workspace_budget_bytes: int = 256 << 20
+    seed: int = 0
+    cpu_reps: int = 3
+
+    def __post_init__(self):
+        if self.timing not in TIMINGS:
+            raise ValueError(f"timing: expected one of {list(TIMINGS)}, got {self.timing!r}")
+
+
+@dataclass
+class Measurement:
+    outcome: str
+    reason: str = ""
+    median_us: float | None = None
+    p10_us: float | None = None
+    p90_us: float | None = None
+    rel_err: float | None = None
+    gbps: float | None = None
+    tflops: float | None = None
+    floor_us: float | None = None
+    pct_floor: float | None = None
+    timing: str = ""
+    launches: int | None = None
+    pools: int | None = None
+    wall_s: float = 0.0
+    fatal: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _fmt_exc(e: BaseException) -> str:
+    msg = " ".join(str(e).split())
+    return f"{type(e).__name__}: {msg[:400]}"
+
+
+def _cuda_context_dead() -> str | None:
+    """After an exception on the GPU: the sticky CUDA error, if the context is poisoned."""
+    try:
+        torch.cuda.synchronize()
+        torch.empty(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        return _fmt_exc(e)
+    return None
+
+
+def _is_resource_error(e: BaseException) -> bool:
+    """A compile-time impossibility (shared memory / registers over the limit)."""
+    name = type(e).__name__
+    return name in ("OutOfResources",) or "out of resource" in str(e).lower()
+
+
+class Measurer:
+    """Measures configs on one device; keeps the inputs of the last shape for reuse across
+    trials (timing pools are allocated once per shape; values are refreshed per check)."""
+
+    def __init__(self, device: str = "cuda", arch: str | None = None, l2_bytes: int | None = None):
+        self.device = torch.device(device)
+        self.arch = arch
+        if self.device.type == "cuda":
+            props = torch.cuda.get_device_properties(self.device)
+            self.l2_bytes = l2_bytes or int(getattr(props, "L2_cache_size", 0) or 64 << 20)
+            if self.arch is None:
+                self.arch = f"sm_{props.major}{props.minor}"
+        else:
+            self.l2_bytes = 0
+        self._key = None
+        self._check = None
+        self._pools: list = []
+        self._gen = None
+
+    # -- inputs ---------------------------------------------------------------------------
+    def _inputs_for(self, spec: ProblemSpec, opts: MeasureOptions):
+        key = (spec, opts.cold_l2_factor, opts.max_pools)
+        if key == self._key:
+            return
+        self._check = self._pools = None
+        self._key = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        mk = dict(tree=spec.tree, kv_lora_rank=spec.kv_lora_rank, rope_dim=spec.rope_dim, device=self.device,
+                  sm_scale=spec.sm_scale)
+        self._check = make_inputs(spec.batch, spec.draft_tokens, spec.heads, spec.context, seed=opts.seed, **mk)
+        pool_bytes = spec.batch * spec.keys * spec.Dk * 2 * 1.25
+        n = 1 if self.device.type != "cuda" else \
+            max(2, min(opts.max_pools, math.ceil(opts.cold_l2_factor * self.l2_bytes / pool_bytes)))
+        self._pools = [make_inputs(spec.batch, spec.draft_tokens, spec.heads, spec.context, pool_factor=1.25,
+                                   seed=opts.seed + 1 + i, **mk) for i in range(n)]
+        self._gen = torch.Generator(device=self.device).manual_seed(opts.seed + 7919)
+        self._key = key
+
+    def _refresh_check(self):
+        """Fresh random values for the correctness check (same structure, new q and KV)."""
+        inp = self._check
+        inp.q.normal_(generator=self._gen)
+        inp.kv_cache.normal_(generator=self._gen)
+
+    # -- the one entry point --------------------------------------------------------------
+    def measure(self, backend: str, params: dict | None, spec: ProblemSpec, opts: MeasureOptions,
+                ceilings: Ceilings | None) -> Measurement:
+        t0 = time.perf_counter()
+        timing = "cpu-eager" if self.device.type != "cuda" else opts.timing
+        res = self._measure(backend, params, spec, opts, ceilings, timing)
+        res.timing = timing
+        res.wall_s = time.perf_counter() - t0
+        if ceilings is not None:
+            res.floor_us = ceilings.floor_us(spec)
+            if res.median_us:
+                res.pct_floor = 100.0 * res.floor_us / res.median_us
+        return res
+
+    def _measure(self, backend, params, spec, opts, ceilings, timing) -> Measurement:
+        be = get_backend(backend)
+        problem = spec.problem(self.device)
+        why = be.supports(self.device)
+        if why:
+            return Measurement("failed", f"backend {backend} cannot run on {self.device}: {why}")
+        # -- 1. static pruning (no GPU time)
+        try:
+            p = be.default_params(problem) if params is None else \
+                params_from_dict(be.params_type, dict(params), where=f"{backend} params")
+            why = be.static_reject(p, problem, self.arch)
+        except ValueError as e:
+            return Measurement("pruned", str(e))
+        if why:
+            return Measurement("pruned", why)
+        ws_bytes = be.workspace_bytes(problem, p)
+        if ws_bytes > opts.workspace_budget_bytes:
+            return Measurement("pruned", f"workspace {ws_bytes / 2**20:.1f} MiB at batch {spec.batch} exceeds the "
+                                         f"budget of {opts.workspace_budget_bytes / 2**20:.0f} MiB")
+        try:
+            return self._run(be, p, spec, opts, timing, ws_bytes)
+        except Exception as e:  # noqa: BLE001 - every failure is a recorded outcome
+            if self.device.type == "cuda":
+                dead = _cuda_context_dead()
+                if dead:
+                    return Measurement("failed", f"CUDA error: {_fmt_exc(e)}", fatal=True)
+            if _is_resource_error(e):
+                return Measurement("pruned", f"compile: {_fmt_exc(e)}")
+            return Measurement("failed", _fmt_exc(e))
+
+    def _run(self, be, p, spec, opts, timing, ws_bytes) -> Measurement:
+        self._inputs_for(spec, opts)
+        dev = self.device
+        rows, H, Dv = spec.batch * spec.draft_tokens, spec.heads, spec.kv_lora_rank
+        ws = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=dev)
+        out = torch.empty(rows, H, Dv, dtype=torch.bfloat16, device=dev)
+
+        def launch(inp, lse=None):
+            verify_attention(*inp.args, backend=be, params=p, out=out, lse=lse, workspace=ws,
+                             kv_lora_rank=spec.kv_lora_rank, check_values_=False)
+
+        # -- 2. correctness gate: fresh values, poisoned outputs, fp32 oracle
+        self._refresh_check()
+        chk = self._check
+        out.fill_(float("nan"))
+        lse = torch.full((rows, H), float("nan"), dtype=torch.float32, device=dev)
+        launch(chk, lse)
+        ref_o, ref_lse = reference_attention(*chk.args, kv_lora_rank=spec.kv_lora_rank)
+        err = rel_error(out, ref_o)
+        if not err < opts.tol:
+            return Measurement("wrong", f"||o-ref||/||ref|| = {err:.3g} >= {opts.tol:g}", rel_err=err)
+        fin = torch.isfinite(ref_lse)
+        lse_bad = bool((torch.isfinite(lse) != fin).any()) or \
+            bool(((lse - ref_lse).abs()[fin] > 1e-2 * (1 + ref_lse.abs()[fin])).any())
+        if lse_bad:
+            return Measurement("wrong", "lse differs from the oracle's (or is NaN)", rel_err=err)
+        # -- 3. timing over rotating KV pools (cold L2)
+        pools = self._pools
+        if timing == "cpu-eager":
+            times = []
+            if opts.warmup:
+                launch(pools[0])
+            for r in range(opts.cpu_reps):
+                t = time.perf_counter()
+                launch(pools[r % len(pools)])
+                times.append((time.perf_counter() - t) * 1e6)
+            n_launch = 1
+        else:
+            times, n_launch = self._time_cuda(launch, pools, opts, timing)
+        times.sort()
+        med = _quantile(times, 0.5)
+        res = Measurement("ok", "", median_us=med, p10_us=_quantile(times, 0.1), p90_us=_quantile(times, 0.9),
+                          rel_err=err, launches=n_launch, pools=len(pools))
+        res.gbps = spec.bytes_moved() / (med * 1e3)
+        res.tflops = spec.flops() / (med * 1e6)
+        return res
+
+    def _time_cuda(self, launch, pools, opts, timing):
+        np_ = len(pools)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up (compiles) outside capture
+            for i in range(max(opts.warmup, 1) * np_):
+                launch(pools[i % np_])
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        # estimate one launch to size a repetition
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for i in range(np_):
+            launch(pools[i % np_])
+        e.record()
+        torch.cuda.synchronize()
+        est_us = max(1.0, s.elapsed_time(e) * 1e3 / np_)
+        n = int(min(opts.max_launches, max(np_, opts.target_rep_us / est_us)))
+        n = max(np_, (n // np_) * np_)
+        times = []
+        if timing == "graph":
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for i in range(n):
+                    launch(pools[i % np_])
+            g.replay()
+            torch.cuda.synchronize()
+            for _ in range(opts.reps):
+                s.record()
+                g.replay()
+                e.record()
+                e.synchronize()
+                times.append(s.elapsed_time(e) * 1e3 / n)
+            del g
+        else:
+            for _ in range(opts.reps):
+                s.record()
+                for i in range(n):
+                    launch(pools[i % np_])
+                e.record()
+                e.synchronize()
+                times.append(s.elapsed_time(e) * 1e3 / n)
+        return times, n
+
+
+def _quantile(sorted_vals: list[float], q: float) -> float:
+    if not sorted_vals:
+        return float("nan")
+    x = q * (len(sorted_vals) - 1)
+    lo = int(math.floor(x))
+    hi = min(lo + 1, len(sorted_vals) - 1)
+    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (x - lo)

@@ -1,0 +1,97 @@
+"""The trials table: `results/<deployment>/trials.csv`, one row per measured trial.
+
+Rows are appended and flushed to disk as each trial finishes, so an interrupted sweep
+loses nothing it finished. The Optuna study is the source of truth (every finished
+trial carries its row as a user attribute); at start-up rows the table lacks are written
+back from the studies. Parameters get one column each (the dataclass field names, the
+union over the backends); `params` holds them as JSON too.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+
+LEAD = ["deployment", "study", "phase", "round", "backend", "tp", "heads", "bs", "ctx", "T", "tree", "trial", "role"]
+RESULT = ["params", "outcome", "reason", "median_us", "p10_us", "p90_us", "rel_err", "gbps", "tflops", "floor_us",
+          "pct_floor", "timing", "launches", "pools", "wall_s"]
+PROVENANCE = ["device", "arch", "sm_count", "driver", "cuda", "nvrtc", "torch", "triton", "kernel_hash", "kvtune",
+              "date"]
+
+
+def columns(param_names: list[str]) -> list[str]:
+    return LEAD + list(param_names) + RESULT + PROVENANCE
+
+
+def row_key(row: dict) -> tuple:
+    return (str(row["study"]), str(row["phase"]), str(row["trial"]), str(row.get("round", "")))
+
+
+class TrialsTable:
+    """Append-only CSV of trials (header widened in place when new parameters appear)."""
+
+    def __init__(self, path: str | os.PathLike, param_names: list[str]):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        cols = columns(param_names)
+        if self.path.exists() and self.path.stat().st_size:
+            with self.path.open(newline="") as f:
+                reader = csv.DictReader(f)
+                old_cols = list(reader.fieldnames or [])
+                rows = list(reader)
+            extra = [c for c in cols if c not in old_cols]
+            if extra:  # widen: the old parameter columns stay, the new ones are added
+                params = [c for c in old_cols if c not in LEAD + RESULT + PROVENANCE] + \
+                    [c for c in param_names if c not in old_cols]
+                cols = columns(params)
+                self._rewrite(cols, rows)
+            else:
+                cols = old_cols
+            self.keys = {row_key(r) for r in rows}
+        else:
+            self._rewrite(cols, [])
+            self.keys = set()
+        self.cols = cols
+
+    def _rewrite(self, cols, rows):
+        tmp = self.path.with_suffix(".csv.tmp")
+        with tmp.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+            w.writeheader()
+            for r in rows:
+                w.writerow(r)
+        os.replace(tmp, self.path)
+
+    def append(self, row: dict) -> None:
+        row = dict(row)
+        params = row.get("params")
+        if isinstance(params, dict):
+            for k, v in params.items():
+                row[k] = v
+            row["params"] = json.dumps(params, sort_keys=True)
+        unknown = [k for k in row if k not in self.cols]
+        if unknown:
+            raise ValueError(f"{self.path}: row has columns the table lacks: {unknown}")
+        with self.path.open("a", newline="") as f:
+            csv.DictWriter(f, fieldnames=self.cols, extrasaction="raise").writerow(
+                {k: ("" if v is None else v) for k, v in row.items()})
+            f.flush()
+            os.fsync(f.fileno())
+        self.keys.add(row_key(row))
+
+    def has(self, row: dict) -> bool:
+        return row_key(row) in self.keys
+
+
+def read_trials(path: str | os.PathLike):
+    """The table as a pandas DataFrame (params parsed back into dicts in column `params`)."""
+    import pandas as pd
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no trials table (run `kvtune sweep` first)")
+    df = pd.read_csv(path, dtype={"reason": "string", "driver": "string", "cuda": "string", "nvrtc": "string",
+                                  "kernel_hash": "string", "torch": "string", "triton": "string",
+                                  "kvtune": "string", "round": "string"}, keep_default_na=True)
+    df["params"] = [json.loads(p) if isinstance(p, str) and p else {} for p in df["params"]]
+    return df
