@@ -238,8 +238,10 @@ class SGLangVerifyAdapter:
         kv = self._pool(k_buffer, v_buffer, Dk, Dv, dev)
         if kv.shape[0] >= 2**31:
             raise ValueError(f"k_buffer: {kv.shape[0]} slots exceed int32 indexing")
-        k_ext = k_extend.reshape(k_extend.shape[0], -1) if isinstance(k_extend, torch.Tensor) else None
-        if k_ext is None or tuple(k_ext.shape) != (B * T, Dk) or k_ext.dtype != kv.dtype or k_ext.stride(-1) != 1:
+        k_ext = None
+        if isinstance(k_extend, torch.Tensor):   # a view either way: nothing is copied
+            k_ext = k_extend[:, 0] if k_extend.dim() == 3 and k_extend.shape[1] == 1 else k_extend
+        if k_ext is None or k_ext.dim() != 2 or tuple(k_ext.shape) != (B * T, Dk) or k_ext.dtype != kv.dtype or k_ext.stride(-1) != 1:
             raise ValueError(f"k_extend: expected [{B * T}, 1, {Dk}] {kv.dtype} with contiguous rows, got "
                              f"{getattr(k_extend, 'dtype', None)} {list(getattr(k_extend, 'shape', []))}")
         if custom_mask is not None:

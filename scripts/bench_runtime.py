@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from kvtune.kernels import get_backend, reference_attention, rel_error, verify_attention
-from kvtune.kernels.runtime import VerifyAttention, load_defaults
+from kvtune.kernels.runtime import load_defaults
 from kvtune.kernels.sglang import SGLangVerifyAdapter, sglang_verify_args
 from kvtune.tuner.measure import MeasureOptions, Measurer, ProblemSpec
 

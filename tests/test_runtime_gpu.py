@@ -137,7 +137,7 @@ def test_one_graph_stays_tuned_as_contexts_grow(backend):
         del ref
 
 
-def test_adapter_graph_replays(tmp_path):
+def test_adapter_graph_replays():
     """The SGLang-layout adapter captured once: SGLang-style static buffers (prefix-only
     kv_indptr/kv_indices, flat custom mask, out_cache_loc) refilled between replays."""
     B = 2
