@@ -399,7 +399,7 @@ class VerifyAttention:
             _warn_once(f"notp:{src}:{tp}", f"kvtune: {src} has no entry for tp={tp}; falling back to the "
                        "backend's untuned default parameters")
         plans: list[Plan] = []
-        for i, e in enumerate(entries):
+        for e in entries:
             plans.append(_plan_from_entry(e, forced, kw, max_batch, f"{src} (tp={tp}, max_batch={e.max_batch})"))
             if e.max_batch >= max_batch:
                 break
