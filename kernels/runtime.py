@@ -399,19 +399,17 @@ class VerifyAttention:
             _warn_once(f"notp:{src}:{tp}", f"kvtune: {src} has no entry for tp={tp}; falling back to the "
                        "backend's untuned default parameters")
         plans: list[Plan] = []
+        fallback = forced or backend or DEFAULT_BACKEND
         for e in entries:
-            plans.append(_plan_from_entry(e, forced, kw, max_batch, f"{src} (tp={tp}, max_batch={e.max_batch})"))
+            plans.append(_plan_from_entry(e, forced, fallback, allow_mismatch, kw, max_batch,
+                                          f"{src} (tp={tp}, max_batch={e.max_batch})"))
             if e.max_batch >= max_batch:
                 break
         if not plans:
-            name = forced or backend or DEFAULT_BACKEND
-            be = get_backend(name)
+            be = _usable_backend(fallback, device, f"{ENV_VERIFY}={forced}" if forced else "backend")
             params = be.default_params(_problem(kw, max_batch))
-            plans.append(Plan(max_batch, be, params, None, None, f"untuned default of {name}"))
+            plans.append(Plan(max_batch, be, params, None, None, f"untuned default of {fallback}"))
         for p in plans:
-            why = p.backend.supports(device)
-            if why:
-                raise ValueError(f"backend: {p.backend.name} (from {p.source}) cannot run on {device}: {why}")
             p.backend.check_params(p.params, _problem(kw, min(p.max_batch, max_batch)))
         self = cls(plans=plans, workspace_budget_bytes=workspace_budget_bytes, preallocate_out=preallocate_out,
                    check_values=check_values, **kw)
@@ -500,19 +498,41 @@ def _problem(kw: dict, batch: int) -> VerifyProblem:
     return VerifyProblem(B=batch, T=kw["T"], H=kw["H"], Dk=kw["Dk"], Dv=kw["Dv"], device=kw["device"])
 
 
-def _plan_from_entry(e: TunedEntry, forced: str | None, kw: dict, max_batch: int, source: str) -> Plan:
-    """A Plan from one YAML entry; with a forced backend other than the entry's, that
-    backend's default parameters (logged once) and no split table."""
+def _usable_backend(name: str, device: torch.device, what: str) -> Backend:
+    """The backend `name`, or a ValueError naming `what` asked for it and why it cannot run here."""
+    try:
+        be = get_backend(name)
+    except ImportError as e:
+        raise ValueError(f"{what}: backend {name!r} cannot be imported: {e}") from None
+    why = be.supports(device)
+    if why:
+        raise ValueError(f"{what}: backend {name!r} cannot run on {device}: {why}")
+    return be
+
+
+def _plan_from_entry(e: TunedEntry, forced: str | None, fallback: str, allow_mismatch: bool, kw: dict,
+                     max_batch: int, source: str) -> Plan:
+    """A Plan from one YAML entry. The entry's parameters and split table, unless
+    `KVTUNE_VERIFY` forces another backend, or (allow_mismatch) the entry's backend cannot
+    run here: then the `fallback` backend's default parameters, logged once."""
     if e.heads_per_rank != kw["H"]:
         _warn_once(f"heads:{source}", f"kvtune: {source}: tuned for {e.heads_per_rank} heads per rank, "
                    f"running {kw['H']}")
-    if forced is not None and forced != e.backend:
-        be = get_backend(forced)
+    why = None
+    if forced is None or forced == e.backend:
+        try:
+            be = _usable_backend(e.backend, kw["device"], f"{source}: backend")
+        except ValueError as err:
+            if forced is not None or not allow_mismatch:
+                raise ValueError(f"{err} (allow_mismatch=True falls back to {fallback}'s defaults)") from None
+            why = f"{err}; falling back to {fallback}"
+    if (forced is not None and forced != e.backend) or why is not None:
+        be = _usable_backend(fallback, kw["device"], f"{ENV_VERIFY}={forced}" if forced else "backend")
         params = be.default_params(_problem(kw, min(e.max_batch, max_batch)))
-        _warn_once(f"forced:{source}:{forced}", f"kvtune: {ENV_VERIFY}={forced} overrides {source}'s backend "
-                   f"{e.backend!r}: running {forced} with its default parameters {params}")
-        return Plan(e.max_batch, be, params, None, None, f"{source}, overridden by {ENV_VERIFY}={forced}")
-    be = get_backend(e.backend)
+        why = why or f"{ENV_VERIFY}={forced} overrides {source}'s backend {e.backend!r}"
+        _warn_once(f"fallback:{source}:{fallback}", f"kvtune: {why}: running {be.name} with its default "
+                   f"parameters {params}")
+        return Plan(e.max_batch, be, params, None, None, f"{source}, replaced by {be.name} defaults")
     params = params_from_dict(be.params_type, dict(e.params), where=f"{source}: params") \
         if be.params_type is not None else None
     table = None

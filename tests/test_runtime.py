@@ -300,6 +300,14 @@ def test_env_invalid_value(device, monkeypatch):
         VerifyAttention.from_defaults(parse_tuned(tuned_dict(device), "mem"), tp=TP, device=device)
 
 
+def test_env_forcing_an_unrunnable_backend_is_named(device, monkeypatch):
+    if device != "cpu":
+        pytest.skip("needs a device the cuda backend cannot run on")
+    monkeypatch.setenv(rt.ENV_VERIFY, "cuda")
+    with pytest.raises(ValueError, match="KVTUNE_VERIFY=cuda: backend 'cuda' cannot"):
+        VerifyAttention.from_defaults(parse_tuned(tuned_dict(device), "mem"), tp=TP, device=device)
+
+
 def test_env_forces_backend(device, monkeypatch, caplog):
     tuned = parse_tuned(tuned_dict(device), "mem")
     monkeypatch.setenv(rt.ENV_VERIFY, "reference")
@@ -313,6 +321,23 @@ def test_env_forces_backend(device, monkeypatch, caplog):
         va = VerifyAttention.from_defaults(tuned, tp=TP, max_batch=4, max_context=300, device=device, warmup=False)
         assert [p.params for p in va.plans] == [TritonParams(4, 16, 2, 4, 1), TritonParams(2, 32, 1, 4, 2)]
         assert all(p.split_table is not None for p in va.plans)
+
+
+def test_unrunnable_entry_backend_falls_back_only_when_allowed(device, caplog):
+    if device != "cpu":
+        pytest.skip("needs a device the cuda backend cannot run on")
+    d = tuned_dict(device)
+    d["entries"][0].update(backend="cuda", params={"NSPLIT": 8})
+    d["provenance"]["kernel_hash"]["cuda"] = "0123456789abcdef"
+    tuned = parse_tuned(d, "mem", check_params=False)
+    with pytest.raises(ValueError, match="cuda"):
+        VerifyAttention.from_defaults(tuned, tp=TP, max_batch=1, max_context=128, device=device, warmup=False)
+    with caplog.at_level(logging.WARNING, logger="kvtune.runtime"):
+        va = VerifyAttention.from_defaults(tuned, tp=TP, max_batch=1, max_context=128, device=device,
+                                           allow_mismatch=True)
+    assert va.plans[0].backend.name == "triton" and va.plans[0].split_table is None
+    assert "falling back to triton" in caplog.text
+    check_against_oracle(va, [54], "random", 9, device)
 
 
 # -- a deliberately wrong kernel is caught at start-up ---------------------------------
