@@ -172,9 +172,8 @@ def _studies(res: Results) -> pd.DataFrame:
     per: dict = {}
     for (b, tp, bs, ctx, pj), (v, role) in lat.items():
         per.setdefault((b, tp, bs, ctx), []).append((v, json.loads(pj), role))
-    search = df[df["phase"].astype(str) != "remeasure"]
     rows = []
-    for key, g in search.groupby(STUDY_KEYS, sort=True):
+    for key, g in _search(df).groupby(STUDY_KEYS, sort=True):
         cands = per.get(key, [])
         best = min(cands, key=lambda c: c[0]) if cands else None
         default = [c[0] for c in cands if c[2] == "baseline"]
@@ -245,9 +244,14 @@ def best_params_table(res: Results) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _search(df: pd.DataFrame) -> pd.DataFrame:
+    """The trials proper: the search phase (phase 'remeasure' rows re-time trials already counted)."""
+    return df[df["phase"].astype(str) != "remeasure"] if "phase" in df else df
+
+
 def problem_trials(res: Results) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(counts of each outcome per study, the failed/wrong/pruned trials grouped by reason)."""
-    df = res.trials
+    df = _search(res.trials)
     counts = df.groupby(STUDY_KEYS)["outcome"].value_counts().unstack(fill_value=0)
     for o in OUTCOMES:
         if o not in counts:
@@ -366,13 +370,12 @@ def history_frame(res: Results) -> tuple[pd.DataFrame, str]:
         h["latency_us"] = np.where(h["state"] == "COMPLETE", h["value"], np.nan)
         source = f"Optuna storage {res.folder.name}/studies.db"
     else:
-        df = res.trials
-        if "phase" in df:
-            df = df[df["phase"].astype(str) != "remeasure"]
+        df = _search(res.trials)
         h = df[[*STUDY_KEYS, "trial", "role"]].copy()
         h["latency_us"] = np.where(df["outcome"] == "ok", df["median_us"], np.nan)
         source = "the trials table" + (" (no studies.db in this folder)" if not res.storage else
                                        " (optuna is not installed)")
+    h["latency_us"] = pd.to_numeric(h["latency_us"], errors="coerce")  # all-None (no ok trial) is object dtype
     h = h.sort_values([*STUDY_KEYS, "trial"], ignore_index=True)
     # the best so far carries over the trials that produced no latency (pruned, wrong, failed)
     h["best_so_far_us"] = h.groupby(STUDY_KEYS)["latency_us"].cummin()
@@ -412,10 +415,8 @@ def importance_frame(res: Results) -> tuple[pd.DataFrame, str]:
         source = f"optuna.importance ({name}) on the studies in {res.folder.name}/studies.db"
         if rows:
             return pd.DataFrame(rows), source
-    df = res.trials
+    df = _search(res.trials)
     ok = df[(df["outcome"] == "ok") & df["median_us"].notna()]
-    if "phase" in ok:
-        ok = ok[ok["phase"].astype(str) != "remeasure"]
     for key, g in ok.groupby(STUDY_KEYS):
         y = np.log(g["median_us"].to_numpy(float))
         total = ((y - y.mean()) ** 2).sum()
@@ -477,7 +478,7 @@ def fig_latency(res: Results):
             ax_p.plot(g["ctx"], g["default_pct_floor"], color=c, marker=m, ls="--", alpha=0.6, mfc="none")
         for tp, g in sb.groupby("tp"):
             f = g.groupby("ctx")["floor_us"].first().sort_index()
-            ax_l.plot(f.index, f.values, color=colors[tp], ls=":", lw=1.5)
+            ax_l.plot(f.index, f.values, color=colors[tp], ls=":", lw=1.5, marker="_", ms=14)  # marker: one context
         for ax in (ax_l, ax_p):
             _log2_ctx_axis(ax, sb["ctx"])
             ax.grid(True, which="major", alpha=0.3)
@@ -487,13 +488,13 @@ def fig_latency(res: Results):
         ax_p.set_ylabel("% of floor (floor / latency x 100)")
         ax_p.set_title(f"% of the roofline floor, batch {bs}")
         ax_p.set_ylim(bottom=0)
-    handles = [Line2D([], [], color=colors[tp], lw=2, label=f"tp {int(tp)} ({_heads(st, tp)} heads)")
+    handles = [Line2D([], [], color=colors[tp], lw=2, label=f"tp {int(tp)} ({_heads(st, tp)} head{'' if _heads(st, tp) == 1 else 's'}/rank)")
                for tp in sorted(colors)]
     handles += [Line2D([], [], color="k", marker=BACKEND_MARKERS.get(b, "D"), ls="none", label=b)
                 for b in res.backends]
     handles += [Line2D([], [], color="k", ls="-", label="tuned"),
                 Line2D([], [], color="k", ls="--", alpha=0.6, label="default config"),
-                Line2D([], [], color="k", ls=":", label="floor")]
+                Line2D([], [], color="k", ls=":", marker="_", ms=14, label="floor")]
     fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
     fig.suptitle(f"{res.deployment}: {_short_timing(res)}")
     fig.tight_layout()
@@ -675,7 +676,7 @@ def fig_importance(res: Results):
         ax.set_yticklabels(agg.index)
         ax.set_xlim(0, 1)
         ax.set_xlabel("importance (fraction, sums to 1 per study)")
-        ax.set_title(f"{b}: mean over {nst} studies")
+        ax.set_title(f"{b}: mean over {nst} stud{'y' if nst == 1 else 'ies'}")
         ax.grid(True, axis="x", alpha=0.3)
     fig.suptitle("parameter importance")
     fig.tight_layout()
@@ -684,9 +685,7 @@ def fig_importance(res: Results):
 
 def fig_outcomes(res: Results):
     """Trials per outcome, per backend and tp (stacked bars)."""
-    df = res.trials
-    if "phase" in df:
-        df = df[df["phase"].astype(str) != "remeasure"]
+    df = _search(res.trials)
     if df.empty:
         return None
     c = df.groupby(["backend", "tp"])["outcome"].value_counts().unstack(fill_value=0)
@@ -798,8 +797,10 @@ def section_problems(res: Results) -> Section:
     s = Section("outcomes", "Failed, wrong and pruned trials")
     counts, reasons = problem_trials(res)
     s.figure = fig_outcomes(res)
-    n = {o: int((res.trials["outcome"] == o).sum()) for o in OUTCOMES}
-    s.notes.append(", ".join(f"{v} {k}" for k, v in n.items()) + f" of {len(res.trials)} rows. 'wrong' failed the "
+    trials = _search(res.trials)
+    n = {o: int((trials["outcome"] == o).sum()) for o in OUTCOMES}
+    s.notes.append(", ".join(f"{v} {k}" for k, v in n.items()) + f" of {len(trials)} trials (re-measurements of "
+                   "finalists not counted). 'wrong' failed the "
                    "correctness gate against the fp32 oracle and is never exported; 'pruned' was rejected "
                    "before any GPU time; 'failed' raised (compile or launch error).")
     s.tables.append(("failed, wrong and pruned trials by reason", reasons))

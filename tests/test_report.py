@@ -1,0 +1,268 @@
+"""The review: `kvtune report` and results/review.ipynb on real sweep output (CPU).
+
+Inputs: the committed CPU sweep (results/cpu-tiny, produced by `kvtune sweep ... --device cpu`
+and `kvtune export`), a tiny real sweep run here into tmp_path (one tp, one context: it has
+an Optuna storage, which the committed folder lacks since *.db is not committed), a real
+sweep whose every config is pruned (a workspace budget nothing fits), and the committed H200
+results when the lead has committed them (skipped otherwise).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib", reason="needs the review extra (pip install 'kvtune[review]')")
+pytest.importorskip("nbclient", reason="needs the review extra (pip install 'kvtune[review]')")
+pytest.importorskip("optuna", reason="the tiny sweeps need the tune extra")
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+
+from kvtune.tuner import review as rv  # noqa: E402
+from kvtune.tuner.cli import main as kvtune_main  # noqa: E402
+from kvtune.tuner.config import REPO_ROOT  # noqa: E402
+
+RESULTS = REPO_ROOT / "results"
+NOTEBOOK = RESULTS / "review.ipynb"
+CPU_TINY = RESULTS / "cpu-tiny"
+H200_DEPLOYMENTS = ("kimi-k2-h200", "deepseek-v3-h200")
+ALL_PLOTS = {"latency", "speedup", "nsplit", "history", "importance", "outcomes"}
+
+
+def _write_deployment(path: Path, name: str, **over) -> Path:
+    """A tiny CPU deployment (the shipped cpu-tiny model, smaller grid) as a YAML file."""
+    import yaml
+    d = yaml.safe_load((REPO_ROOT / "configs/deployments/cpu-tiny.yaml").read_text())
+    d.update(name=name, device=str(REPO_ROOT / "configs/devices/cpu.yaml"), tp=[8], contexts=[64], trials=3)
+    d.update(over)
+    path.write_text(yaml.safe_dump(d))
+    return path
+
+
+def _sweep(tmp: Path, name: str, export: bool, **over) -> Path:
+    from kvtune.tuner.export import export_deployment
+    from kvtune.tuner.sweep import SweepOptions, run_sweep
+    dep = _write_deployment(tmp / f"{name}.yaml", name, **over)
+    sw = run_sweep(dep, SweepOptions(device="cpu", out=str(tmp / "results"), rounds=1, remeasure_top=1,
+                                     progress=False))
+    assert sw.status == "complete"
+    if export:
+        export_deployment(dep, out=str(tmp / "results"), quiet=True)
+    return tmp / "results" / name
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory) -> Path:
+    """A real one-tp, one-context sweep with its Optuna storage and exported YAML."""
+    return _sweep(tmp_path_factory.mktemp("swept"), "tiny-one-ctx", export=True)
+
+
+@pytest.fixture(scope="module")
+def all_pruned(tmp_path_factory) -> Path:
+    """A real sweep where every config (the default too) is pruned: its split-K workspace is
+    over a budget of 1 byte. Nothing can be exported."""
+    return _sweep(tmp_path_factory.mktemp("pruned"), "tiny-all-pruned", export=False, workspace_budget_mb=1e-6)
+
+
+@pytest.fixture
+def cpu_tiny_no_db(tmp_path) -> Path:
+    """The committed CPU results without a study storage (as in a fresh clone)."""
+    dst = tmp_path / "cpu-tiny"
+    shutil.copytree(CPU_TINY, dst, ignore=shutil.ignore_patterns("*.db", "report"))
+    return dst
+
+
+def _h200_folders() -> list[Path]:
+    return [RESULTS / d for d in H200_DEPLOYMENTS if (RESULTS / d / "trials.csv").is_file()]
+
+
+def _report(folder: Path, out: Path) -> tuple[str, set[str]]:
+    """Run `kvtune report` and check the page: every PNG it references exists and is a
+    non-empty PNG, and every PNG written is referenced. Returns (html, plot names)."""
+    assert kvtune_main(["report", str(folder), "--out", str(out)]) == 0
+    page = (out / "index.html").read_text()
+    refs = set(re.findall(r'<img src="([^"]+)"', page))
+    written = {p.name for p in out.glob("*.png")}
+    assert refs == written, f"referenced {sorted(refs)} but wrote {sorted(written)}"
+    for name in written:
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, f"{name} is not a real plot"
+    return page, {Path(n).stem for n in written}
+
+
+def _run_notebook(folder: Path, tmp_path: Path):
+    """Execute results/review.ipynb headless on `folder`; any cell error fails the test."""
+    import nbformat
+    from nbclient import NotebookClient
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    old = os.environ.get("KVTUNE_RESULTS")
+    os.environ["KVTUNE_RESULTS"] = str(folder)  # the kernel inherits the environment
+    try:
+        NotebookClient(nb, timeout=300, kernel_name="python3",
+                       resources={"metadata": {"path": str(tmp_path)}}).execute()
+    finally:
+        if old is None:
+            os.environ.pop("KVTUNE_RESULTS", None)
+        else:
+            os.environ["KVTUNE_RESULTS"] = old
+    return nb
+
+
+def _outputs_text(nb) -> str:
+    parts = []
+    for c in nb.cells:
+        for o in c.get("outputs", []):
+            parts.append(json.dumps(o.get("data", {}).get("text/html", "")))
+            parts.append(str(o.get("text", "")))
+    return "\n".join(parts)
+
+
+def _images(nb) -> int:
+    return sum("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
+
+
+# --------------------------------------------------------------------------- the report
+def test_report_committed_cpu_sweep(tmp_path):
+    assert (CPU_TINY / "trials.csv").is_file(), "results/cpu-tiny is the committed CPU sweep"
+    page, plots = _report(CPU_TINY, tmp_path / "report")
+    assert plots == ALL_PLOTS
+    assert "CPU timings" in page
+    assert "Only triton in this sweep" in page  # one backend: no CUDA vs Triton panel, and it says so
+    assert "cpu-tiny.yaml" in page and "schema_version: 1" in page
+
+
+def test_report_without_study_storage(cpu_tiny_no_db, tmp_path):
+    page, plots = _report(cpu_tiny_no_db, tmp_path / "report")
+    assert plots == ALL_PLOTS  # history and importance fall back to the trials table
+    assert "Source: the trials table" in page
+
+
+def test_report_single_context_with_storage(swept, tmp_path):
+    assert (swept / "studies.db").is_file()
+    page, plots = _report(swept, tmp_path / "report")
+    assert plots == ALL_PLOTS
+    assert "Optuna storage" in page and "Only one context length was swept" in page
+
+
+def test_report_all_pruned(all_pruned, tmp_path):
+    page, plots = _report(all_pruned, tmp_path / "report")
+    assert plots == {"outcomes"}  # nothing else has a number to plot; no empty axes are written
+    assert "have no ok trial" in page and "No exported YAML" in page
+    assert "workspace" in page  # the reason of the pruning is shown
+
+
+def test_report_default_output_and_deployment_name(swept, monkeypatch):
+    """`kvtune report NAME` finds results/NAME under the working directory and writes
+    into <results>/report by default."""
+    monkeypatch.chdir(swept.parent.parent)
+    assert kvtune_main(["report", swept.name]) == 0
+    assert (swept / "report" / "index.html").is_file()
+
+
+def test_report_missing_folder_is_a_clear_error(tmp_path, capsys):
+    assert kvtune_main(["report", str(tmp_path / "nope")]) == 2
+    assert "neither a results folder" in capsys.readouterr().err
+
+
+def test_exported_yaml_agrees_with_the_trials_it_came_from():
+    """Every exported bucket's latency is a measured latency of that (tp, bs, context) and
+    never beats the study's best nor loses to its default."""
+    res = rv.load_results(CPU_TINY)
+    ex = rv.exported_table(res)
+    assert len(ex) == sum(len(e.buckets) for e in res.tuned.entries) > 0
+    assert (ex["yaml latency µs"] >= ex["trials best µs"] * (1 - 1e-6)).all()
+    assert (ex["yaml latency µs"] <= ex["trials default µs"] * (1 + 1e-6)).all()
+    assert (ex["yaml default µs"].round(2) == ex["trials default µs"].round(2)).all()
+
+
+def test_two_backends_draw_the_cuda_vs_triton_panel(cpu_tiny_no_db, tmp_path):
+    """Code path of a sweep with both backends (the CPU cannot run the CUDA backend): the
+    committed triton rows relabelled as a second backend, 2x faster. Only the plotting is
+    under test here; the numbers mean nothing."""
+    import pandas as pd
+    df = pd.read_csv(cpu_tiny_no_db / "trials.csv")
+    other = df.assign(backend="cuda", median_us=df["median_us"] / 2)
+    pd.concat([df, other]).to_csv(cpu_tiny_no_db / "trials.csv", index=False)
+    res = rv.load_results(cpu_tiny_no_db)
+    fig = rv.fig_speedup(res)
+    assert len(fig.axes) == 2 and "CUDA" in fig.axes[1].get_ylabel()
+    ratio = fig.axes[1].lines[0].get_ydata()
+    assert ratio == pytest.approx([2.0] * len(ratio), rel=1e-6)
+    summ = rv.summary_table(res)
+    assert (summ["best backend"] == "cuda").all()
+
+
+# --------------------------------------------------------------------------- the notebook
+def test_notebook_shows_every_section():
+    """The notebook and the report show the same content: one cell per SECTIONS builder."""
+    import nbformat
+    src = "\n".join(c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "code")
+    for f in rv.SECTIONS:
+        assert f"rv.{f.__name__}(res)" in src, f"results/review.ipynb does not show {f.__name__}"
+    params = [c for c in nbformat.read(NOTEBOOK, as_version=4).cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(params) == 1 and "RESULTS" in params[0].source
+
+
+def test_notebook_committed_cpu_sweep(tmp_path):
+    nb = _run_notebook(CPU_TINY, tmp_path)
+    text = _outputs_text(nb)
+    assert "CPU timings" in text and "cpu-tiny" in text
+    assert _images(nb) == len(ALL_PLOTS)
+
+
+def test_notebook_single_context_with_storage(swept, tmp_path):
+    nb = _run_notebook(swept, tmp_path)
+    assert "Optuna storage" in _outputs_text(nb)
+    assert _images(nb) == len(ALL_PLOTS)
+
+
+def test_notebook_all_pruned(all_pruned, tmp_path):
+    nb = _run_notebook(all_pruned, tmp_path)
+    assert _images(nb) == 1
+
+
+@pytest.mark.parametrize("folder", _h200_folders() or [None], ids=lambda p: p.name if p else "absent")
+def test_notebook_and_report_h200_results(folder, tmp_path):
+    if folder is None:
+        pytest.skip(f"no committed H200 results (results/{{{','.join(H200_DEPLOYMENTS)}}}/trials.csv) yet")
+    nb = _run_notebook(folder, tmp_path)
+    assert "CPU timings" not in _outputs_text(nb)
+    page, plots = _report(folder, tmp_path / "report")
+    assert {"latency", "speedup", "nsplit", "outcomes"} <= plots
+
+
+# --------------------------------------------------------------------------- optional extras
+def test_help_works_without_the_review_extra():
+    """`kvtune --help` and `kvtune report --help` import no plotting or notebook library,
+    and `kvtune report` without them is a clear error naming the extra."""
+    code = ("import sys\n"
+            "for m in ('matplotlib', 'nbclient', 'nbconvert', 'IPython', 'ipykernel'):\n"
+            "    sys.modules[m] = None  # import fails as if not installed\n"
+            "from kvtune.tuner.cli import main\n"
+            "for argv in (['--help'], ['report', '--help']):\n"
+            "    try:\n"
+            "        main(argv)\n"
+            "    except SystemExit as e:\n"
+            "        assert e.code == 0, e.code\n"
+            "sys.exit(main(['report', 'cpu-tiny']))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "report" in r.stdout and "kvtune[review]" in r.stderr
+
+
+def test_kernels_and_runtime_import_no_review_library():
+    code = ("import sys\n"
+            "import kvtune.kernels, kvtune.kernels.runtime, kvtune.kernels.tuned\n"
+            "bad = [m for m in ('matplotlib', 'nbclient', 'nbconvert', 'kvtune.tuner.review') if m in sys.modules]\n"
+            "sys.exit(1 if bad else 0)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0, r.stdout + r.stderr
