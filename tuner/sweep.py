@@ -378,9 +378,7 @@ class Sweep:
                     if params_key(q) in tried or q.get("NSPLIT", 1) not in dists.get("NSPLIT", (1,)) \
                             or space.violation(q, env):
                         continue
-                    study.enqueue_trial(q, user_attrs={"role": "cross"})
-                    trial = study.ask()
-                    params = {n: trial.suggest_categorical(n, dists[n]) for n in space.names}
+                    trial, params = self._ask_for(study, q, dists, "cross")
                     try:
                         m = self._measure(backend, params, spec, seed + trial.number)
                     except BaseException:
@@ -393,6 +391,19 @@ class Sweep:
                     tried.add(params_key(params))
                     if m["outcome"] == "ok":
                         break
+
+    def _ask_for(self, study, q: dict, dists: dict, role: str):
+        """A new trial of `study` with exactly the params `q` (configs left queued by an
+        earlier, interrupted run are released unmeasured on the way)."""
+        TS = self.optuna.trial.TrialState
+        study.enqueue_trial(q, user_attrs={"role": role})
+        while True:
+            trial = study.ask()
+            params = {n: trial.suggest_categorical(n, dists[n]) for n in dists}
+            if params_key(params) == params_key(q):
+                return trial, params
+            trial.set_user_attr("released", True)
+            study.tell(trial, state=TS.FAIL)
 
     def remeasure(self, backend, tp, bs):
         """Re-measure each bucket's top configs interleaved with the baseline (and the

@@ -195,10 +195,16 @@ class SubprocessExecutor:
         self.timeout_s = timeout_s
         self.proc = None
         self.conn = None
-        self.restarts = 0
+        self.starts = 0
         self._ctx = mp.get_context("spawn")
 
+    @property
+    def restarts(self) -> int:
+        """Worker processes started to replace one that died, hung or hit a fatal error."""
+        return max(0, self.starts - 1)
+
     def _start(self):
+        self.starts += 1
         _prepare_env(self.device)         # inherited by the spawned child
         parent, child = self._ctx.Pipe()
         self.proc = self._ctx.Process(target=_worker_main, args=(child, self.device, _string_registry()),
@@ -229,9 +235,7 @@ class SubprocessExecutor:
         """The result of `req`; raises WorkerError when the worker dies or times out (it is
         then replaced on the next request)."""
         if self.proc is None or not self.proc.is_alive():
-            if self.proc is not None:
-                self.restarts += 1
-                self._kill()
+            self._kill()
             self._start()
         timeout = timeout_s or self.timeout_s
         try:
@@ -255,7 +259,6 @@ class SubprocessExecutor:
         result = res["result"]
         if isinstance(result, dict) and result.get("fatal"):
             self._kill()                  # the worker exits on its own; make sure
-            self.restarts += 1
         return result
 
 

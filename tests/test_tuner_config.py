@@ -1,0 +1,147 @@
+"""Deployment, device-profile and search-space files: the shipped ones load; bad ones give
+errors that name the file and the key."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvtune.tuner.config import CONFIG_DIR, ConfigError, load_deployment, load_device
+from kvtune.tuner.space import SPACE_DIR, load_space, problem_env
+
+TRITON_FIELDS = ["NSPLIT", "BLOCK_N", "BLOCK_H", "num_warps", "num_stages"]
+CUDA_FIELDS = ["NSPLIT", "VEC", "BLOCK_N", "NUM_WARPS", "HEADS_PER_BLOCK", "STAGES"]
+
+GOOD = {
+    "name": "t",
+    "model": {"name": "m", "num_heads": 8, "draft_tokens": 4, "tree": "chain"},
+    "device": "cpu",
+    "tp": [4, 8],
+    "contexts": [64, 300],
+    "batches": [1],
+    "backends": ["triton"],
+    "trials": 3,
+}
+
+
+def _write(tmp_path: Path, doc, name="dep.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(doc))
+    return p
+
+
+@pytest.mark.parametrize("path", sorted((CONFIG_DIR / "deployments").glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_deployments_load(path):
+    dep = load_deployment(path)
+    assert dep.name == path.stem
+    for tp in dep.tp:
+        assert dep.heads(tp) * tp == dep.model.num_heads
+
+
+def test_shipped_search_spaces_match_the_parameter_dataclasses():
+    from kvtune.kernels.triton_kernel import TritonParams
+    fields = [f.name for f in dataclasses.fields(TritonParams)]
+    assert fields == TRITON_FIELDS
+    sp = load_space("triton", fields)
+    assert sp.names == fields
+    # the CUDA space is checked against CudaParams when that backend imports
+    try:
+        from kvtune.kernels.cuda.backend import CudaParams
+        cfields = [f.name for f in dataclasses.fields(CudaParams)]
+    except Exception:  # noqa: BLE001 - the CUDA backend may be absent
+        cfields = CUDA_FIELDS
+    assert load_space("cuda", cfields).names == cfields
+
+
+def test_shipped_devices_load():
+    h200 = load_device("h200")
+    assert h200.arch == "sm_90" and h200.sm_count == 132 and 4000 < h200.read_gbps < 4500
+    rtx = load_device("rtx-pro-6000")
+    assert rtx.arch == "sm_120" and rtx.sm_count == 188 and rtx.smem_per_block_bytes == 99 * 1024
+
+
+@pytest.mark.parametrize("mutate, key", [
+    (lambda d: d.update(bogus=1), "bogus"),
+    (lambda d: d.pop("tp"), "missing key(s) ['tp']"),
+    (lambda d: d.update(tp=[3]), "tp[0]"),
+    (lambda d: d.update(contexts=[300, 64]), "contexts"),
+    (lambda d: d.update(trials=0), "trials"),
+    (lambda d: d["model"].update(num_heads=-8), "model.num_heads"),
+    (lambda d: d["model"].update(tree="bush"), "model.tree"),
+    (lambda d: d["model"].update(rope=64), "model"),
+    (lambda d: d.update(device="no-such-gpu"), "device"),
+    (lambda d: d.update(backends=["reference"]), "backends"),
+    (lambda d: d.update(timing="fast"), "timing"),
+])
+def test_bad_deployment_names_file_and_key(tmp_path, mutate, key):
+    doc = yaml.safe_load(yaml.safe_dump(GOOD))
+    mutate(doc)
+    p = _write(tmp_path, doc)
+    with pytest.raises(ConfigError) as e:
+        load_deployment(p)
+    assert str(p) in str(e.value) and key in str(e.value)
+
+
+def test_good_tmp_deployment_loads(tmp_path):
+    dep = load_deployment(_write(tmp_path, GOOD))
+    assert dep.tp == (4, 8) and dep.heads(8) == 1 and dep.device.arch == "cpu"
+
+
+SPACE = {"backend": "triton",
+         "params": {"NSPLIT": [1, 2], "BLOCK_N": {"choices": [32]}, "BLOCK_H": {"range": {"low": 1, "high": 4,
+                                                                                         "log": True}},
+                    "num_warps": [4], "num_stages": [1]},
+         "constraints": [{"name": "heads", "expr": "BLOCK_H <= H", "reason": "too many heads"}]}
+
+
+def _space(tmp_path, doc):
+    d = tmp_path / "spaces"
+    d.mkdir(exist_ok=True)
+    p = d / "triton.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    return d, p
+
+
+def test_space_choices_ranges_and_constraints(tmp_path):
+    d, _ = _space(tmp_path, SPACE)
+    sp = load_space("triton", TRITON_FIELDS, d)
+    assert sp.choices["BLOCK_H"] == (1, 2, 4)
+    env = problem_env(4, 2, 1, 64, 576, 512, load_device("cpu"))
+    assert sp.violation({"NSPLIT": 1, "BLOCK_N": 32, "BLOCK_H": 2, "num_warps": 4, "num_stages": 1}, env) is None
+    why = sp.violation({"NSPLIT": 1, "BLOCK_N": 32, "BLOCK_H": 4, "num_warps": 4, "num_stages": 1}, env)
+    assert "heads" in why and "too many heads" in why
+    # the default of a study is always a legal point
+    assert 16 in sp.distributions(extra={"NSPLIT": 16, "BLOCK_N": 32, "BLOCK_H": 1, "num_warps": 4,
+                                         "num_stages": 1})["NSPLIT"]
+
+
+@pytest.mark.parametrize("mutate, key", [
+    (lambda d: d["params"].update(BLOCK_Q=[1]), "params.BLOCK_Q"),
+    (lambda d: d["params"].pop("num_stages"), "missing parameter(s) ['num_stages']"),
+    (lambda d: d["params"].update(NSPLIT={"choices": []}), "params.NSPLIT.choices"),
+    (lambda d: d["params"].update(NSPLIT={"range": {"low": 4, "high": 1}}), "params.NSPLIT.range"),
+    (lambda d: d["params"].update(NSPLIT={"choices": [1], "range": {"low": 1, "high": 2}}), "params.NSPLIT"),
+    (lambda d: d["constraints"].append({"expr": "BLOCK_H <= heads"}), "constraints[1].expr"),
+    (lambda d: d["constraints"].append({"expr": "__import__('os')"}), "constraints[1].expr"),
+    (lambda d: d["constraints"].append({"expr": "BLOCK_H <="}), "constraints[1].expr"),
+    (lambda d: d.update(backend="cuda"), "backend"),
+    (lambda d: d.update(extra=1), "extra"),
+])
+def test_bad_search_space_names_file_and_key(tmp_path, mutate, key):
+    doc = yaml.safe_load(yaml.safe_dump(SPACE))
+    mutate(doc)
+    d, p = _space(tmp_path, doc)
+    with pytest.raises(ConfigError) as e:
+        load_space("triton", TRITON_FIELDS, d)
+    assert str(p) in str(e.value) and key in str(e.value)
+
+
+def test_missing_search_space_file(tmp_path):
+    with pytest.raises(ConfigError, match="no search space"):
+        load_space("triton", TRITON_FIELDS, tmp_path)
+
+
+def test_repo_space_dir_is_the_default():
+    assert (SPACE_DIR / "triton.yaml").is_file()

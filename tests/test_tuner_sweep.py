@@ -1,0 +1,211 @@
+"""The tuner end to end on the CPU (Triton under its interpreter, trials in worker processes):
+a tiny deployment swept and exported; constraint, workspace and static pruning; a wrong
+kernel variant rejected by the correctness gate and never exported; a crashing config
+recorded as failed without ending the sweep; an interrupted sweep resumed without repeating
+finished trials."""
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import yaml
+
+from kvtune.kernels.backends import register_backend
+from kvtune.kernels.tuned import load_tuned
+from kvtune.tuner.cli import main
+from kvtune.tuner.export import export_deployment
+from kvtune.tuner.sweep import SweepOptions, run_sweep
+from kvtune.tuner.table import read_trials
+
+TRITON_DEFAULT = "kvtune.kernels.triton_kernel:TritonBackend"
+
+
+def _deployment(tmp_path, **over):
+    doc = {"name": "tiny", "model": {"name": "tiny-mla", "num_heads": 8, "draft_tokens": 4, "tree": "random"},
+           "device": "cpu", "tp": [4, 8], "contexts": [64, 300], "batches": [1], "backends": ["triton"],
+           "trials": 4, "timing": "eager"}
+    doc.update(over)
+    p = tmp_path / f"{doc['name']}.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    return p
+
+
+def _space(tmp_path, params, constraints=()):
+    d = tmp_path / "spaces"
+    d.mkdir(exist_ok=True)
+    (d / "triton.yaml").write_text(yaml.safe_dump({"backend": "triton", "params": params,
+                                                   "constraints": list(constraints)}))
+    return d
+
+
+NO_EMPTY = {"name": "no_empty_splits", "expr": "NSPLIT <= max(1, cdiv(keys, BLOCK_N))",
+            "reason": "splits beyond cdiv(keys, BLOCK_N) hold no key tile"}
+
+
+def test_tiny_deployment_end_to_end(tmp_path):
+    """`kvtune sweep --device cpu --export`: every trial recorded with an outcome; the YAML
+    validates, loads, covers every tp, and never loses to the measured default."""
+    dep = _deployment(tmp_path)
+    spaces = _space(tmp_path, {"NSPLIT": [1, 2, 4], "BLOCK_N": [32, 64], "BLOCK_H": [1, 2], "num_warps": [4],
+                               "num_stages": [1]}, [NO_EMPTY, {"name": "heads", "expr": "BLOCK_H <= H"}])
+    out = tmp_path / "results"
+    rc = main(["sweep", str(dep), "--device", "cpu", "--out", str(out), "--space-dir", str(spaces),
+               "--rounds", "1", "--remeasure-top", "2", "--no-progress", "--export"])
+    assert rc == 0
+    df = read_trials(out / "tiny" / "trials.csv")
+    search = df[df["phase"] == "search"]
+    assert set(search["outcome"]) <= {"ok", "pruned"}
+    assert (search["outcome"] == "ok").any()
+    for study, g in search.groupby("study"):
+        assert (g["role"] == "baseline").sum() == 1, study
+        assert g[g["role"] == "baseline"]["trial"].iloc[0] == 0, "the default is trial 0"
+        assert (g["outcome"] == "ok").sum() >= 4 or len(g) >= 4
+        keys = [json.dumps(p, sort_keys=True) for p in g["params"]]
+        assert len(keys) == len(set(keys)), f"{study}: a config was measured twice"
+    ok = df[df["outcome"] == "ok"]
+    assert ok["median_us"].notna().all() and (ok["timing"] == "cpu-eager").all()
+    assert (ok["p10_us"] <= ok["median_us"]).all() and (ok["median_us"] <= ok["p90_us"]).all()
+    assert ok["floor_us"].gt(0).all() and ok["pct_floor"].gt(0).all() and ok["gbps"].gt(0).all()
+    assert (df["phase"] == "remeasure").any()
+    for col in ("NSPLIT", "BLOCK_N", "BLOCK_H", "num_warps", "num_stages", "device", "arch", "torch", "triton",
+                "kernel_hash", "date"):
+        assert df[col].notna().all(), col
+
+    tuned = load_tuned(out / "tiny" / "tiny.yaml")
+    assert tuned.deployment == "tiny" and tuned.provenance["arch"] == "cpu"
+    assert tuned.provenance["kernel_hash"]["triton"]
+    assert sorted(e.tp for e in tuned.entries) == [4, 8]
+    for e in tuned.entries:
+        assert e.backend == "triton" and e.heads_per_rank == 8 // e.tp
+        assert [b.max_context for b in e.buckets] == [64, 300]
+        assert e.params["NSPLIT"] == max(b.NSPLIT for b in e.buckets)
+        for b in e.buckets:
+            assert b.latency_us <= b.default_latency_us, "an exported config lost to the default"
+        # the exported compile-time config was measured correct at every bucket
+        for b in e.buckets:
+            p = dict(e.params, NSPLIT=b.NSPLIT)
+            rows = ok[(ok["tp"] == e.tp) & (ok["ctx"] == b.max_context)]
+            assert any(r == p for r in rows["params"]), (e.tp, b.max_context, p)
+
+
+WRONG_MODULE = '''
+import os
+from kvtune.kernels.triton_kernel import TritonBackend
+
+
+class FastWrongTriton(TritonBackend):
+    """BLOCK_N=16 "runs" in no time and writes zeros (wrong); NSPLIT=2, num_warps=2 crashes
+    the process (as a GPU fault kills a context); everything else is the real kernel."""
+
+    def launch(self, a, params):
+        if params.BLOCK_N == 16:
+            a.out.zero_()
+            if a.lse is not None:
+                a.lse.zero_()
+            return
+        if params.NSPLIT == 2 and params.num_warps == 2:
+            os._exit(3)
+        super().launch(a, params)
+'''
+
+
+@pytest.fixture
+def fast_wrong_triton(tmp_path, monkeypatch):
+    """Registers the broken variant as "triton" (a module the worker processes can import)."""
+    mod = tmp_path / "mods"
+    mod.mkdir()
+    (mod / "kvtune_fast_wrong.py").write_text(textwrap.dedent(WRONG_MODULE))
+    monkeypatch.syspath_prepend(str(mod))
+    register_backend("triton", "kvtune_fast_wrong:FastWrongTriton")
+    yield
+    register_backend("triton", TRITON_DEFAULT)
+
+
+def test_wrong_variant_rejected_crash_isolated_constraint_pruned(tmp_path, fast_wrong_triton):
+    import dataclasses
+
+    import torch
+
+    from kvtune.kernels.shapes import VerifyProblem
+    from kvtune.kernels.triton_kernel import TritonBackend
+    default = dataclasses.asdict(TritonBackend().default_params(VerifyProblem(1, 4, 1, 576, 512, torch.device("cpu"))))
+    params = {"NSPLIT": [1, 2], "BLOCK_N": [16, 32], "BLOCK_H": [1], "num_warps": [2, 4], "num_stages": [2]}
+    grid = 1
+    for k, v in params.items():  # the study's grid: the choices plus the default's values
+        grid *= len(set(v) | {default[k]})
+    dep = _deployment(tmp_path, name="wrong", tp=[8], contexts=[64], trials=grid)
+    spaces = _space(tmp_path, params, [NO_EMPTY])
+    sw = run_sweep(dep, SweepOptions(device="cpu", out=str(tmp_path / "results"), space_dir=str(spaces), rounds=1,
+                                     remeasure_top=2, progress=False))
+    assert sw.status == "complete"
+    df = read_trials(tmp_path / "results" / "wrong" / "trials.csv")
+    s = df[df["phase"] == "search"]
+    assert len(s) == grid, "the whole grid is recorded, infeasible points as pruned"
+    keys = ("NSPLIT", "BLOCK_N", "BLOCK_H", "num_warps", "num_stages")
+    seen = set()
+    for p, outcome, reason, role in zip(s["params"], s["outcome"], s["reason"].fillna(""), s["role"]):
+        seen.add(outcome)
+        empty_splits = p["NSPLIT"] > max(1, -(-68 // p["BLOCK_N"]))
+        if empty_splits and role != "baseline":
+            assert outcome == "pruned" and "no_empty_splits" in reason and "hold no key tile" in reason, p
+        elif p["BLOCK_N"] == 16:
+            assert outcome == "wrong" and "||o-ref||/||ref||" in reason, (p, outcome, reason)
+        elif p["NSPLIT"] == 2 and p["num_warps"] == 2:
+            assert outcome == "failed" and "worker process died" in reason, (p, outcome, reason)
+        else:
+            assert outcome == "ok", (p, outcome, reason)
+    assert seen == {"ok", "pruned", "wrong", "failed"}
+    assert sw.executor.restarts >= 1, "the crashed worker was replaced"
+    tuned = export_deployment(sw.dep, out=str(tmp_path / "results"), quiet=True)
+    (e,) = tuned.entries
+    assert e.params["BLOCK_N"] != 16, "a config rejected by the correctness gate was exported"
+    assert not (e.params["NSPLIT"] == 2 and e.params["num_warps"] == 2)
+    assert set(e.params) == set(keys)
+
+
+def test_measure_prunes_before_running(tmp_path):
+    """Static rejection and the workspace budget prune without launching anything."""
+    from kvtune.tuner.measure import Measurer, MeasureOptions, ProblemSpec
+    m = Measurer("cpu")
+    spec = ProblemSpec(heads=2, batch=1, context=64, draft_tokens=8)
+    base = {"NSPLIT": 4, "BLOCK_N": 32, "BLOCK_H": 2, "num_warps": 4, "num_stages": 1}
+    r = m.measure("triton", dict(base, BLOCK_H=64), spec, MeasureOptions(timing="eager"), None)
+    assert r.outcome == "pruned" and "256" in r.reason
+    need = 4 * 4 * 8 * 2 * 513
+    r = m.measure("triton", base, spec, MeasureOptions(timing="eager", workspace_budget_bytes=need - 1), None)
+    assert r.outcome == "pruned" and "workspace" in r.reason and "budget" in r.reason
+    r = m.measure("triton", dict(base, BLOCK_Q=1), spec, MeasureOptions(timing="eager"), None)
+    assert r.outcome == "pruned" and "BLOCK_Q" in r.reason
+    r = m.measure("cuda", None, spec, MeasureOptions(timing="eager"), None)
+    assert r.outcome in ("failed", "pruned") and r.reason
+
+
+def test_interrupted_sweep_resumes_without_repeating(tmp_path):
+    dep = _deployment(tmp_path, name="resume", tp=[8], contexts=[64, 300], trials=3)
+    spaces = _space(tmp_path, {"NSPLIT": [1, 2, 4], "BLOCK_N": [32, 64], "BLOCK_H": [1], "num_warps": [4],
+                               "num_stages": [1, 2]}, [NO_EMPTY])
+    kw = dict(device="cpu", out=str(tmp_path / "results"), space_dir=str(spaces), rounds=1, remeasure_top=1,
+              progress=False)
+    first = run_sweep(dep, SweepOptions(max_measurements=4, **kw))
+    assert first.status.startswith("stopped")
+    path = tmp_path / "results" / "resume" / "trials.csv"
+    before = read_trials(path)
+    measured = lambda df: df[~df["reason"].fillna("").str.startswith("constraint")]  # noqa: E731
+    assert first.measured_now == 4 and len(measured(before)) == 4
+    done = {(r.study, r.trial) for r in before.itertuples()}
+    second = run_sweep(dep, SweepOptions(**kw))
+    assert second.status == "complete"
+    after = read_trials(path)
+    # nothing finished before was measured again; every study reached its budget
+    assert after.iloc[: len(before)][["study", "trial", "outcome"]].equals(before[["study", "trial", "outcome"]])
+    s = after[after["phase"] == "search"]
+    for study, g in s.groupby("study"):
+        keys = [json.dumps(p, sort_keys=True) for p in g["params"]]
+        assert len(keys) == len(set(keys)), f"{study}: a config was measured twice"
+        assert (g["outcome"] != "pruned").sum() >= 3
+    # each measurement is one row: the 4 of the first run plus the second run's, no more
+    assert len(measured(after)) == first.measured_now + second.measured_now
+    assert done <= {(r.study, r.trial) for r in after.itertuples()}
+    third = run_sweep(dep, SweepOptions(**kw))
+    assert third.measured_now == 0, "a finished sweep re-ran trials"
