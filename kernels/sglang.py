@@ -46,6 +46,8 @@ import triton.language as tl
 from .runtime import VerifyAttention
 from .shapes import cdiv, next_pow2
 
+# how the draft visibility is given (the kernel's MASK_MODE): SGLang's flat custom mask, or
+# none with is_causal (a chain) or without (every draft sees every draft)
 MASK_CUSTOM, MASK_CAUSAL, MASK_FULL = 0, 1, 2
 _PACK_BLOCK = 1024          # combined-index entries per program iteration
 _PACK_MAX_CHUNKS = 64       # programs per request (each strides over its key range)
@@ -92,13 +94,13 @@ def _pack_verify_kernel(
         j = tl.arange(0, BLOCK_T)
         t_ok = t < T
         j_ok = j < T
-        if MASK_MODE == 0:
+        if MASK_MODE == 0:                       # MASK_CUSTOM
             mstart = tl.load(MaskIndptr + b).to(tl.int64)
             mptr = Mask + mstart + t[:, None].to(tl.int64) * L + P + j[None, :]
             vis = tl.load(mptr, mask=t_ok[:, None] & j_ok[None, :], other=0) != 0
-        elif MASK_MODE == 1:
+        elif MASK_MODE == 1:                     # MASK_CAUSAL
             vis = (j[None, :] <= t[:, None]) & j_ok[None, :]
-        else:
+        else:                                    # MASK_FULL
             vis = j_ok[None, :] & t_ok[:, None]
         one = tl.full([BLOCK_T, BLOCK_T], 1, tl.int64)
         bits = tl.where(vis, one << j[None, :].to(tl.int64), 0)
@@ -249,10 +251,10 @@ class SGLangVerifyAdapter:
                     or custom_mask.dtype not in (torch.bool, torch.uint8, torch.int8):
                 raise ValueError("custom_mask: expected a flat bool (or uint8) tensor on the device")
             mask_indptr = _index_tensor(mask_indptr, "mask_indptr", dev, B + 1)
-            mode = 0
+            mode = MASK_CUSTOM
             mask = custom_mask.view(torch.uint8) if custom_mask.dtype == torch.bool else custom_mask
         else:
-            mode = 1 if is_causal else 2
+            mode = MASK_CAUSAL if is_causal else MASK_FULL
             mask, mask_indptr = kv_indptr, kv_indptr     # unused pointers
         if out_cache_loc is not None:
             slots = _index_tensor(out_cache_loc, "out_cache_loc", dev, B * T)
