@@ -198,6 +198,21 @@ def test_no_file_falls_back_and_warns_once(tmp_path, device, caplog, monkeypatch
         VerifyAttention.from_defaults(None, tp=TP, max_batch=1, device=device, deployment="absent", draft_tokens=T)
 
 
+def test_reads_the_tuners_real_export(device):
+    """The CPU sweep's committed export (results/cpu-tiny) loads and runs: the tuner's writer
+    and this reader agree. allow_mismatch: the kernel source may have changed since."""
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "results" / "cpu-tiny" / "cpu-tiny.yaml"
+    if not path.is_file():
+        pytest.skip("no committed CPU export")
+    tuned = load_defaults(path, deployment="cpu-tiny", device="cpu", allow_mismatch=True)
+    tp = tuned.entries[0].tp
+    va = VerifyAttention.from_defaults(tuned, tp=tp, max_batch=2, max_context=300, device=device,
+                                       allow_mismatch=True)
+    inp = make_inputs(2, va.T, va.H, [1, 97], tree="random", seed=21, device=device, sm_scale=va.sm_scale)
+    assert rel_error(va(*inp.args[:5]), reference_attention(*inp.args)[0]) < TOL
+
+
 # -- the bucket policy -----------------------------------------------------------------
 
 def test_bucket_policy_at_and_between_edges(device):
