@@ -26,6 +26,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator
 
 from kvtune.kernels.tuned import SchemaError, load_tuned
 
@@ -597,7 +598,7 @@ def fig_nsplit(res: Results):
         ticks = list(range(int(lmax) + 1))
         cb.set_ticks(ticks)
         cb.set_ticklabels([str(2 ** k) for k in ticks])
-        cb.set_label("NSPLIT (key-range splits, log colour scale)")
+        cb.set_label("NSPLIT (log colour scale)")
     fig.tight_layout()
     return fig
 
@@ -653,6 +654,20 @@ def fig_history(res: Results):
     return fig
 
 
+def importance_summary(imp: pd.DataFrame) -> pd.DataFrame:
+    """Per (backend, param): mean, min and max importance over the backend's studies. A
+    parameter absent from a study's importances had none there (it did not vary): it counts
+    as 0 in the mean."""
+    rows = []
+    for b, gb in imp.groupby("backend"):
+        nst = gb.groupby(STUDY_KEYS).ngroups
+        for p, g in gb.groupby("param"):
+            v = g["importance"].to_numpy(float)
+            rows.append({"backend": b, "param": p, "mean": v.sum() / nst, "min": v.min() if len(v) == nst else 0.0,
+                         "max": v.max(), "studies": nst})
+    return pd.DataFrame(rows, columns=["backend", "param", "mean", "min", "max", "studies"])
+
+
 def fig_importance(res: Results):
     """Mean parameter importance per backend over its studies (bars: mean; whiskers: min-max)."""
     imp, source = importance_frame(res)
@@ -661,13 +676,10 @@ def fig_importance(res: Results):
     backends = [b for b in res.backends if b in set(imp["backend"])]
     fig, axes = plt.subplots(1, len(backends), figsize=(5.5 * len(backends), 0.5 + 0.45 * imp["param"].nunique()
                                                         + 1.2), squeeze=False)
+    summ = importance_summary(imp)
     for ax, b in zip(axes[0], backends):
-        g = imp[imp["backend"] == b].groupby("param")["importance"]
-        nst = imp[imp["backend"] == b].groupby(STUDY_KEYS).ngroups
-        agg = pd.DataFrame({"mean": g.mean() * nst / nst, "min": g.min(), "max": g.max()})
-        # a parameter missing from a study had no influence there: average over all studies
-        agg["mean"] = g.sum() / nst
-        agg = agg.sort_values("mean")
+        agg = summ[summ["backend"] == b].set_index("param").sort_values("mean")
+        nst = int(agg["studies"].iloc[0])
         y = np.arange(len(agg))
         ax.barh(y, agg["mean"], color="#1f77b4",
                 xerr=[agg["mean"] - agg["min"].clip(upper=agg["mean"]), (agg["max"] - agg["mean"]).clip(lower=0)],
@@ -678,7 +690,7 @@ def fig_importance(res: Results):
         ax.set_xlabel("importance (fraction, sums to 1 per study)")
         ax.set_title(f"{b}: mean over {nst} stud{'y' if nst == 1 else 'ies'}")
         ax.grid(True, axis="x", alpha=0.3)
-    fig.suptitle("parameter importance")
+    fig.suptitle("parameter importance (bars: mean over the studies; whiskers: min to max)")
     fig.tight_layout()
     return fig
 
@@ -698,6 +710,7 @@ def fig_outcomes(res: Results):
     ax.set_xticks(range(len(c)))
     ax.set_xticklabels([f"{b}\ntp {int(tp)}" for b, tp in c.index])
     ax.set_ylabel("trials (all contexts and batches)")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # trial counts are whole numbers
     ax.set_title("trial outcomes")
     ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
     fig.tight_layout()
@@ -788,8 +801,8 @@ def section_importance(res: Results) -> Section:
     if s.figure is None:
         s.notes.append("Not enough ok trials with varying parameters in any study (3 or more needed).")
     else:
-        t = imp.pivot_table(index="param", columns="backend", values="importance", aggfunc="mean")
-        s.tables.append(("mean importance over the studies where it was computed", t.reset_index()))
+        s.tables.append(("importance per backend over its studies (0 where a parameter did not vary)",
+                         importance_summary(imp)))
     return s
 
 
