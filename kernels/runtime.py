@@ -228,6 +228,9 @@ def load_defaults(path: str | os.PathLike | None = None, *, deployment: str | No
         raise SchemaError(f"{path}: no such file or folder")
     else:
         dirs = None if path is None else [path]
+        if not deployment and not model:
+            raise ValueError(f"deployment: name the deployment (or the model) to look up tuned defaults in "
+                             f"{[str(d) for d in (config_dirs() if dirs is None else dirs)]}, or pass a file")
         found = find_defaults(deployment, model=model, device_name=device_name(device), dirs=dirs)
         if found is None:
             where = [str(d) for d in (config_dirs() if dirs is None else dirs)]

@@ -135,6 +135,8 @@ def test_unreadable_and_invalid_yaml(tmp_path, device):
         load_defaults(bad, device=device)
     with pytest.raises(SchemaError, match="no such file"):
         load_defaults(tmp_path / "missing.yaml", device=device)
+    with pytest.raises(ValueError, match="deployment: name the deployment"):
+        load_defaults(tmp_path, device=device)
 
 
 @pytest.mark.parametrize("what,mutate,key", [
