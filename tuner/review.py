@@ -86,7 +86,7 @@ class Results:
     def is_cpu(self) -> bool:
         arch = self.trials.get("arch", pd.Series(dtype=str)).dropna().astype(str)
         timing = self.trials.get("timing", pd.Series(dtype=str)).dropna().astype(str)
-        return (len(arch) and (arch == "cpu").all()) or (len(timing) and timing.str.startswith("cpu").all())
+        return bool((len(arch) and (arch == "cpu").all()) or (len(timing) and timing.str.startswith("cpu").all()))
 
     @property
     def backends(self) -> list[str]:
