@@ -10,7 +10,8 @@ nvrtc_mod = pytest.importorskip("cuda.bindings.nvrtc")
 from kvtune.kernels import VerifyProblem  # noqa: E402
 from kvtune.kernels.cuda import nvrtc  # noqa: E402
 from kvtune.kernels.cuda.backend import (ARCH_LIMITS, CudaBackend, CudaParams, KernelGeometry,  # noqa: E402
-                                         compile_params, reject_reason, split_expr)
+                                         compile_params, default_for_arch, reject_reason,
+                                         split_expr)
 
 ARCHS = ["sm_80", "sm_89", "sm_90", "sm_120"]
 
@@ -33,17 +34,17 @@ def _problem(H=8, T=9, B=1):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_default_compiles_without_spills(arch):
     be = CudaBackend()
-    p = be.default_params(_problem())
+    p = default_for_arch(9, 8, arch)
     mod = compile_params(p, 9, arch)
     res = mod.resources[split_expr(p, 9)]
     assert res.registers > 0 and res.spills == 0 and res.stack == 0, res
     assert mod.cubin[:4] == b"\x7fELF"  # CUBIN, not PTX
-    # on the 99 KB parts the sm_90 default does not fit, and static_reject says why
-    why = be.static_reject(p, _problem(), arch)
-    if KernelGeometry.of(p, 9).smem_bytes > ARCH_LIMITS[arch].smem_per_block:
+    assert be.static_reject(p, _problem(), arch) is None
+    # the sm_90 default does not fit the smaller parts, and static_reject says why
+    p90 = be.default_params(_problem())
+    why = be.static_reject(p90, _problem(), arch)
+    if KernelGeometry.of(p90, 9).smem_bytes > ARCH_LIMITS[arch].smem_per_block:
         assert why is not None and "shared memory" in why
-    else:
-        assert why is None
 
 
 # a spread: small/large tiles, every VEC, deep pipelines, few/many heads, T = 1 and 64

@@ -17,7 +17,7 @@ from ..backends import Backend, LaunchArgs
 from ..shapes import VerifyProblem, cdiv
 
 DK, DV = 576, 512
-MERGE_SPLIT_GROUPS = 4  # the merge kernel's SG: split groups merged in parallel per (row, head)
+MERGE_SPLIT_GROUPS = 8  # the merge kernel's SG: split groups merged in parallel per (row, head, 128 columns)
 
 
 @dataclass(frozen=True)
@@ -108,8 +108,12 @@ class KernelGeometry:
         nt = cdiv(rows, 8)
         rows_pad = nt * 8
         kpitch, ppitch, spitch = DK + 8, p.BLOCK_N + 8, p.BLOCK_N + 4
-        smem = (rows_pad * kpitch * 2 + p.STAGES * p.BLOCK_N * kpitch * 2 + rows_pad * spitch * 4
-                + rows_pad * ppitch * 2 + 2 * rows_pad * 4)
+        kt = p.BLOCK_N // 16
+        ws_k = min(p.NUM_WARPS, kt)
+        rem = p.NUM_WARPS // ws_k
+        s_ks = 2 if rem >= 4 and cdiv(nt, rem // 2) <= 2 else 1   # halves of the QK^T reduction (Config::S_KS)
+        smem = (rows_pad * kpitch * 2 + p.STAGES * p.BLOCK_N * kpitch * 2 + s_ks * rows_pad * spitch * 4
+                + rows_pad * ppitch * 2 + 2 * rows_pad * 4 + 2 * p.threads * 4)
         return KernelGeometry(rows=rows, row_tiles=nt, acc_regs=(DV // 16 // p.NUM_WARPS) * nt * 4, smem_bytes=smem)
 
 
@@ -206,7 +210,8 @@ class CudaBackend(Backend):
         check_static(params, problem.T)
 
     def workspace_bytes(self, problem: VerifyProblem, params: CudaParams) -> int:
-        return 4 * params.NSPLIT * problem.rows * problem.H * (problem.Dv + 1)
+        # partial o in bf16 (half the split-K traffic of fp32), partial lse in fp32
+        return params.NSPLIT * problem.rows * problem.H * (2 * problem.Dv + 4)
 
     def static_reject(self, params: CudaParams, problem: VerifyProblem, arch: str | None = None) -> str | None:
         try:
@@ -269,7 +274,7 @@ class CudaBackend(Backend):
         n_o = ns * pb.rows * pb.H * pb.Dv
         ws = a.workspace
         base = ws.data_ptr()
-        part_o, part_lse = base, base + 4 * n_o
+        part_o, part_lse = base, base + 2 * n_o
         st = a.split_table
         nb = st.num_buckets if st is not None else 0
         smk = st.max_keys.data_ptr() if st is not None else a.kv_indptr.data_ptr()
@@ -288,7 +293,7 @@ class CudaBackend(Backend):
         grid_x = pb.B * cdiv(pb.H, params.HEADS_PER_BLOCK)
         check_driver(drv.cuLaunchKernel(split_k.function, grid_x, ns, 1, params.threads, 1, 1, geo.smem_bytes,
                                         stream, ctypes.addressof(sp), 0), "cuLaunchKernel(verify_split)")
-        check_driver(drv.cuLaunchKernel(merge_k.function, pb.rows * pb.H, 1, 1, 128 * MERGE_SPLIT_GROUPS, 1, 1, 0,
+        check_driver(drv.cuLaunchKernel(merge_k.function, pb.rows * pb.H, DV // 128, 1, 32 * MERGE_SPLIT_GROUPS, 1, 1, 0,
                                         stream, ctypes.addressof(mp), 0), "cuLaunchKernel(verify_merge)")
 
 

@@ -6,7 +6,7 @@
 //
 // Shapes: q [B*T, H, DK] bf16 (row/head strides given), kv [num_slots, DK] bf16 (row stride
 // given), kv_indptr [B+1] int32, kv_indices int32 or int64, tree_mask [B*T] int64.
-// Partials: o [NSPLIT, B*T, H, DV] fp32 (normalised per split), lse [NSPLIT, B*T, H] fp32
+// Partials: o [NSPLIT, B*T, H, DV] bf16 (normalised per split), lse [NSPLIT, B*T, H] fp32
 // (natural log, -inf for a row that saw nothing in that split).
 //
 // The split kernel computes S^T = K Q^T and O^T = V^T P^T ("swap AB"): keys and the value
@@ -116,11 +116,16 @@ struct Config {
   static constexpr int PPITCH = BLOCK_N + 8;    // bf16 per P row
   static constexpr int SPITCH = BLOCK_N + 4;    // fp32 per S row: fragment stores conflict-free
 
-  // S^T = K Q^T: warps tile (key m16 tiles) x (row n8 tiles)
+  // S^T = K Q^T: warps tile (key m16 tiles) x (row n8 tiles) x (halves of the 576-wide
+  // reduction when there are warps to spare and each warp keeps <= 2 row tiles: two 18-deep
+  // accumulation chains instead of one 36-deep chain; the softmax step sums the halves)
   static constexpr int WS_K = NUM_WARPS <= KT ? NUM_WARPS : KT;
+  static constexpr int S_KS =
+      (NUM_WARPS / WS_K >= 4 && (NT + NUM_WARPS / WS_K / 2 - 1) / (NUM_WARPS / WS_K / 2) <= 2) ? 2 : 1;
   static constexpr int S_MT = KT / WS_K;
-  static constexpr int WS_R = NUM_WARPS / WS_K;
+  static constexpr int WS_R = NUM_WARPS / WS_K / S_KS;
   static constexpr int S_NT = (NT + WS_R - 1) / WS_R;
+  static constexpr int S_KSTEPS = DK / 16 / S_KS;
   // O^T = V^T P^T: each warp owns DV / NUM_WARPS value columns for every query row
   static constexpr int PV_MT = (DV / 16) / NUM_WARPS;
   static_assert(PV_MT >= 1, "NUM_WARPS <= DV / 16");
@@ -131,6 +136,9 @@ struct Config {
   static_assert(THREADS >= BLOCK_N && THREADS % BLOCK_N == 0, "threads must cover the key rows of a tile");
   static constexpr int TPR = THREADS / BLOCK_N;
   static constexpr int CPT = (CPR + TPR - 1) / TPR;
+  // slots are staged in shared memory a chunk of THREADS keys at a time, one chunk ahead, so
+  // no tile issue waits on an index load
+  static constexpr int TPC = THREADS / BLOCK_N;  // tiles per slot chunk
 
   // online softmax: 8 lanes per row, BLOCK_N / 8 columns per lane
   static constexpr int GROUPS = THREADS / 8;
@@ -142,10 +150,11 @@ struct Config {
   static constexpr int K_OFF = Q_OFF + ROWS_PAD * KPITCH * 2;
   static constexpr int K_STAGE = BLOCK_N * KPITCH * 2;
   static constexpr int S_OFF = K_OFF + STAGES * K_STAGE;
-  static constexpr int P_OFF = S_OFF + ROWS_PAD * SPITCH * 4;
+  static constexpr int P_OFF = S_OFF + S_KS * ROWS_PAD * SPITCH * 4;
   static constexpr int ALPHA_OFF = P_OFF + ROWS_PAD * PPITCH * 2;
   static constexpr int L_OFF = ALPHA_OFF + ROWS_PAD * 4;
-  static constexpr int SMEM_BYTES = L_OFF + ROWS_PAD * 4;
+  static constexpr int SLOT_OFF = L_OFF + ROWS_PAD * 4;
+  static constexpr int SMEM_BYTES = SLOT_OFF + 2 * THREADS * 4;
 };
 
 struct SplitArgs {
@@ -154,7 +163,7 @@ struct SplitArgs {
   const int* indptr;        // [B+1]
   const void* indices;      // int32 or int64
   const i64* tree_mask;     // [B*T]
-  float* part_o;            // [NSPLIT, B*T, H, DV]
+  u16* part_o;              // [NSPLIT, B*T, H, DV] bf16
   float* part_lse;          // [NSPLIT, B*T, H]
   const int* split_max_keys;
   const int* split_values;
@@ -176,7 +185,13 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
   u16* Ps = reinterpret_cast<u16*>(smem + C::P_OFF);
   float* alpha_s = reinterpret_cast<float*>(smem + C::ALPHA_OFF);
   float* l_s = reinterpret_cast<float*>(smem + C::L_OFF);
+  u32* slot_s = reinterpret_cast<u32*>(smem + C::SLOT_OFF);  // [2][THREADS], ~0u = past the end
 
+  {  // the launcher sizes dynamic smem from a Python mirror of Config: never run short of it
+    u32 dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dyn));
+    if (dyn < (u32)C::SMEM_BYTES) __trap();
+  }
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int num_hg = (a.H + HPB - 1) / HPB;
   const int b = blockIdx.x / num_hg, hg = blockIdx.x % num_hg;
@@ -205,6 +220,15 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
   for (int i = tid; i < C::ROWS_PAD * C::PPITCH; i += C::THREADS) Ps[i] = 0;
   for (int r = tid; r < C::ROWS_PAD; r += C::THREADS) alpha_s[r] = 0.f;
 
+  // -- slot chunk 0 first, so its loads are not queued behind the Q copy
+  auto fetch_slot = [&](int c) -> u32 {  // slot of key lo + c * THREADS + tid, ~0u past the end
+    const int n = lo + c * C::THREADS + tid;
+    if (n >= hi) return ~0u;
+    return a.indices_64 ? (u32) reinterpret_cast<const i64*>(a.indices)[kv_start + n]
+                        : (u32) reinterpret_cast<const int*>(a.indices)[kv_start + n];
+  };
+  slot_s[tid] = fetch_slot(0);
+
   // -- Q tile: the HPB x T rows of this head group, zero for padded rows / heads past H
   const u32 qs_base = smem_u32(Qs);
   if (a.q_vec16) {
@@ -228,32 +252,37 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
 
   // -- gathered key tiles: thread `tid` copies row tid / TPR of each tile, chunks sub + TPR*i
   const int my_row = tid / C::TPR, my_sub = tid % C::TPR;
-  auto load_slot = [&](int tile) -> i64 {  // -1: row past the split's end (zero-filled)
-    const int n = lo + tile * BLOCK_N + my_row;
-    if (tile >= n_tiles || n >= hi) return -1;
-    return a.indices_64 ? reinterpret_cast<const i64*>(a.indices)[kv_start + n]
-                        : (i64) reinterpret_cast<const int*>(a.indices)[kv_start + n];
-  };
   const u32 ks_base = smem_u32(Ks);
-  auto issue_tile = [&](int tile, i64 slot) {
+  auto issue_tile = [&](int tile) {
     if (tile >= n_tiles) return;
+    const u32 slot = slot_s[((tile / C::TPC) & 1) * C::THREADS + (tile % C::TPC) * BLOCK_N + my_row];
     const u32 dst = ks_base + (tile % STAGES) * C::K_STAGE + my_row * C::KPITCH * 2;
-    const u16* src = slot >= 0 ? a.kv + slot * a.kv_stride : a.kv;
-    const int bytes = slot >= 0 ? VEC * 2 : 0;
+    const bool ok = slot != ~0u;
+    const u16* src = ok ? a.kv + (i64)slot * a.kv_stride : a.kv;
+    const int bytes = ok ? VEC * 2 : 0;   // rows past the split's end are zero-filled
 #pragma unroll
     for (int i = 0; i < C::CPT; ++i) {
       const int c = my_sub + i * C::TPR;
       if (C::CPR % C::TPR == 0 || c < C::CPR) cp_async<VEC * 2>(dst + c * VEC * 2, src + c * VEC, bytes);
     }
   };
+  // stage chunk `c` (slots of keys lo + c*THREADS ..) from the prefetched register into its buffer
+  u32 pending = fetch_slot(1);
+  auto stage_chunk = [&](int c) {
+    slot_s[(c & 1) * C::THREADS + tid] = pending;
+    pending = fetch_slot(c + 1);
+  };
 
-  i64 slot = load_slot(0);
-#pragma unroll
+  __syncthreads();  // chunk 0 visible to every issuing thread
   for (int s = 0; s < STAGES - 1; ++s) {
-    issue_tile(s, slot);
+    if (s > 0 && s % C::TPC == 0) {
+      stage_chunk(s / C::TPC);
+      __syncthreads();
+    }
+    issue_tile(s);
     cp_async_commit();  // group 0 also carries the Q tile
-    slot = load_slot(s + 1);
   }
+  if ((STAGES - 1) % C::TPC == 0) stage_chunk((STAGES - 1) / C::TPC);  // published by the loop's first barrier
 
   // -- per-row softmax state, owned by the 8 lanes of row group tid / 8
   const int grp = tid >> 3, sub8 = tid & 7;
@@ -276,16 +305,16 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
       for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
 
   const int g = lane >> 2, t4 = lane & 3;
-  const int wk = warp % C::WS_K, wr = warp / C::WS_K;
+  const int wk = warp % C::WS_K, wr = (warp / C::WS_K) % C::WS_R, wks = warp / (C::WS_K * C::WS_R);
   const int dv0 = warp * C::PV_MT * 16;
   const u32 ps_base = smem_u32(Ps);
 
   for (int it = 0; it < n_tiles; ++it) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // tile `it` visible to all; every warp is done with tile it-1's stage
-    issue_tile(it + STAGES - 1, slot);
+    issue_tile(it + STAGES - 1);
     cp_async_commit();
-    slot = load_slot(it + STAGES);
+    if ((it + STAGES) % C::TPC == 0) stage_chunk((it + STAGES) / C::TPC);  // read after the next barrier
     const u32 kst = ks_base + (it % STAGES) * C::K_STAGE;
 
     // -- S^T = K Q^T over the 576-wide reduction
@@ -299,8 +328,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
           for (int e = 0; e < 4; ++e) sacc[mt][nt][e] = 0.f;
       const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_col = (lane >> 4) * 8;
       const int b_row = (lane & 7) + (lane >> 4) * 8, b_col = ((lane >> 3) & 1) * 8;
-#pragma unroll 4
-      for (int ks = 0; ks < DK / 16; ++ks) {
+#pragma unroll 2
+      for (int kk = 0; kk < C::S_KSTEPS; ++kk) {
+        const int ks = wks * C::S_KSTEPS + kk;
         u32 af[C::S_MT][4];
 #pragma unroll
         for (int mt = 0; mt < C::S_MT; ++mt) {
@@ -335,10 +365,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
           const int ntg = wr * C::S_NT + nt;
           if (ntg < C::NT) {
             const int key = (wk * C::S_MT + mt) * 16 + g, row = ntg * 8 + 2 * t4;
-            Ss[row * C::SPITCH + key] = sacc[mt][nt][0];
-            Ss[(row + 1) * C::SPITCH + key] = sacc[mt][nt][1];
-            Ss[row * C::SPITCH + key + 8] = sacc[mt][nt][2];
-            Ss[(row + 1) * C::SPITCH + key + 8] = sacc[mt][nt][3];
+            float* Sk = Ss + wks * C::ROWS_PAD * C::SPITCH;
+            Sk[row * C::SPITCH + key] = sacc[mt][nt][0];
+            Sk[(row + 1) * C::SPITCH + key] = sacc[mt][nt][1];
+            Sk[row * C::SPITCH + key + 8] = sacc[mt][nt][2];
+            Sk[(row + 1) * C::SPITCH + key + 8] = sacc[mt][nt][3];
           }
         }
     }
@@ -358,7 +389,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
           const int n = n0 + j;
           const int d = n - P;
           const bool vis = row_ok && n < hi && (d < 0 || ((bits[p] >> d) & 1));
-          s[j] = vis ? Ss[r * C::SPITCH + sub8 * C::CPL + j] * a.qk_scale : -__int_as_float(0x7f800000);
+          float v = 0.f;
+#pragma unroll
+          for (int h = 0; h < C::S_KS; ++h) v += Ss[h * C::ROWS_PAD * C::SPITCH + r * C::SPITCH + sub8 * C::CPL + j];
+          s[j] = vis ? v * a.qk_scale : -__int_as_float(0x7f800000);
           mx = fmaxf(mx, s[j]);
         }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -401,23 +435,25 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
       const int v_key = (lane & 7) + (lane >> 4) * 8, v_col = ((lane >> 3) & 1) * 8;
 #pragma unroll
       for (int ks = 0; ks < C::KT; ++ks) {
-        u32 bf[C::NT][2];
+        u32 af[C::PV_MT][4];
+#pragma unroll
+        for (int mt = 0; mt < C::PV_MT; ++mt)
+          ldmatrix_x4_trans(kst + ((ks * 16 + v_key) * C::KPITCH + dv0 + mt * 16 + v_col) * 2, af[mt][0], af[mt][1],
+                            af[mt][2], af[mt][3]);
+        // P^T fragments two row tiles at a time: few of them live at once
 #pragma unroll
         for (int nt = 0; nt < C::NT; nt += 2) {
+          u32 b0, b1, b2 = 0, b3 = 0;
           if (nt + 1 < C::NT) {
-            ldmatrix_x4(ps_base + ((nt * 8 + b_row) * C::PPITCH + ks * 16 + b_col) * 2, bf[nt][0], bf[nt][1],
-                        bf[nt + 1][0], bf[nt + 1][1]);
+            ldmatrix_x4(ps_base + ((nt * 8 + b_row) * C::PPITCH + ks * 16 + b_col) * 2, b0, b1, b2, b3);
           } else {
-            ldmatrix_x2(ps_base + ((nt * 8 + (lane & 7)) * C::PPITCH + ks * 16 + b_col) * 2, bf[nt][0], bf[nt][1]);
+            ldmatrix_x2(ps_base + ((nt * 8 + (lane & 7)) * C::PPITCH + ks * 16 + b_col) * 2, b0, b1);
           }
-        }
 #pragma unroll
-        for (int mt = 0; mt < C::PV_MT; ++mt) {
-          u32 af[4];
-          ldmatrix_x4_trans(kst + ((ks * 16 + v_key) * C::KPITCH + dv0 + mt * 16 + v_col) * 2, af[0], af[1], af[2],
-                            af[3]);
-#pragma unroll
-          for (int nt = 0; nt < C::NT; ++nt) mma_bf16(acc[mt][nt], af, bf[nt][0], bf[nt][1]);
+          for (int mt = 0; mt < C::PV_MT; ++mt) {
+            mma_bf16(acc[mt][nt], af[mt], b0, b1);
+            if (nt + 1 < C::NT) mma_bf16(acc[mt][nt + 1], af[mt], b2, b3);
+          }
         }
       }
     }
@@ -454,11 +490,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
       if (head >= a.H) continue;
       const float l = l_s[r];
       const float inv = l > 0.f ? 1.f / l : 0.f;
-      float* dst = a.part_o + (((i64)split * a.rows_total + b * T + r % T) * a.H + head) * DV + dv0 + g;
+      u16* dst = a.part_o + (((i64)split * a.rows_total + b * T + r % T) * a.H + head) * DV + dv0 + g;
 #pragma unroll
       for (int mt = 0; mt < C::PV_MT; ++mt) {
-        dst[mt * 16] = acc[mt][nt][j] * inv;
-        dst[mt * 16 + 8] = acc[mt][nt][2 + j] * inv;
+        dst[mt * 16] = bf16_bits(acc[mt][nt][j] * inv);
+        dst[mt * 16 + 8] = bf16_bits(acc[mt][nt][2 + j] * inv);
       }
     }
   }
@@ -467,7 +503,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
 // ---------------------------------------------------------------- merge kernel
 
 struct MergeArgs {
-  const float* part_o;      // [NSPLIT, B*T, H, DV]
+  const u16* part_o;        // [NSPLIT, B*T, H, DV] bf16
   const float* part_lse;    // [NSPLIT, B*T, H]
   u16* out;                 // [B*T, H, DV] bf16 (strides given)
   float* lse;               // [B*T, H] fp32 or null
@@ -479,65 +515,85 @@ struct MergeArgs {
 };
 static_assert(sizeof(MergeArgs) == 104, "MergeArgs must match backend._MergeArgs");
 
-// grid (B*T*H); block SG * 128: split group sg merges splits sg, sg+SG, ... for all DV
-// columns (4 per thread), then the SG running states are combined through shared memory.
+constexpr int MAX_NSPLIT = 1024;
+
+__device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = is_max ? fmaxf(v, w) : v + w;
+  }
+  const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  __syncthreads();  // red is reused between calls
+  if ((threadIdx.x & 31) == 0) red[warp] = v;
+  __syncthreads();
+  v = red[0];
+  for (int i = 1; i < nw; ++i) v = is_max ? fmaxf(v, red[i]) : v + red[i];
+  return v;
+}
+
+// grid (B*T*H, DV / 128); block SG * 32: one (row, head) pair and 128 of its DV columns per
+// block. All split weights are computed first (the lse loads are independent), then split
+// group sg sums w_k * o_k over splits sg, sg+SG, ... (4 columns per thread, several loads in
+// flight) and the SG groups are added through shared memory.
 template <int SG>
-__global__ void __launch_bounds__(SG * 128) verify_merge_kernel(const MergeArgs a) {
-  __shared__ float red_m[SG], red_s[SG];
-  __shared__ float4 red_o[SG][128];
+__global__ void __launch_bounds__(SG * 32) verify_merge_kernel(const MergeArgs a) {
+  __shared__ float w_s[MAX_NSPLIT];
+  __shared__ float red[32];
+  __shared__ float4 red_o[SG][32];
   const int pair = blockIdx.x;                  // = row * H + head
   const int row = pair / a.H, head = pair % a.H;
   const int b = row / a.T;
   const int L = a.indptr[b + 1] - a.indptr[b];
   const int nsplit = num_splits(L, a.split_max_keys, a.split_values, a.num_buckets, a.grid_nsplit);
-  const int sg = threadIdx.x / 128, c = threadIdx.x % 128;
   const float NEG_INF = -__int_as_float(0x7f800000);
-
-  // -- merge by log-sum-exp; an empty split (lse = -inf) weighs nothing and its o is not read
-  float m = NEG_INF, s = 0.f;
-  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
   const i64 split_stride = (i64)a.rows_total * a.H;
-#pragma unroll 2
+
+  // -- weights: w_k = exp(lse_k - max); an empty split (lse = -inf) weighs 0 and is not read
+  float m = NEG_INF;
+  for (int k = threadIdx.x; k < nsplit; k += blockDim.x) {
+    const float l = a.part_lse[k * split_stride + pair];
+    w_s[k] = l;
+    m = fmaxf(m, l);
+  }
+  m = block_reduce(m, red, true);
+  float s = 0.f;
+  for (int k = threadIdx.x; k < nsplit; k += blockDim.x) {
+    const float w = m == NEG_INF ? 0.f : __expf(w_s[k] - m);
+    w_s[k] = w;
+    s += w;
+  }
+  s = block_reduce(s, red, false);  // its barriers also publish w_s
+
+  const int sg = threadIdx.x / 32, c = threadIdx.x % 32;
+  const int col = blockIdx.y * 128 + c * 4;
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+  const u16* base = a.part_o + (i64)pair * DV + col;
+#pragma unroll 8
   for (int k = sg; k < nsplit; k += SG) {
-    const float lse_k = a.part_lse[k * split_stride + pair];
-    if (lse_k == NEG_INF) continue;
-    const float4 ok = reinterpret_cast<const float4*>(a.part_o + (k * split_stride + pair) * DV)[c];
-    const float m_new = fmaxf(m, lse_k);
-    const float w_old = __expf(m - m_new), w_k = __expf(lse_k - m_new);
-    o.x = o.x * w_old + ok.x * w_k;
-    o.y = o.y * w_old + ok.y * w_k;
-    o.z = o.z * w_old + ok.z * w_k;
-    o.w = o.w * w_old + ok.w * w_k;
-    s = s * w_old + w_k;
-    m = m_new;
+    const float w = w_s[k];
+    if (w == 0.f) continue;
+    const uint2 v = *reinterpret_cast<const uint2*>(base + k * split_stride * DV);
+    o.x += w * __uint_as_float(v.x << 16);
+    o.y += w * __uint_as_float(v.x & 0xffff0000u);
+    o.z += w * __uint_as_float(v.y << 16);
+    o.w += w * __uint_as_float(v.y & 0xffff0000u);
   }
   if (SG > 1) {
-    if (c == 0) { red_m[sg] = m; red_s[sg] = s; }
     red_o[sg][c] = o;
     __syncthreads();
     if (sg != 0) return;
-    m = NEG_INF;
 #pragma unroll
-    for (int i = 0; i < SG; ++i) m = fmaxf(m, red_m[i]);
-    s = 0.f;
-    o = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (m != NEG_INF) {
-#pragma unroll
-      for (int i = 0; i < SG; ++i) {
-        if (red_m[i] == NEG_INF) continue;
-        const float w = __expf(red_m[i] - m);
-        const float4 oi = red_o[i][c];
-        o.x += oi.x * w; o.y += oi.y * w; o.z += oi.z * w; o.w += oi.w * w;
-        s += red_s[i] * w;
-      }
+    for (int i = 1; i < SG; ++i) {
+      const float4 oi = red_o[i][c];
+      o.x += oi.x; o.y += oi.y; o.z += oi.z; o.w += oi.w;
     }
   }
   const float inv = s > 0.f ? 1.f / s : 0.f;
-  u16* dst = a.out + (i64)row * a.out_stride_m + (i64)head * a.out_stride_h + c * 4;
+  u16* dst = a.out + (i64)row * a.out_stride_m + (i64)head * a.out_stride_h + col;
   const u32 lo2 = (u32)bf16_bits(o.x * inv) | ((u32)bf16_bits(o.y * inv) << 16);
   const u32 hi2 = (u32)bf16_bits(o.z * inv) | ((u32)bf16_bits(o.w * inv) << 16);
   *reinterpret_cast<uint2*>(dst) = make_uint2(lo2, hi2);
-  if (a.lse != nullptr && c == 0)
+  if (a.lse != nullptr && sg == 0 && c == 0 && blockIdx.y == 0)
     a.lse[(i64)row * a.lse_stride_m + head] = s > 0.f ? m + __logf(s) : NEG_INF;
 }
 

@@ -1,0 +1,162 @@
+"""The CUDA backend on a GPU against the fp32 oracle (skipped without CUDA, never faked).
+
+Odd shapes on purpose: prefixes of 1, 7, 54, 97, 300 and 4k keys, ragged batches, T in
+{1, 2, 9, 16}, H in {1, 8, 16, 64}, chain and random trees, more splits than tiles,
+non-contiguous q, padded KV rows, int64 indices, lse, per-request split tables, and a CUDA
+graph captured once and replayed on new prefix lengths and tree masks.
+"""
+import pytest
+import torch
+
+from conftest import HAS_CUDA
+from kvtune.kernels import (SplitTable, describe_problem, make_inputs, reference_attention, rel_error,
+                            tree_mask_from_parents, verify_attention, workspace_bytes)
+from kvtune.kernels.tree import random_parents
+
+pytestmark = pytest.mark.gpu
+
+TOL = 1e-2
+
+
+def _cuda_params(x, **over):
+    from kvtune.kernels.cuda.backend import CudaBackend, CudaParams
+    p = CudaBackend().default_params(describe_problem(*x.args))
+    return CudaParams(**{**p.__dict__, **over})
+
+
+def _check(x, params=None, **kw):
+    ref_o, ref_lse = reference_attention(*x.args)
+    out = torch.full(ref_o.shape, float("nan"), dtype=torch.bfloat16, device=ref_o.device)
+    lse = torch.full(ref_lse.shape, float("nan"), dtype=torch.float32, device=ref_o.device)
+    verify_attention(*x.args, backend="cuda", params=params, out=out, lse=lse, **kw)
+    err = rel_error(out, ref_o)
+    assert err < TOL, f"rel error {err:.3g}"
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), fin), "lse: -inf / finite pattern differs from the oracle"
+    assert torch.allclose(lse[fin], ref_lse[fin], atol=2e-2, rtol=0), "lse differs from the oracle"
+    return err
+
+
+@pytest.mark.parametrize("prefix", [1, 7, 54, 97, 300, 4096])
+@pytest.mark.parametrize("T,H", [(1, 8), (2, 16), (9, 8), (9, 64), (16, 1)])
+def test_prefixes_heads_drafts(prefix, T, H):
+    x = make_inputs(1, T, H, prefix, tree="random", device="cuda")
+    _check(x)
+
+
+@pytest.mark.parametrize("T,H,tree", [(9, 8, "chain"), (9, 16, "random"), (16, 8, "random"), (1, 64, "chain"),
+                                      (2, 1, "random")])
+def test_ragged_batch(T, H, tree):
+    x = make_inputs(3, T, H, [54, 1, 300], tree=tree, device="cuda")
+    _check(x)
+
+
+@pytest.mark.parametrize("over", [dict(BLOCK_N=16, NSPLIT=64), dict(BLOCK_N=64, NUM_WARPS=16, HEADS_PER_BLOCK=2),
+                                  dict(VEC=4, STAGES=3), dict(VEC=2, NUM_WARPS=8, HEADS_PER_BLOCK=4),
+                                  dict(HEADS_PER_BLOCK=3, NSPLIT=5), dict(STAGES=4, BLOCK_N=16, NSPLIT=2),
+                                  dict(NUM_WARPS=32, NSPLIT=1)])
+def test_configs_and_more_splits_than_tiles(over):
+    x = make_inputs(2, 9, 8, [97, 7], tree="random", device="cuda")
+    _check(x, params=_cuda_params(x, **over))
+
+
+@pytest.mark.parametrize("over", [dict(NSPLIT=1), dict(NSPLIT=3, BLOCK_N=16, STAGES=4),
+                                  dict(NSPLIT=2, NUM_WARPS=4, BLOCK_N=64, HEADS_PER_BLOCK=1, STAGES=2),
+                                  dict(NSPLIT=5, NUM_WARPS=4, BLOCK_N=32, HEADS_PER_BLOCK=2, STAGES=4)])
+def test_long_splits_cross_slot_chunks(over):
+    # each split spans several chunks of staged slots (one chunk = NUM_WARPS * 32 keys)
+    x = make_inputs(2, 9, 8, [4096, 1500], tree="random", device="cuda")
+    _check(x, params=_cuda_params(x, **over))
+
+
+def test_noncontiguous_q_padded_rows_int64_indices():
+    x = make_inputs(3, 9, 16, [300, 1, 54], tree="random", device="cuda", q_noncontiguous=True,
+                    row_stride=640, indices_dtype=torch.int64)
+    assert not x.q.is_contiguous() and x.kv_cache.stride(0) == 640
+    _check(x)
+
+
+def test_unaligned_q_takes_the_scalar_path():
+    # q with a head stride of 577 elements: no 16-byte loads possible
+    x = make_inputs(1, 9, 8, [97], device="cuda")
+    wide = torch.zeros(9, 8, 577, dtype=torch.bfloat16, device="cuda")
+    wide[:, :, :576] = x.q
+    x.q = wide[:, :, :576]
+    _check(x)
+
+
+def test_misaligned_kv_rows_raise():
+    x = make_inputs(1, 9, 8, [54], device="cuda", row_stride=580)
+    with pytest.raises(ValueError, match="kv_cache"):
+        verify_attention(*x.args, backend="cuda", params=_cuda_params(x, VEC=8))
+    _check(x, params=_cuda_params(x, VEC=4))
+
+
+def test_split_table():
+    x = make_inputs(3, 9, 8, [7, 97, 4096], tree="chain", device="cuda")
+    p = _cuda_params(x, NSPLIT=16, BLOCK_N=16)
+    table = SplitTable.build([20, 120, 1000], [1, 3, 16], device="cuda")
+    _check(x, params=p, split_table=table)
+    # NSPLIT values past the grid are clamped to it
+    table = SplitTable.build([50, 10**6], [40, 99], device="cuda")
+    _check(x, params=p, split_table=table)
+
+
+def test_row_that_sees_nothing():
+    x = make_inputs(1, 2, 4, [0], device="cuda")
+    x.tree_mask = torch.tensor([1, 0], dtype=torch.int64, device="cuda")
+    o, lse = verify_attention(*x.args, backend="cuda", return_lse=True)
+    assert torch.all(o[1] == 0) and torch.all(torch.isneginf(lse[1]))
+    assert torch.isfinite(o).all() and torch.isfinite(lse[0]).all()
+
+
+def test_cuda_graph_replay_new_lengths_and_trees():
+    """One capture; replays with other prefix lengths, slots and trees match the oracle."""
+    B, T, H, cap_keys = 2, 9, 8, 2000
+    gen = torch.Generator().manual_seed(1)
+    first = make_inputs(B, T, H, [300, 54], tree="random", device="cuda", generator=gen)
+    num_slots = first.kv_cache.shape[0] + 4 * cap_keys
+    kv = torch.randn(num_slots, 576, generator=gen).to(torch.bfloat16).cuda()
+    q = first.q.clone()
+    indptr = torch.zeros(B + 1, dtype=torch.int32, device="cuda")
+    indices = torch.zeros(B * cap_keys, dtype=torch.int32, device="cuda")
+    mask = torch.zeros(B * T, dtype=torch.int64, device="cuda")
+    sm_scale = first.sm_scale
+    problem = describe_problem(q, kv, indptr, indices, mask, sm_scale)
+    from kvtune.kernels.cuda.backend import CudaBackend
+    p = CudaBackend().default_params(problem)
+    ws = torch.empty(workspace_bytes(problem, "cuda", p), dtype=torch.uint8, device="cuda")
+    out = torch.empty(B * T, H, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(B * T, H, dtype=torch.float32, device="cuda")
+    table = SplitTable.build([64, 512, 10**6], [1, 4, p.NSPLIT], device="cuda")
+
+    def fill(prefixes):
+        lens = [pl + T for pl in prefixes]
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        indptr.copy_(torch.tensor(starts, dtype=torch.int32))
+        perm = torch.randperm(num_slots, generator=gen)[: starts[-1]]
+        indices[: starts[-1]] = perm.to(torch.int32).cuda()
+        parents = [random_parents(T, gen) for _ in range(B)]
+        mask.copy_(tree_mask_from_parents(parents).cuda())
+        q.copy_(torch.randn(q.shape, generator=gen).to(torch.bfloat16))
+
+    fill([300, 54])
+    verify_attention(q, kv, indptr, indices, mask, sm_scale, backend="cuda", params=p, out=out, lse=lse,
+                     workspace=ws, split_table=table)  # compile + load outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        verify_attention(q, kv, indptr, indices, mask, sm_scale, backend="cuda", params=p, out=out, lse=lse,
+                         workspace=ws, split_table=table)
+    for prefixes in ([300, 54], [1, 1991], [700, 7], [1500, 400]):
+        fill(prefixes)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        n = int(indptr[-1])
+        ref_o, ref_lse = reference_attention(q, kv, indptr, indices[:n], mask, sm_scale)
+        err = rel_error(out, ref_o)
+        assert err < TOL, f"prefixes {prefixes}: rel error {err:.3g}"
+        assert torch.allclose(lse, ref_lse, atol=2e-2, rtol=0), f"prefixes {prefixes}: lse differs"
