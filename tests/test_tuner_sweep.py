@@ -51,7 +51,7 @@ def test_tiny_deployment_end_to_end(tmp_path):
                                "num_stages": [1]}, [NO_EMPTY, {"name": "heads", "expr": "BLOCK_H <= H"}])
     out = tmp_path / "results"
     rc = main(["sweep", str(dep), "--device", "cpu", "--out", str(out), "--space-dir", str(spaces),
-               "--rounds", "1", "--remeasure-top", "2", "--no-progress", "--export"])
+               "--rounds", "1", "--remeasure-top", "2", "--no-progress", "--export", "--compile-workers", "2"])
     assert rc == 0
     df = read_trials(out / "tiny" / "trials.csv")
     search = df[df["phase"] == "search"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import random
 import sys
 import time
@@ -29,7 +30,7 @@ from pathlib import Path
 from .config import ConfigError, Deployment, load_deployment
 from .space import SearchSpace, load_space, problem_env
 from .table import TrialsTable
-from .worker import WorkerError, make_executor
+from .worker import Prefetcher, WorkerError, make_executor
 
 STUDY_SEP = "|"
 
@@ -67,6 +68,8 @@ class SweepOptions:
     progress: bool = True
     max_measurements: int | None = None   # stop (as Ctrl-C would) after this many measurements
     max_minutes: float | None = None      # stop (as Ctrl-C would) once this much wall time is spent
+    grid: bool = False                    # sweep every feasible config (exhaustive; for checking TPE)
+    compile_workers: int | None = None    # processes compiling configs ahead (default: 0 on CPU, ~cores/2 on GPU)
     measure_overrides: dict = field(default_factory=dict)
 
 
@@ -112,6 +115,10 @@ class Sweep:
         self.skipped: dict[str, str] = {}
         self.results: list[StudyResult] = []
         self.executor = make_executor(self.device, opts.isolate, opts.trial_timeout_s)
+        cw = opts.compile_workers
+        if cw is None:  # compiling is only worth a pool on the GPU (the interpreter compiles nothing)
+            cw = 0 if self.device == "cpu" else max(1, min(6, (os.cpu_count() or 2) // 2 - 1))
+        self.prefetch = Prefetcher(self.device, cw)
         self.storage = optuna.storages.RDBStorage(self.storage_url, engine_kwargs=_engine_kwargs(self.storage_url)) \
             if self.storage_url.startswith(("sqlite", "postgresql", "mysql")) else self.storage_url
         self.bar = None
@@ -119,6 +126,7 @@ class Sweep:
     # -- set-up ---------------------------------------------------------------------------
     def _setup(self):
         self.info = self.executor.request({"op": "info", "device": self.device})
+        self.prefetch.arch = self.info["arch"] if self.device == "cuda" else None
         prof = self.dep.device
         if self.device == "cuda" and prof.arch != self.info["arch"]:
             print(f"warning: deployment device profile {prof.name} is {prof.arch}, this GPU is "
@@ -200,7 +208,7 @@ class Sweep:
         name = study_name(self.dep.name, backend, tp, bs, ctx)
         seed = self.o.seed + int(hashlib.sha256(name.encode()).hexdigest()[:6], 16)
         sampler = self.optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(2, min(6, self.trials // 3)),
-                                                  multivariate=True)
+                                                  multivariate=True, constant_liar=True)
         study = self.optuna.create_study(study_name=name, storage=self.storage, sampler=sampler,
                                          direction="minimize", load_if_exists=True)
         self._reclaim(study)
@@ -258,7 +266,7 @@ class Sweep:
             if _size(dists) <= max(self.trials, 50000) else None
         feasible = [g for g in full if not space.violation(g, env)] if full is not None else None
         grid = full if full is not None and len(full) <= self.trials else \
-            feasible if feasible is not None and len(feasible) <= self.trials else None
+            feasible if feasible is not None and (len(feasible) <= self.trials or self.o.grid) else None
         rng = random.Random(seed)
         waiting = {params_key(t.params) for t in study.get_trials(deepcopy=False, states=(TS.WAITING,))}
 
@@ -280,51 +288,65 @@ class Sweep:
         cap = max(4 * self.trials, self.trials + 20) + (len(grid) if grid else 0)
         asks = 0
         note = ""
+        sd = asdict(spec)
         while True:
+            # -- how many configs are still owed; ask that many (at most one per compile worker)
             if grid is not None:
-                if all(params_key(g) in measured for g in grid) and default and params_key(default) in measured:
-                    break
-            elif counted >= self.trials and params_key(default) in measured:
+                owed = sum(1 for g in grid if params_key(g) not in measured)
+            else:
+                owed = max(self.trials - counted, 0 if params_key(default) in measured else 1)
+            if owed <= 0:
                 break
             if asks >= cap:
                 note = "search space exhausted (the sampler kept proposing measured configs)"
                 break
-            trial = study.ask()
-            asks += 1
-            params = {n: trial.suggest_categorical(n, dists[n]) for n in dists}
-            role = trial.user_attrs.get("role", "search")
-            trial.set_user_attr("role", role)
-            k = params_key(params)
-            if k in measured:
-                src = measured[k]
-                trial.set_user_attr("duplicate_of", src.number)
-                if src.state == TS.COMPLETE:
-                    study.tell(trial, src.value)
-                else:
-                    study.tell(trial, state=src.state)
-                continue
-            waiting.discard(k)
-            why = None if role in ("baseline", "cross") else space.violation(params, env)
-            try:
-                if why:
-                    m = {"outcome": "pruned", "reason": why, "timing": self.timing}
-                    trial.set_user_attr("constraint", True)
-                    if grid is None and feasible:  # repair: a random feasible config is measured next
-                        todo = [g for g in feasible if params_key(g) not in measured and params_key(g) not in waiting]
-                        if todo:
-                            enqueue(rng.choice(todo), "search")
-                else:
-                    m = self._measure(backend, params, spec, seed + trial.number)
-            except BaseException:
-                study._storage.set_trial_user_attr(trial._trial_id, "interrupted", True)
-                study.tell(trial, state=TS.FAIL)
-                raise
-            row = self._row(backend, tp, bs, ctx, spec, name, trial.number, role, params, m)
-            self._tell(study, trial, m, row)
-            measured[k] = study._storage.get_trial(trial._trial_id)
-            if not why:
-                counted += 1
-                self._progress(m)
+            batch = []
+            for _ in range(min(owed, max(1, self.prefetch.workers), cap - asks)):
+                trial = study.ask()
+                asks += 1
+                params = {n: trial.suggest_categorical(n, dists[n]) for n in dists}
+                role = trial.user_attrs.get("role", "search")
+                trial.set_user_attr("role", role)
+                batch.append((trial, params, role))
+                if params_key(params) not in measured and (role in ("baseline", "cross")
+                                                           or not space.violation(params, env)):
+                    self.prefetch.submit(backend, params, sd)   # compile ahead while earlier ones measure
+            # -- measure the batch in order
+            for i, (trial, params, role) in enumerate(batch):
+                k = params_key(params)
+                if k in measured:
+                    src = measured[k]
+                    trial.set_user_attr("duplicate_of", src.number)
+                    if src.state == TS.COMPLETE:
+                        study.tell(trial, src.value)
+                    else:
+                        study.tell(trial, state=src.state)
+                    continue
+                waiting.discard(k)
+                why = None if role in ("baseline", "cross") else space.violation(params, env)
+                try:
+                    if why:
+                        m = {"outcome": "pruned", "reason": why, "timing": self.timing}
+                        trial.set_user_attr("constraint", True)
+                        if grid is None and feasible:  # repair: a random feasible config is asked next
+                            todo = [g for g in feasible if params_key(g) not in measured
+                                    and params_key(g) not in waiting]
+                            if todo:
+                                enqueue(rng.choice(todo), "search")
+                    else:
+                        self.prefetch.wait(backend, params, sd)
+                        m = self._measure(backend, params, spec, seed + trial.number)
+                except BaseException:
+                    for t, _, _ in batch[i:]:  # not finished: failed as interrupted, not counted
+                        study._storage.set_trial_user_attr(t._trial_id, "interrupted", True)
+                        study.tell(t, state=TS.FAIL)
+                    raise
+                row = self._row(backend, tp, bs, ctx, spec, name, trial.number, role, params, m)
+                self._tell(study, trial, m, row)
+                measured[k] = study._storage.get_trial(trial._trial_id)
+                if not why:
+                    counted += 1
+                    self._progress(m)
         return self._study_result(backend, tp, bs, ctx, name, study, note)
 
     def _study_result(self, backend, tp, bs, ctx, name, study, note=""):
@@ -361,6 +383,7 @@ class Sweep:
                 if t.user_attrs.get("role") == "baseline":
                     cands.setdefault(compile_key(t.params), dict(t.params))
         space = self.spaces[backend]
+        plan = []
         for ctx in self.ctxs:
             name, study, seed = studies[ctx]
             have = {compile_key(t.params) for t in oks[ctx]}
@@ -374,23 +397,29 @@ class Sweep:
                     continue
                 options = [dict(p, NSPLIT=n) for n in dict.fromkeys(nsplits + [p.get("NSPLIT")]) if n is not None] \
                     if "NSPLIT" in space.names else [p]
-                for q in options:
-                    if params_key(q) in tried or q.get("NSPLIT", 1) not in dists.get("NSPLIT", (1,)) \
-                            or space.violation(q, env):
-                        continue
-                    trial, params = self._ask_for(study, q, dists, "cross")
-                    try:
-                        m = self._measure(backend, params, spec, seed + trial.number)
-                    except BaseException:
-                        study._storage.set_trial_user_attr(trial._trial_id, "interrupted", True)
-                        study.tell(trial, state=TS.FAIL)
-                        raise
-                    self._tell(study, trial, m,
-                               self._row(backend, tp, bs, ctx, spec, name, trial.number, "cross", params, m))
-                    self._progress(m)
-                    tried.add(params_key(params))
-                    if m["outcome"] == "ok":
-                        break
+                options = [q for q in options if params_key(q) not in tried and q.get("NSPLIT", 1) in
+                           dists.get("NSPLIT", (1,)) and not space.violation(q, env)]
+                if options:
+                    plan.append((ctx, options))
+                    self.prefetch.submit(backend, options[0], asdict(spec))
+        for ctx, options in plan:
+            name, study, seed = studies[ctx]
+            spec = self._spec(tp, bs, ctx)
+            dists = {n: tuple(v) for n, v in study.user_attrs["dists"].items()}
+            for q in options:
+                trial, params = self._ask_for(study, q, dists, "cross")
+                try:
+                    self.prefetch.wait(backend, params, asdict(spec))
+                    m = self._measure(backend, params, spec, seed + trial.number)
+                except BaseException:
+                    study._storage.set_trial_user_attr(trial._trial_id, "interrupted", True)
+                    study.tell(trial, state=TS.FAIL)
+                    raise
+                self._tell(study, trial, m,
+                           self._row(backend, tp, bs, ctx, spec, name, trial.number, "cross", params, m))
+                self._progress(m)
+                if m["outcome"] == "ok":
+                    break
 
     def _ask_for(self, study, q: dict, dists: dict, role: str):
         """A new trial of `study` with exactly the params `q` (configs left queued by an
@@ -499,6 +528,7 @@ class Sweep:
             if self.bar is not None:
                 self.bar.close()
             self.executor.close()
+            self.prefetch.close()
         self.status = status
         self.wall_s = time.time() - t0
         self._log_run(t0)
@@ -588,7 +618,8 @@ def _cmd_sweep(args) -> int:
                         storage=args.storage, timing=args.timing, seed=args.seed, device=args.device, out=args.out,
                         space_dir=args.space_dir, remeasure_top=args.remeasure_top, rounds=args.rounds,
                         isolate=not args.in_process, trial_timeout_s=args.trial_timeout,
-                        progress=not args.no_progress, max_minutes=args.max_minutes)
+                        progress=not args.no_progress, max_minutes=args.max_minutes,
+                        compile_workers=args.compile_workers, grid=args.grid)
     sw = run_sweep(args.deployment, opts)
     print(sw.summary())
     print(f"trials: {sw.out_dir / 'trials.csv'}   studies: {sw.storage_url}")
@@ -616,6 +647,10 @@ def register(subparsers) -> None:
     p.add_argument("--remeasure-top", type=int, default=3, help="configs per bucket re-measured against the baseline")
     p.add_argument("--rounds", type=int, default=3, help="interleaved re-measurement rounds")
     p.add_argument("--trial-timeout", type=float, default=600.0, help="seconds before a trial's worker is killed")
+    p.add_argument("--compile-workers", type=int,
+                   help="processes compiling configs ahead of the measurement (default 0 on CPU, ~cores/2 on GPU)")
+    p.add_argument("--grid", action="store_true",
+                   help="measure every feasible config (exhaustive grid; to check TPE against, use another --out)")
     p.add_argument("--in-process", action="store_true", help="measure in this process (no fault isolation)")
     p.add_argument("--max-minutes", type=float, help="stop (resumably, like Ctrl-C) after this much wall time")
     p.add_argument("--no-progress", action="store_true")

@@ -41,7 +41,7 @@ def _kernel_hash(be) -> str:
 def _cuda_kernel_hash() -> str:
     try:
         import importlib
-        for mod in ("kvtune.kernels.cuda", "kvtune.kernels.cuda.backend"):
+        for mod in ("kvtune.kernels.cuda", "kvtune.kernels.cuda.backend", "kvtune.kernels.cuda.nvrtc"):
             fn = getattr(importlib.import_module(mod), "kernel_source_hash", None)
             if callable(fn):
                 return str(fn())
@@ -114,7 +114,8 @@ def backend_info(name: str, spec: dict, device: str) -> dict:
     if be.params_type is None:
         return {"unsupported": f"backend {name!r} has no parameters to tune"}
     out = {"unsupported": why, "fields": [f.name for f in dataclasses.fields(be.params_type)],
-           "kernel_hash": _kernel_hash(be), "params_type": be.params_type.__name__}
+           "kernel_hash": _kernel_hash(be) or (_cuda_kernel_hash() if name == "cuda" else ""),
+           "params_type": be.params_type.__name__}
     if spec is not None:
         d = be.default_params(ProblemSpec(**spec).problem(device))
         out["default"] = dataclasses.asdict(d)
@@ -138,6 +139,9 @@ def execute(req: dict) -> dict:
         m = _MEASURER[1].measure(req["backend"], req["params"], ProblemSpec(**req["spec"]),
                               MeasureOptions(**req["options"]), ceil)
         return m.to_dict()
+    if op == "warm":
+        from .measure import ProblemSpec, warm
+        return warm(req["backend"], req["params"], ProblemSpec(**req["spec"]), req["device"], req.get("arch"))
     raise ValueError(f"unknown request op {op!r}")
 
 
@@ -282,6 +286,79 @@ class InProcessExecutor:
 
     def close(self):
         pass
+
+
+def _pool_init(device: str, registry: dict) -> None:
+    _prepare_env(device)
+    _register(registry)
+
+
+class Prefetcher:
+    """Compiles configs ahead in a pool of processes while the worker measures.
+
+    The pool only fills the backends' on-disk caches (Triton's, the CUDA backend's NVRTC
+    cache): the measuring process then loads instead of compiling. Nothing it does is a
+    result; a pool failure (even a crashed process) only costs the head start.
+    """
+
+    def __init__(self, device: str, workers: int, arch: str | None = None, timeout_s: float = 300.0):
+        self.device = device
+        self.workers = max(0, int(workers))
+        self.arch = arch
+        self.timeout_s = timeout_s
+        self.pool = None
+        self.futures: dict[str, object] = {}
+        self.failures = 0
+
+    def _pool(self):
+        if self.pool is None:
+            from concurrent.futures import ProcessPoolExecutor
+            _prepare_env(self.device)
+            self.pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=mp.get_context("spawn"),
+                                            initializer=_pool_init, initargs=(self.device, _string_registry()))
+        return self.pool
+
+    @staticmethod
+    def key(backend: str, params: dict, spec: dict) -> str:
+        import json
+        return json.dumps([backend, params, spec], sort_keys=True)
+
+    def submit(self, backend: str, params: dict, spec: dict) -> None:
+        if not self.workers:
+            return
+        k = self.key(backend, params, spec)
+        if k in self.futures:
+            return
+        req = {"op": "warm", "backend": backend, "params": params, "spec": spec, "device": self.device,
+               "arch": self.arch}
+        try:
+            self.futures[k] = self._pool().submit(execute, req)
+        except Exception:  # noqa: BLE001 - a broken pool: start a new one next time
+            self._reset()
+
+    def wait(self, backend: str, params: dict, spec: dict) -> None:
+        """Until the compile of this config (if submitted) is done; errors are ignored."""
+        fut = self.futures.pop(self.key(backend, params, spec), None)
+        if fut is None:
+            return
+        try:
+            fut.result(timeout=self.timeout_s)
+        except Exception:  # noqa: BLE001
+            self.failures += 1
+            from concurrent.futures.process import BrokenProcessPool
+            if isinstance(fut.exception(timeout=0) if fut.done() else None, BrokenProcessPool):
+                self._reset()
+
+    def _reset(self):
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool = None
+        self.futures.clear()
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
 
 
 def make_executor(device: str, isolate: bool = True, timeout_s: float = 600.0):
