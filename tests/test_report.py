@@ -152,6 +152,17 @@ def test_report_single_context_with_storage(swept, tmp_path):
     assert "Optuna storage" in page and "Only one context length was swept" in page
 
 
+def test_report_storage_elsewhere(swept, tmp_path):
+    """A sweep whose studies live in another storage (`--storage URL`): the report reads them there."""
+    folder = tmp_path / swept.name
+    shutil.copytree(swept, folder, ignore=shutil.ignore_patterns("*.db", "report"))
+    shutil.copy(swept / "studies.db", tmp_path / "elsewhere.db")
+    assert kvtune_main(["report", str(folder), "--out", str(tmp_path / "r"),
+                        "--storage", f"sqlite:///{tmp_path / 'elsewhere.db'}"]) == 0
+    page = (tmp_path / "r" / "index.html").read_text()
+    assert "Source: Optuna storage sqlite:///" in page and "elsewhere.db" in page
+
+
 def test_report_all_pruned(all_pruned, tmp_path):
     page, plots = _report(all_pruned, tmp_path / "report")
     assert plots == {"outcomes"}  # nothing else has a number to plot; no empty axes are written

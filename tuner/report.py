@@ -18,7 +18,7 @@ def _cmd_report(args) -> int:
         raise ValueError(f"needs the review extra ({e.name} is missing): pip install 'kvtune[review]'") from None
     matplotlib.use("Agg")  # files only: never open a window, work without a display
     from .review import write_report
-    page = write_report(args.target, args.out)
+    page = write_report(args.target, args.out, storage=args.storage)
     pngs = sorted(p.name for p in page.parent.glob("*.png"))
     print(f"wrote {page} ({len(pngs)} plots: {', '.join(pngs)})")
     return 0
@@ -30,4 +30,6 @@ def register(subparsers) -> None:
     p.add_argument("target", metavar="DEPLOYMENT_OR_RESULTS_DIR",
                    help="a results folder (results/<deployment>), a deployment name, or a deployment YAML")
     p.add_argument("--out", help="output folder (default <results folder>/report)")
+    p.add_argument("--storage", help="Optuna storage URL of the studies, when not the folder's studies.db "
+                                     "(histories and importances; without one they come from the trials table)")
     p.set_defaults(func=_cmd_report)

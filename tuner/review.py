@@ -117,8 +117,11 @@ def _mode(s) -> str | None:
     return None if s.empty else str(s.mode().iloc[0])
 
 
-def load_results(target: str | os.PathLike) -> Results:
-    """Read a results folder (see `resolve_results_dir` for what `target` may be)."""
+def load_results(target: str | os.PathLike, storage: str | None = None) -> Results:
+    """Read a results folder (see `resolve_results_dir` for what `target` may be).
+
+    storage: the Optuna storage URL when the sweep did not use the folder's studies.db
+    (e.g. `kvtune sweep --storage postgresql://...`)."""
     folder = resolve_results_dir(target)
     trials_path = folder / "trials.csv"
     df = read_trials(trials_path)
@@ -145,7 +148,9 @@ def load_results(target: str | os.PathLike) -> Results:
                 res.tuned_error = str(e)
             break
     db = folder / "studies.db"
-    if db.is_file():
+    if storage:
+        res.storage = storage
+    elif db.is_file():
         res.storage = f"sqlite:///{db.resolve()}"
     return res
 
@@ -310,6 +315,22 @@ def provenance_table(res: Results) -> pd.DataFrame:
     return out
 
 
+def runs_table(res: Results) -> pd.DataFrame:
+    """The sweep runs recorded in `runs.jsonl` (one JSON object per `kvtune sweep` run)."""
+    path = res.folder / "runs.jsonl"
+    cols = ["start", "command", "device", "status", "wall_s", "measurements", "studies", "restarts", "skipped"]
+    if not path.is_file():
+        return pd.DataFrame(columns=cols)
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash mid-write: the other runs still count
+        rows.append({c: (json.dumps(r[c]) if isinstance(r.get(c), (dict, list)) else r.get(c)) for c in cols})
+    return pd.DataFrame(rows, columns=cols)
+
+
 # --------------------------------------------------------------------------- optuna studies
 def _load_optuna_trials(res: Results) -> pd.DataFrame | None:
     """Every measured trial of this deployment's studies in the storage: study keys, number,
@@ -346,6 +367,11 @@ def _load_optuna_trials(res: Results) -> pd.DataFrame | None:
     return out
 
 
+def _storage_name(res: Results) -> str:
+    db = res.folder / "studies.db"
+    return f"{res.folder.name}/studies.db" if res.storage == f"sqlite:///{db.resolve()}" else str(res.storage)
+
+
 def _study_keys(name: str, deployment: str) -> dict | None:
     """(backend, tp, bs, ctx) of a study named `deployment|backend|tpN|bsN|ctxN` (sweep.study_name);
     None for a study of another deployment sharing the storage."""
@@ -369,7 +395,7 @@ def history_frame(res: Results) -> tuple[pd.DataFrame, str]:
     if ot is not None and len(ot):
         h = ot.copy()
         h["latency_us"] = np.where(h["state"] == "COMPLETE", h["value"], np.nan)
-        source = f"Optuna storage {res.folder.name}/studies.db"
+        source = f"Optuna storage {_storage_name(res)}"
     else:
         df = _search(res.trials)
         h = df[[*STUDY_KEYS, "trial", "role"]].copy()
@@ -413,7 +439,7 @@ def importance_frame(res: Results) -> tuple[pd.DataFrame, str]:
                 continue
             keys = {k: g[k].iloc[0] for k in STUDY_KEYS}
             rows += [{**keys, "param": p, "importance": float(v)} for p, v in imp.items()]
-        source = f"optuna.importance ({name}) on the studies in {res.folder.name}/studies.db"
+        source = f"optuna.importance ({name}) on the studies in {_storage_name(res)}"
         if rows:
             return pd.DataFrame(rows), source
     df = _search(res.trials)
@@ -833,13 +859,26 @@ def section_export(res: Results) -> Section:
         s.notes.append(f"{res.tuned_path.name}: one row per context bucket, beside the best and default "
                        "latency of the same (backend, tp, batch, context) in the trials table.")
         s.tables.append(("exported buckets vs trials", exported_table(res)))
+    return s
+
+
+def section_provenance(res: Results) -> Section:
+    s = Section("provenance", "Provenance and sweep runs")
+    s.notes.append("Where the numbers come from: the trials table's provenance columns beside the exported "
+                   "YAML's, and every `kvtune sweep` run into this folder (runs.jsonl: command, status, "
+                   "wall-clock time).")
     s.tables.append(("provenance", provenance_table(res)))
+    runs = runs_table(res)
+    if runs.empty:
+        s.notes.append("No runs.jsonl in this folder.")
+    else:
+        s.tables.append(("sweep runs", runs))
     return s
 
 
 SECTIONS: list[Callable[[Results], Section]] = [
     section_summary, section_latency, section_speedup, section_nsplit, section_history, section_importance,
-    section_problems, section_export,
+    section_problems, section_export, section_provenance,
 ]
 
 
@@ -907,7 +946,7 @@ def header_html(res: Results) -> str:
     return (f"<h1>kvtune review: {html.escape(res.deployment)}</h1>"
             f"<p>Results folder: <code>{html.escape(str(res.folder))}</code>; {len(res.trials)} trial rows; "
             f"backends: {html.escape(', '.join(res.backends))}; study storage: "
-            f"{'studies.db' if res.storage else 'none'}; exported YAML: "
+            f"{html.escape(_storage_name(res)) if res.storage else 'none'}; exported YAML: "
             f"{html.escape(res.tuned_path.name) if res.tuned_path else 'none'}.</p>{warn}")
 
 
@@ -923,9 +962,10 @@ def show(sec: Section) -> None:
         display(HTML(f"<style>{NOTEBOOK_CSS}</style>{body}"))
 
 
-def write_report(target: str | os.PathLike, out: str | os.PathLike | None = None, dpi: int = 110) -> Path:
+def write_report(target: str | os.PathLike, out: str | os.PathLike | None = None, dpi: int = 110,
+                 storage: str | None = None) -> Path:
     """Write `index.html` and one PNG per figure into `out` (default: <results>/report/)."""
-    res = load_results(target)
+    res = load_results(target, storage)
     out = Path(out) if out is not None else res.folder / "report"
     out.mkdir(parents=True, exist_ok=True)
     body = [header_html(res), "<ul>"]
