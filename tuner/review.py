@@ -18,6 +18,7 @@ import html
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -343,6 +344,8 @@ def _load_optuna_trials(res: Results) -> pd.DataFrame | None:
     if "optuna" in res._cache:
         return res._cache["optuna"]
     out = None
+    # optuna imports tqdm.auto, which warns in a notebook without ipywidgets (noise, not a problem)
+    warnings.filterwarnings("ignore", message="IProgress not found")
     try:
         import optuna
     except ImportError:
