@@ -389,10 +389,15 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
           const int n = n0 + j;
           const int d = n - P;
           const bool vis = row_ok && n < hi && (d < 0 || ((bits[p] >> d) & 1));
-          float v = 0.f;
+          // read S only for visible keys: rows past ROWS_PAD lie outside the S buffer
+          float v = -__int_as_float(0x7f800000);
+          if (vis) {
+            v = 0.f;
 #pragma unroll
-          for (int h = 0; h < C::S_KS; ++h) v += Ss[h * C::ROWS_PAD * C::SPITCH + r * C::SPITCH + sub8 * C::CPL + j];
-          s[j] = vis ? v * a.qk_scale : -__int_as_float(0x7f800000);
+            for (int h = 0; h < C::S_KS; ++h) v += Ss[h * C::ROWS_PAD * C::SPITCH + r * C::SPITCH + sub8 * C::CPL + j];
+            v *= a.qk_scale;
+          }
+          s[j] = v;
           mx = fmaxf(mx, s[j]);
         }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
