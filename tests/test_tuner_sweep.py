@@ -46,13 +46,16 @@ NO_EMPTY = {"name": "no_empty_splits", "expr": "NSPLIT <= max(1, cdiv(keys, BLOC
 def test_tiny_deployment_end_to_end(tmp_path):
     """`kvtune sweep --device cpu --export`: every trial recorded with an outcome; the YAML
     validates, loads, covers every tp, and never loses to the measured default."""
-    dep = _deployment(tmp_path)
+    dep = _deployment(tmp_path, backends=["triton", "cuda"])
     spaces = _space(tmp_path, {"NSPLIT": [1, 2, 4], "BLOCK_N": [32, 64], "BLOCK_H": [1, 2], "num_warps": [4],
                                "num_stages": [1]}, [NO_EMPTY, {"name": "heads", "expr": "BLOCK_H <= H"}])
     out = tmp_path / "results"
     rc = main(["sweep", str(dep), "--device", "cpu", "--out", str(out), "--space-dir", str(spaces),
                "--rounds", "1", "--remeasure-top", "2", "--no-progress", "--export", "--compile-workers", "2"])
     assert rc == 0
+    run = json.loads((out / "tiny" / "runs.jsonl").read_text().splitlines()[-1])
+    assert run["status"] == "complete" and run["device"] == "cpu"
+    assert "cuda" in run["skipped"] and run["skipped"]["cuda"], "the CUDA backend is skipped with its reason"
     df = read_trials(out / "tiny" / "trials.csv")
     search = df[df["phase"] == "search"]
     assert set(search["outcome"]) <= {"ok", "pruned"}
@@ -209,3 +212,42 @@ def test_interrupted_sweep_resumes_without_repeating(tmp_path):
     assert done <= {(r.study, r.trial) for r in after.itertuples()}
     third = run_sweep(dep, SweepOptions(**kw))
     assert third.measured_now == 0, "a finished sweep re-ran trials"
+
+
+def test_ctrl_c_loses_no_finished_trial(tmp_path):
+    """A real SIGINT to `kvtune sweep` mid-run: it exits 130, every finished trial is in the
+    table, and the re-run finishes the budget without measuring any of them again."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    dep = _deployment(tmp_path, name="sigint", tp=[8], contexts=[64], trials=6)
+    spaces = _space(tmp_path, {"NSPLIT": [1, 2, 4], "BLOCK_N": [32, 64], "BLOCK_H": [1], "num_warps": [4, 8],
+                               "num_stages": [1, 2]}, [NO_EMPTY])
+    cmd = [sys.executable, "-m", "kvtune.tuner.cli", "sweep", str(dep), "--device", "cpu", "--out",
+           str(tmp_path / "results"), "--space-dir", str(spaces), "--rounds", "1", "--remeasure-top", "1",
+           "--no-progress"]
+    path = tmp_path / "results" / "sigint" / "trials.csv"
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists() and len(path.read_text().splitlines()) >= 3:   # header + 2 finished trials
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the sweep ended before it could be interrupted:\n" + proc.communicate()[0]
+    os.kill(proc.pid, signal.SIGINT)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, out
+    assert "interrupted" in out
+    before = read_trials(path)
+    assert len(before) >= 2
+    rc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert rc.returncode == 0, rc.stdout + rc.stderr
+    after = read_trials(path)
+    assert after.iloc[: len(before)][["trial", "outcome"]].equals(before[["trial", "outcome"]])
+    s = after[after["phase"] == "search"]
+    keys = [json.dumps(p, sort_keys=True) for p in s["params"]]
+    assert len(keys) == len(set(keys)), "a finished trial was measured again after Ctrl-C"
+    assert (s["outcome"] != "pruned").sum() >= 6

@@ -90,6 +90,7 @@ def export_deployment(dep: Deployment | str, out: str = "results", trials_csv: s
     if others and not quiet:
         print(f"note: not exporting backends outside the schema's {list(BACKEND_NAMES)}: {others}", file=sys.stderr)
     entries, report = [], []
+    lat = _latencies(df)
     order = list(df.columns[df.columns.get_loc("role") + 1: df.columns.get_loc("params")])
     for tp in dep.tp:
         for bs in dep.batches:
@@ -123,8 +124,11 @@ def export_deployment(dep: Deployment | str, out: str = "results", trials_csv: s
             entries.append(TunedEntry(tp=tp, heads_per_rank=dep.heads(tp), max_batch=bs, backend=be, params=params,
                                       buckets=bl))
             for b in bl:
+                others = {f"{ob}_default_us": v for ob in backends if ob != be
+                          for v in [_default_latency(lat, ob, tp, bs, b.max_context)] if v is not None}
                 report.append({"tp": tp, "bs": bs, "ctx": b.max_context, "backend": be, "NSPLIT": b.NSPLIT,
-                               "tuned_us": b.latency_us, "default_us": b.default_latency_us, "floor_us": b.floor_us,
+                               "tuned_us": b.latency_us, "default_us": b.default_latency_us, **others,
+                               "floor_us": b.floor_us,
                                "pct_floor": 100 * b.floor_us / b.latency_us if b.floor_us else None,
                                "speedup": b.default_latency_us / b.latency_us if b.default_latency_us else None,
                                "params": "default" if is_default else json.dumps(params, sort_keys=True)})
@@ -156,6 +160,13 @@ def export_deployment(dep: Deployment | str, out: str = "results", trials_csv: s
         print(pd.DataFrame(report).to_string(index=False, float_format=lambda x: f"{x:.2f}"))
         print(f"exported {dest}")
     return tuned
+
+
+def _default_latency(lat, backend, tp, bs, ctx):
+    for (b, t, s, c, _), (v, role) in lat.items():
+        if (b, t, s, c) == (backend, tp, bs, ctx) and role == "baseline":
+            return v
+    return None
 
 
 def _s(v) -> str:

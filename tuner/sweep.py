@@ -101,6 +101,8 @@ class Sweep:
         self.dep = dep
         self.o = opts
         self.device = opts.device or _default_device()
+        if self.device == "cuda" and _default_device() != "cuda":
+            raise ConfigError("--device cuda: no CUDA GPU is visible here; use --device cpu (Triton interpreter)")
         self.out_dir = Path(opts.out) / dep.name
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.storage_url = opts.storage or f"sqlite:///{self.out_dir / 'studies.db'}"
@@ -527,7 +529,7 @@ class Sweep:
         finally:
             if self.bar is not None:
                 self.bar.close()
-            self.executor.close()
+            self.executor.close(force=status != "complete")
             self.prefetch.close()
         self.status = status
         self.wall_s = time.time() - t0
@@ -620,7 +622,11 @@ def _cmd_sweep(args) -> int:
                         isolate=not args.in_process, trial_timeout_s=args.trial_timeout,
                         progress=not args.no_progress, max_minutes=args.max_minutes,
                         compile_workers=args.compile_workers, grid=args.grid)
-    sw = run_sweep(args.deployment, opts)
+    try:
+        sw = run_sweep(args.deployment, opts)
+    except WorkerError as e:
+        print(f"kvtune sweep: error: the trial worker failed before the sweep started: {e}", file=sys.stderr)
+        return 1
     print(sw.summary())
     print(f"trials: {sw.out_dir / 'trials.csv'}   studies: {sw.storage_url}")
     if args.export and sw.results:

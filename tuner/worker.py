@@ -156,7 +156,14 @@ def _register(registry: dict) -> None:
         register_backend(name, factory)
 
 
+def _ignore_sigint() -> None:
+    """Ctrl-C is the parent's: it records the interruption and stops its workers."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _worker_main(conn, device: str, registry: dict) -> None:
+    _ignore_sigint()
     _prepare_env(device)                  # before anything imports triton
     try:
         _register(registry)
@@ -226,8 +233,8 @@ class SubprocessExecutor:
             self.conn.close()
         self.proc = self.conn = None
 
-    def close(self):
-        if self.proc is not None and self.proc.is_alive():
+    def close(self, force: bool = False):
+        if self.proc is not None and self.proc.is_alive() and not force:
             try:
                 self.conn.send(None)
                 self.proc.join(timeout=10)
@@ -284,11 +291,12 @@ class InProcessExecutor:
         except Exception as e:  # noqa: BLE001
             raise WorkerError(f"{type(e).__name__}: {e}") from e
 
-    def close(self):
+    def close(self, force: bool = False):
         pass
 
 
 def _pool_init(device: str, registry: dict) -> None:
+    _ignore_sigint()
     _prepare_env(device)
     _register(registry)
 

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Sweep and export a shipped deployment: the Kimi-K2 H200 one when a CUDA GPU is visible,
+# the tiny CPU one (Triton interpreter, CPU timings) otherwise; says which it did.
+# Usage: scripts/tune.sh [extra `kvtune sweep` options]   (kvtune must be installed:
+# scripts/setup.sh). KVTUNE_DEPLOYMENT overrides the choice; KVTUNE_OUT the results root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${KVTUNE_OUT:-results}
+if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    dep=${KVTUNE_DEPLOYMENT:-configs/deployments/kimi-k2-h200.yaml}
+    # sized for about 8 minutes on one H200; --max-minutes stops resumably if it runs long
+    opts=(--device cuda --trials 6 --rounds 2 --remeasure-top 2 --max-minutes 7.5)
+    echo "kvtune: CUDA GPU found ($(python -c 'import torch; print(torch.cuda.get_device_name(0))')): sweeping $dep"
+else
+    dep=${KVTUNE_DEPLOYMENT:-configs/deployments/cpu-tiny.yaml}
+    opts=(--device cpu --rounds 1 --remeasure-top 2)
+    echo "kvtune: no CUDA GPU: sweeping the small CPU deployment $dep (Triton interpreter; CPU timings, not GPU numbers)"
+fi
+start=$(date +%s)
+kvtune sweep "$dep" --out "$out" "${opts[@]}" "$@"
+kvtune export "$dep" --out "$out"
+echo "kvtune: done in $(( $(date +%s) - start )) s; results under $out/$(python -c "import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))['name'])" "$dep")/"

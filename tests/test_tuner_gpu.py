@@ -1,0 +1,47 @@
+"""The tuner on a real GPU (skipped without one): a small sweep with CUDA-graph timing over
+both backends, exported and loaded."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from kvtune.kernels.tuned import load_tuned
+from kvtune.tuner.export import export_deployment
+from kvtune.tuner.sweep import SweepOptions, run_sweep
+from kvtune.tuner.table import read_trials
+
+pytestmark = pytest.mark.gpu
+
+
+def test_gpu_sweep_graph_timing(tmp_path):
+    import torch
+    props = torch.cuda.get_device_properties(0)
+    dev = {"name": "local", "device_name": props.name, "arch": f"sm_{props.major}{props.minor}",
+           "sm_count": props.multi_processor_count, "l2_bytes": int(getattr(props, "L2_cache_size", 0) or 1 << 20),
+           "limits": {"smem_per_block_bytes": int(props.shared_memory_per_block_optin),
+                      "smem_per_sm_bytes": int(props.shared_memory_per_multiprocessor),
+                      "regs_per_sm": int(props.regs_per_multiprocessor),
+                      "threads_per_sm": int(props.max_threads_per_multi_processor)},
+           "ceilings": {"read_gbps": 4250, "bf16_tflops": 790}}
+    (tmp_path / "devices").mkdir()
+    (tmp_path / "deployments").mkdir()
+    (tmp_path / "devices" / "local.yaml").write_text(yaml.safe_dump(dev))
+    dep = tmp_path / "deployments" / "gpu-small.yaml"
+    dep.write_text(yaml.safe_dump({
+        "name": "gpu-small", "model": {"name": "Kimi-K2", "num_heads": 64, "draft_tokens": 9, "tree": "random"},
+        "device": "local", "tp": [8], "contexts": [4096, 32768], "batches": [1], "backends": ["triton", "cuda"],
+        "trials": 4, "timing": "graph"}))
+    sw = run_sweep(dep, SweepOptions(device="cuda", out=str(tmp_path / "results"), rounds=2, remeasure_top=2,
+                                     progress=False))
+    assert sw.status == "complete"
+    df = read_trials(tmp_path / "results" / "gpu-small" / "trials.csv")
+    ok = df[df["outcome"] == "ok"]
+    assert set(ok["backend"]) >= {"triton"} and (ok["timing"] == "graph").all()
+    assert (ok["p10_us"] <= ok["median_us"]).all() and (ok["median_us"] <= ok["p90_us"]).all()
+    assert (ok["pools"] >= 2).all(), "cold L2: several KV pools rotate"
+    tuned = export_deployment(sw.dep, out=str(tmp_path / "results"), quiet=True)
+    again = load_tuned(tmp_path / "results" / "gpu-small" / "gpu-small.yaml")
+    assert again.entries == tuned.entries
+    for e in again.entries:
+        for b in e.buckets:
+            assert b.latency_us <= b.default_latency_us
