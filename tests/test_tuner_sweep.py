@@ -251,3 +251,30 @@ def test_ctrl_c_loses_no_finished_trial(tmp_path):
     keys = [json.dumps(p, sort_keys=True) for p in s["params"]]
     assert len(keys) == len(set(keys)), "a finished trial was measured again after Ctrl-C"
     assert (s["outcome"] != "pruned").sum() >= 6
+
+
+def test_timing_pools_are_valid_disjoint_inputs():
+    """The GPU's cold-L2 pools (built here on the CPU): disjoint slot regions, together at
+    least cold_l2_factor x L2, and each a correct verify input for the oracle."""
+    import torch
+
+    from kvtune.kernels import reference_attention, verify_attention
+    from kvtune.kernels.inputs import rel_error
+    from kvtune.tuner.measure import Measurer, MeasureOptions, ProblemSpec
+    m = Measurer("cpu")
+    m.l2_bytes = 1 << 20
+    spec = ProblemSpec(heads=2, batch=3, context=90, draft_tokens=5, tree="random")
+    opts = MeasureOptions(timing="eager")
+    m._inputs_for(spec, opts)
+    pools = m._timing_pools(spec, opts, regions=True)
+    assert len(pools) >= 2
+    assert pools[0].kv_cache.numel() * 2 >= opts.cold_l2_factor * m.l2_bytes
+    sets = [set(p.kv_indices.tolist()) for p in pools]
+    assert all(len(s) == len(pools[0].kv_indices) for s in sets), "slots of a pool are distinct"
+    assert all(a.isdisjoint(b) for i, a in enumerate(sets) for b in sets[i + 1:]), "pools overlap"
+    for p in pools[:2]:
+        o = verify_attention(*p.args, backend="triton")
+        ref, _ = reference_attention(*p.args)
+        assert rel_error(o, ref) < 1e-2
+    assert not torch.equal(pools[0].kv_cache[pools[0].kv_indices[:8].long()],
+                           pools[1].kv_cache[pools[1].kv_indices[:8].long()])

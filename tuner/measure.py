@@ -10,7 +10,7 @@ Every caller (the sweep, the re-measurement of winners, scripts) measures throug
    the kernel runs, and ||o - ref|| / ||ref|| against the fp32 oracle must be < tol (NaN
    never passes) -> outcome `wrong` with the error;
 3. timing with a cold L2: launches rotate over several KV pools whose total is several
-   times the L2 (one pool on the CPU); in `graph` mode many launches are captured in one
+   times the L2 (one pool on the CPU; see `Measurer._timing_pools`); in `graph` mode many launches are captured in one
    CUDA graph and its replays are timed with CUDA events, in `eager` mode the launches are
    timed back to back; on the CPU (`cpu-eager`) with the host clock, labelled as such;
 4. median and spread (p10/p90 over repetitions) in microseconds per launch, GB/s, TFLOP/s
@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvtune.kernels import get_backend, make_inputs, params_from_dict, rel_error, verify_attention
+from kvtune.kernels import VerifyInputs, get_backend, make_inputs, params_from_dict, rel_error, verify_attention
 from kvtune.kernels.reference import reference_attention
 from kvtune.kernels.shapes import VerifyProblem
 
@@ -175,13 +175,32 @@ class Measurer:
         mk = dict(tree=spec.tree, kv_lora_rank=spec.kv_lora_rank, rope_dim=spec.rope_dim, device=self.device,
                   sm_scale=spec.sm_scale)
         self._check = make_inputs(spec.batch, spec.draft_tokens, spec.heads, spec.context, seed=opts.seed, **mk)
-        pool_bytes = spec.batch * spec.keys * spec.Dk * 2 * 1.25
-        n = 1 if self.device.type != "cuda" else \
-            max(2, min(opts.max_pools, math.ceil(opts.cold_l2_factor * self.l2_bytes / pool_bytes)))
-        self._pools = [make_inputs(spec.batch, spec.draft_tokens, spec.heads, spec.context, pool_factor=1.25,
-                                   seed=opts.seed + 1 + i, **mk) for i in range(n)]
         self._gen = torch.Generator(device=self.device).manual_seed(opts.seed + 7919)
+        self._pools = self._timing_pools(spec, opts)
         self._key = key
+
+    def _timing_pools(self, spec: ProblemSpec, opts: MeasureOptions, regions: bool | None = None) -> list:
+        """KV pools for timing: on the GPU, n disjoint regions of one random bf16 tensor (n
+        regions of 1.25x the keys a launch reads, together >= cold_l2_factor x L2, at least
+        two), each request's slots a random permutation within its region; q, indptr and the
+        tree are the check's. On the CPU, the check's inputs (one pool)."""
+        chk = self._check
+        if not (self.device.type == "cuda" if regions is None else regions):
+            return [chk]
+        used = int(chk.kv_indptr[-1])
+        region = max(used + 1, int(used * 1.25))
+        n = max(2, min(opts.max_pools, math.ceil(opts.cold_l2_factor * self.l2_bytes / (region * spec.Dk * 2))))
+        gen = self._gen
+        kv = torch.empty(n * region, spec.Dk, dtype=torch.bfloat16, device=self.device)
+        kv.normal_(generator=gen)
+        pools = []
+        for i in range(n):
+            idx = torch.randperm(region, device=self.device, generator=gen)[:used] + i * region
+            pools.append(VerifyInputs(q=chk.q, kv_cache=kv, kv_indptr=chk.kv_indptr,
+                                      kv_indices=idx.to(chk.kv_indices.dtype), tree_mask=chk.tree_mask,
+                                      sm_scale=chk.sm_scale, prefix_lens=chk.prefix_lens, parents=chk.parents,
+                                      kv_lora_rank=chk.kv_lora_rank))
+        return pools
 
     def _refresh_check(self):
         """Fresh random values for the correctness check (same structure, new q and KV)."""
