@@ -117,7 +117,8 @@ def _run(args) -> int:
                                [args.arch] * len(configs)))
     else:
         rows = [check_one(c, T, H, args.arch) for c in configs]
-    hdr = f"{'VEC':>3} {'BN':>3} {'W':>2} {'HPB':>3} {'ST':>2} {'regs':>4} {'spill':>5} {'stack':>5} {'smem':>7} fits  note"
+    hdr = (f"{'VEC':>3} {'BN':>3} {'W':>2} {'HPB':>3} {'ST':>2} {'regs':>4} {'spill':>5} {'stack':>5} "
+           f"{'smem':>7} fits  note")
     print(hdr)
     for i, r in enumerate(rows):
         fmt = lambda v: "-" if v is None else str(v)  # noqa: E731

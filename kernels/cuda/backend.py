@@ -293,8 +293,8 @@ class CudaBackend(Backend):
         grid_x = pb.B * cdiv(pb.H, params.HEADS_PER_BLOCK)
         check_driver(drv.cuLaunchKernel(split_k.function, grid_x, ns, 1, params.threads, 1, 1, geo.smem_bytes,
                                         stream, ctypes.addressof(sp), 0), "cuLaunchKernel(verify_split)")
-        check_driver(drv.cuLaunchKernel(merge_k.function, pb.rows * pb.H, DV // 128, 1, 32 * MERGE_SPLIT_GROUPS, 1, 1, 0,
-                                        stream, ctypes.addressof(mp), 0), "cuLaunchKernel(verify_merge)")
+        check_driver(drv.cuLaunchKernel(merge_k.function, pb.rows * pb.H, DV // 128, 1, 32 * MERGE_SPLIT_GROUPS, 1, 1,
+                                        0, stream, ctypes.addressof(mp), 0), "cuLaunchKernel(verify_merge)")
 
 
 def default_for_arch(T: int, heads_per_block: int, arch: str) -> CudaParams:
