@@ -68,6 +68,7 @@ class SweepOptions:
     progress: bool = True
     max_measurements: int | None = None   # stop (as Ctrl-C would) after this many measurements
     max_minutes: float | None = None      # stop (as Ctrl-C would) once this much wall time is spent
+    reclaim_running: bool = True          # single worker: trials left RUNNING were interrupted
     grid: bool = False                    # sweep every feasible config (exhaustive; for checking TPE)
     compile_workers: int | None = None    # processes compiling configs ahead (default: 0 on CPU, ~cores/2 on GPU)
     measure_overrides: dict = field(default_factory=dict)
@@ -217,7 +218,10 @@ class Sweep:
         return name, study, seed
 
     def _reclaim(self, study):
-        """Trials left running by an interrupted single-worker sweep: failed, not counted."""
+        """Trials left running by an interrupted single-worker sweep: failed, not counted.
+        (Several workers sharing the storage must not do this: they rely on heartbeats.)"""
+        if not self.o.reclaim_running:
+            return
         TS = self.optuna.trial.TrialState
         for t in study.get_trials(deepcopy=False, states=(TS.RUNNING,)):
             study._storage.set_trial_user_attr(t._trial_id, "interrupted", True)
@@ -303,7 +307,9 @@ class Sweep:
                 note = "search space exhausted (the sampler kept proposing measured configs)"
                 break
             batch = []
-            for _ in range(min(owed, max(1, self.prefetch.workers), cap - asks)):
+            # one config per compile worker, but at least two rounds per study so TPE sees results
+            width = min(max(1, self.prefetch.workers), max(2, -(-self.trials // 2)))
+            for _ in range(min(owed, width, cap - asks)):
                 trial = study.ask()
                 asks += 1
                 params = {n: trial.suggest_categorical(n, dists[n]) for n in dists}
