@@ -145,3 +145,11 @@ def test_missing_search_space_file(tmp_path):
 
 def test_repo_space_dir_is_the_default():
     assert (SPACE_DIR / "triton.yaml").is_file()
+
+
+def test_calibrate_cpu_writes_a_loadable_profile(tmp_path):
+    from kvtune.tuner.cli import main
+    path = tmp_path / "devices" / "here.yaml"
+    assert main(["calibrate", "--device", "cpu", "--name", "here", "--path", str(path), "--reps", "1"]) == 0
+    prof = load_device(path)
+    assert prof.name == "here" and prof.arch == "cpu" and prof.read_gbps > 0 and prof.bf16_tflops > 0

@@ -85,6 +85,13 @@ def export_deployment(dep: Deployment | str, out: str = "results", trials_csv: s
     df = df[df["deployment"] == dep.name]
     if df.empty:
         raise ValueError(f"{trials_csv or out_dir / 'trials.csv'}: no trials of deployment {dep.name!r}")
+    devices = list(dict.fromkeys(zip(df["device"].astype(str), df["arch"].astype(str))))
+    if len(devices) > 1:  # numbers from different machines are not comparable: keep the latest one's
+        dev, arch = str(df.iloc[-1]["device"]), str(df.iloc[-1]["arch"])
+        if not quiet:
+            print(f"warning: the table holds trials from {len(devices)} devices {devices}; exporting those of "
+                  f"the latest, {dev} ({arch})", file=sys.stderr)
+        df = df[(df["device"].astype(str) == dev) & (df["arch"].astype(str) == arch)]
     backends = [b for b in dict.fromkeys(df["backend"]) if b in BACKEND_NAMES and b != "reference"]
     others = [b for b in dict.fromkeys(df["backend"]) if b not in BACKEND_NAMES]
     if others and not quiet:
