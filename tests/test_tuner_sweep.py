@@ -278,3 +278,12 @@ def test_timing_pools_are_valid_disjoint_inputs():
         assert rel_error(o, ref) < 1e-2
     assert not torch.equal(pools[0].kv_cache[pools[0].kv_indices[:8].long()],
                            pools[1].kv_cache[pools[1].kv_indices[:8].long()])
+
+
+def test_time_limit_stops_resumably(tmp_path):
+    dep = _deployment(tmp_path, name="timed", tp=[8], contexts=[64], trials=2)
+    sw = run_sweep(dep, SweepOptions(device="cpu", out=str(tmp_path / "results"), progress=True,
+                                     max_minutes=1e-6))
+    assert sw.status.startswith("stopped (time limit") and sw.measured_now == 0
+    run = json.loads((tmp_path / "results" / "timed" / "runs.jsonl").read_text().splitlines()[-1])
+    assert run["status"] == sw.status and run["wall_s"] >= 0

@@ -500,7 +500,10 @@ class Sweep:
         plan = [(be, tp, bs, ctx) for be in self.backends if be in self.spaces
                 for tp in self.tps for bs in self.bss for ctx in self.ctxs]
         if self.o.progress:
-            from tqdm import tqdm
+            try:
+                from tqdm import tqdm
+            except ImportError:  # a machine without tqdm: one line per study instead
+                tqdm = _LineProgress
             self.bar = tqdm(total=len(plan) * self.trials, unit="trial", dynamic_ncols=True, file=sys.stderr)
         self._best = None
         status = "complete"
@@ -576,6 +579,25 @@ class Sweep:
 
 
 # --------------------------------------------------------------------------- helpers
+class _LineProgress:
+    """tqdm's surface, printing a line when the postfix changes (no tqdm installed)."""
+
+    def __init__(self, total, file=sys.stderr, **_):
+        self.n, self.total, self.file, self.last = 0, total, file, None
+
+    def update(self, k=1):
+        self.n += k
+
+    def set_postfix_str(self, s):
+        if s != self.last:
+            print(f"[{self.n}/{self.total}] {s}", file=self.file, flush=True)
+            self.last = s
+
+    def close(self):
+        pass
+
+
+
 def _product(lists):
     import itertools
     return list(itertools.product(*lists))
