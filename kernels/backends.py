@@ -97,6 +97,11 @@ class Backend(abc.ABC):
             return str(e)
         return None
 
+    def kernel_hash(self) -> str | None:
+        """Identity of the kernel source (sha256[:16]) recorded in exported provenance, or
+        None for a backend without a kernel (the oracle)."""
+        return None
+
     def supports(self, device: torch.device) -> str | None:
         """Why this backend cannot run on `device`, or None."""
         return None

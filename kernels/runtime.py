@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -136,24 +135,13 @@ def device_name(device: torch.device | str) -> str:
 
 
 def backend_kernel_hash(name: str) -> str | None:
-    """The running kernel source hash of backend `name`: `kernel_source_hash()` on the
-    backend object, in the module of its class (or of a base class, for test variants), or
-    in that module's package. None when none is found (the oracle has none). Raises
+    """The running kernel source hash of backend `name` (None for the oracle). Raises
     ValueError when the backend cannot be imported."""
     try:
         be = get_backend(name)
     except ImportError as e:
         raise ValueError(f"backend {name!r} cannot be imported: {e}") from None
-    fn = getattr(be, "kernel_source_hash", None)
-    for cls in type(be).__mro__:
-        if callable(fn):
-            break
-        mod = cls.__module__
-        for where in (mod, mod.rpartition(".")[0]):
-            fn = getattr(sys.modules.get(where), "kernel_source_hash", None)
-            if callable(fn):
-                break
-    return str(fn()) if callable(fn) else None
+    return be.kernel_hash()
 
 
 def provenance_mismatches(tuned: TunedDefaults, device: torch.device | str,

@@ -217,11 +217,17 @@ class TritonBackend(Backend):
     name = "triton"
     params_type = TritonParams
 
+    def kernel_hash(self) -> str:
+        return kernel_source_hash()
+
     def default_params(self, problem: VerifyProblem) -> TritonParams:
         # at most 32 query rows per tile (32 x 512 fp32 accumulators over 8 warps stay in
-        # registers); 16 splits so that batch 1 still launches a few programs per SM
-        return TritonParams(NSPLIT=16, BLOCK_N=32, BLOCK_H=max(1, min(problem.H, 32 // problem.T)),
-                            num_warps=8, num_stages=2)
+        # registers); enough splits for about one program per SM (16 without a GPU)
+        block_h = max(1, min(problem.H, 32 // problem.T))
+        sms = torch.cuda.get_device_properties(problem.device).multi_processor_count if problem.is_cuda else 64
+        progs = problem.B * cdiv(problem.H, block_h)
+        nsplit = min(128, next_pow2(max(1, sms // progs)))
+        return TritonParams(NSPLIT=nsplit, BLOCK_N=32, BLOCK_H=block_h, num_warps=8, num_stages=2)
 
     def check_params(self, params: TritonParams, problem: VerifyProblem) -> None:
         dpe = problem.Dk - problem.Dv

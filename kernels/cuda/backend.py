@@ -186,6 +186,10 @@ class CudaBackend(Backend):
         self._kernels: dict[tuple, tuple] = {}
 
     # -- parameters
+    def kernel_hash(self) -> str:
+        from .nvrtc import kernel_source_hash
+        return kernel_source_hash()
+
     def default_params(self, problem: VerifyProblem) -> CudaParams:
         # 72 query rows per CTA (8 heads at T=9): one key read feeds 9 row tiles; 16 warps keep
         # the 512-wide accumulator at 128 registers. NSPLIT: about one CTA per SM at batch 1.
