@@ -425,7 +425,7 @@ class Sweep:
                     raise
                 self._tell(study, trial, m,
                            self._row(backend, tp, bs, ctx, spec, name, trial.number, "cross", params, m))
-                self._progress(m)
+                self._progress(m, count=False)
                 if m["outcome"] == "ok":
                     break
 
@@ -483,10 +483,10 @@ class Sweep:
             study.set_user_attr("remeasured", sig)
 
     # -- progress and the whole sweep -----------------------------------------------------
-    def _progress(self, m, remeasure=False):
+    def _progress(self, m, remeasure=False, count=True):
         if self.bar is None:
             return
-        self.bar.update(0 if remeasure else 1)
+        self.bar.update(1 if count and not remeasure else 0)
         if m.get("outcome") == "ok" and not remeasure:
             if self._best is None or m["median_us"] < self._best[0]:
                 self._best = (m["median_us"], m.get("pct_floor"))
