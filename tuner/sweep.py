@@ -320,9 +320,18 @@ class Sweep:
                                                            or not space.violation(params, env)):
                     self.prefetch.submit(backend, params, sd)   # compile ahead while earlier ones measure
             # -- measure the batch in order
+            def repair():
+                """After a wasted proposal (measured already, or infeasible) a random feasible
+                config not measured yet is asked next, so a small space cannot stall TPE."""
+                if grid is None and feasible:
+                    todo = [g for g in feasible if params_key(g) not in measured and params_key(g) not in waiting]
+                    if todo:
+                        enqueue(rng.choice(todo), "search")
+
             for i, (trial, params, role) in enumerate(batch):
                 k = params_key(params)
                 if k in measured:
+                    repair()
                     src = measured[k]
                     trial.set_user_attr("duplicate_of", src.number)
                     if src.state == TS.COMPLETE:
@@ -336,11 +345,7 @@ class Sweep:
                     if why:
                         m = {"outcome": "pruned", "reason": why, "timing": self.timing}
                         trial.set_user_attr("constraint", True)
-                        if grid is None and feasible:  # repair: a random feasible config is asked next
-                            todo = [g for g in feasible if params_key(g) not in measured
-                                    and params_key(g) not in waiting]
-                            if todo:
-                                enqueue(rng.choice(todo), "search")
+                        repair()
                     else:
                         self.prefetch.wait(backend, params, sd)
                         m = self._measure(backend, params, spec, seed + trial.number)
