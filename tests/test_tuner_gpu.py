@@ -18,10 +18,10 @@ def test_gpu_sweep_graph_timing(tmp_path):
     props = torch.cuda.get_device_properties(0)
     dev = {"name": "local", "device_name": props.name, "arch": f"sm_{props.major}{props.minor}",
            "sm_count": props.multi_processor_count, "l2_bytes": int(getattr(props, "L2_cache_size", 0) or 1 << 20),
-           "limits": {"smem_per_block_bytes": int(props.shared_memory_per_block_optin),
-                      "smem_per_sm_bytes": int(props.shared_memory_per_multiprocessor),
-                      "regs_per_sm": int(props.regs_per_multiprocessor),
-                      "threads_per_sm": int(props.max_threads_per_multi_processor)},
+           "limits": {"smem_per_block_bytes": int(getattr(props, "shared_memory_per_block_optin", 0) or 49152),
+                      "smem_per_sm_bytes": int(getattr(props, "shared_memory_per_multiprocessor", 0) or 49152),
+                      "regs_per_sm": int(getattr(props, "regs_per_multiprocessor", 0) or 65536),
+                      "threads_per_sm": int(getattr(props, "max_threads_per_multi_processor", 0) or 2048)},
            "ceilings": {"read_gbps": 4250, "bf16_tflops": 790}}
     (tmp_path / "devices").mkdir()
     (tmp_path / "deployments").mkdir()

@@ -95,7 +95,11 @@ class StudyResult:
 
 class Sweep:
     def __init__(self, dep: Deployment, opts: SweepOptions):
-        import optuna
+        try:
+            import optuna
+        except ImportError as e:
+            raise ConfigError(f"kvtune sweep needs optuna ({e}); install the tuner extra: "
+                              "pip install 'kvtune[tune]'") from None
         self.optuna = optuna
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
