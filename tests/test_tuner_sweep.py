@@ -94,15 +94,20 @@ def test_tiny_deployment_end_to_end(tmp_path):
 
 WRONG_MODULE = '''
 import os
+import time
 from kvtune.kernels.triton_kernel import TritonBackend
 
 
 class FastWrongTriton(TritonBackend):
     """BLOCK_N=16 "runs" in no time and writes zeros (wrong); NSPLIT=2, num_warps=2 crashes
-    the process (as a GPU fault kills a context); everything else is the real kernel."""
+    the process (as a GPU fault kills a context); served with a split table, only
+    num_warps=2 is right, but it is measured slowest without one; everything else is the
+    real kernel."""
 
     def launch(self, a, params):
-        if params.BLOCK_N == 16:
+        if a.split_table is None and params.num_warps == 2:
+            time.sleep(0.2)
+        if params.BLOCK_N == 16 or (a.split_table is not None and params.num_warps != 2):
             a.out.zero_()
             if a.lse is not None:
                 a.lse.zero_()
@@ -165,6 +170,14 @@ def test_wrong_variant_rejected_crash_isolated_constraint_pruned(tmp_path, fast_
     assert e.params["BLOCK_N"] != 16, "a config rejected by the correctness gate was exported"
     assert not (e.params["NSPLIT"] == 2 and e.params["num_warps"] == 2)
     assert set(e.params) == set(keys)
+    # the serving check (split table) rejected the faster groups; the export skipped them
+    serve = df[df["phase"] == "serve"]
+    assert (serve["outcome"] == "wrong").any(), "the faster configs failed their serving check"
+    for p, outcome in zip(serve["params"], serve["outcome"]):
+        assert outcome == ("ok" if p["num_warps"] == 2 else "wrong"), (p, outcome)
+    assert e.params["num_warps"] == 2, "a config that is wrong when served was exported"
+    ok_serve = [p for p, o in zip(serve["params"], serve["outcome"]) if o == "ok"]
+    assert e.params in ok_serve
 
 
 def test_measure_prunes_before_running(tmp_path):

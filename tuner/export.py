@@ -28,7 +28,7 @@ from .table import read_trials
 def _latencies(df):
     """(backend, tp, bs, ctx, params_json) -> (latency_us, role): re-measured median if any."""
     out = {}
-    ok = df[df["outcome"] == "ok"]
+    ok = df[(df["outcome"] == "ok") & (df["phase"] != "serve")]
     for key, g in ok.groupby(["backend", "tp", "bs", "ctx", ok["params"].map(lambda p: json.dumps(p, sort_keys=True))]):
         rem = g[g["phase"] == "remeasure"]["median_us"].astype(float).tolist()
         srch = g[g["phase"] != "remeasure"]["median_us"].astype(float).tolist()
@@ -38,8 +38,9 @@ def _latencies(df):
     return out
 
 
-def choose(df, backends, tp, bs, contexts):
-    """The winning (backend, compile params, {ctx: (NSPLIT, lat, default_lat, floor)}) or None."""
+def choose(df, backends, tp, bs, contexts, exclude=frozenset()):
+    """The winning (backend, compile params, {ctx: (NSPLIT, lat, default_lat, floor)}) or None;
+    `exclude` holds (backend, compile-key JSON) pairs that failed their serving check."""
     lat = _latencies(df)
     floors = {int(c): float(f) for c, f in df[(df["tp"] == tp) & (df["bs"] == bs)][["ctx", "floor_us"]]
               .dropna().drop_duplicates("ctx").itertuples(index=False)}
@@ -61,7 +62,7 @@ def choose(df, backends, tp, bs, contexts):
                 default_lat[ctx] = v
                 default_key = ck
         for ck, g in groups.items():
-            if any(c not in g for c in contexts):
+            if any(c not in g for c in contexts) or (be, ck) in exclude:
                 continue
             if any(c in default_lat and g[c][1] > default_lat[c] for c in contexts):
                 continue  # would lose to the default at some bucket
@@ -75,6 +76,49 @@ def choose(df, backends, tp, bs, contexts):
     total, be, ck, g, dl, is_default = best
     buckets = {c: (g[c][0], g[c][1], dl.get(c), floors.get(c)) for c in contexts}
     return (be, json.loads(ck), buckets, is_default), notes
+
+
+def served(cparams: dict, buckets: dict, contexts: list[int], T: int):
+    """The exported params (NSPLIT = the largest bucket's, the grid size), and the split table
+    serving uses: [max keys per bucket (prefix bound + T), NSPLIT per bucket]."""
+    params = dict(cparams)
+    ns = [buckets[c][0] for c in contexts]
+    table = None
+    if all(n is not None for n in ns):
+        params["NSPLIT"] = max(ns)
+        table = [[c + T for c in contexts], [int(n) for n in ns]]
+    return params, table
+
+
+def serve_key(backend: str, params: dict, table) -> str:
+    """Names one serving check (the `round` of its rows in the trials table)."""
+    import hashlib
+    return "serve-" + hashlib.sha256(json.dumps([backend, params, table], sort_keys=True).encode()).hexdigest()[:10]
+
+
+def pick_served(df, backends, tp, bs, contexts, T):
+    """`choose`, skipping configs whose serving check (one graph-capturable launch with the
+    split table, at every bucket) was recorded wrong or failed. Returns (pick, notes,
+    {ctx: served latency} or None when not checked)."""
+    exclude = set()
+    notes = []
+    while True:
+        pick, n = choose(df, backends, tp, bs, contexts, frozenset(exclude))
+        notes += n
+        if pick is None:
+            return None, notes, None
+        be, cparams, buckets, _ = pick
+        params, table = served(cparams, buckets, contexts, T)
+        rows = df[(df["phase"] == "serve") & (df["round"].astype(str) == serve_key(be, params, table))
+                  & (df["tp"] == tp) & (df["bs"] == bs)]
+        bad = rows[rows["outcome"] != "ok"]
+        if len(bad):
+            notes.append(f"tp={tp} bs={bs}: {be} {params} failed its serving check ({bad.iloc[0]['outcome']}: "
+                         f"{bad.iloc[0]['reason']}); next best")
+            exclude.add((be, json.dumps(cparams, sort_keys=True)))
+            continue
+        lat = {int(r.ctx): float(r.median_us) for r in rows.itertuples()} if len(rows) else None
+        return pick, notes, lat
 
 
 def export_deployment(dep: Deployment | str, out: str = "results", trials_csv: str | None = None,
@@ -109,7 +153,7 @@ def export_deployment(dep: Deployment | str, out: str = "results", trials_csv: s
             if missing and not quiet:
                 print(f"warning: tp={tp} bs={bs}: context buckets {missing} were not swept; the entry covers "
                       f"{contexts} only", file=sys.stderr)
-            pick, notes = choose(df, backends, tp, bs, contexts)
+            pick, notes, served_lat = pick_served(df, backends, tp, bs, contexts, dep.model.draft_tokens)
             for n in notes:
                 if not quiet:
                     print(f"note: {n}", file=sys.stderr)
@@ -118,10 +162,7 @@ def export_deployment(dep: Deployment | str, out: str = "results", trials_csv: s
                       f"{contexts}; no entry exported", file=sys.stderr)
                 continue
             be, cparams, buckets, is_default = pick
-            ns = [buckets[c][0] for c in contexts]
-            params = dict(cparams)
-            if all(n is not None for n in ns):
-                params["NSPLIT"] = max(ns)
+            params, _ = served(cparams, buckets, contexts, dep.model.draft_tokens)
             params = {k: params[k] for k in sorted(params, key=lambda k: (order.index(k) if k in order else 99, k))}
             bl = tuple(ContextBucket(max_context=c, NSPLIT=int(buckets[c][0] or 1),
                                      latency_us=round(buckets[c][1], 3),
@@ -134,7 +175,9 @@ def export_deployment(dep: Deployment | str, out: str = "results", trials_csv: s
                 others = {f"{ob}_default_us": v for ob in backends if ob != be
                           for v in [_default_latency(lat, ob, tp, bs, b.max_context)] if v is not None}
                 report.append({"tp": tp, "bs": bs, "ctx": b.max_context, "backend": be, "NSPLIT": b.NSPLIT,
-                               "tuned_us": b.latency_us, "default_us": b.default_latency_us, **others,
+                               "tuned_us": b.latency_us,
+                               "served_us": served_lat.get(b.max_context) if served_lat else None,
+                               "default_us": b.default_latency_us, **others,
                                "floor_us": b.floor_us,
                                "pct_floor": 100 * b.floor_us / b.latency_us if b.floor_us else None,
                                "speedup": b.default_latency_us / b.latency_us if b.default_latency_us else None,

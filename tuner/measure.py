@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvtune.kernels import VerifyInputs, get_backend, make_inputs, params_from_dict, rel_error, verify_attention
+from kvtune.kernels import (SplitTable, VerifyInputs, get_backend, make_inputs, params_from_dict, rel_error,
+                            verify_attention)
 from kvtune.kernels.reference import reference_attention
 from kvtune.kernels.shapes import VerifyProblem
 
@@ -93,6 +94,8 @@ class MeasureOptions:
     workspace_budget_bytes: int = 256 << 20
     seed: int = 0
     cpu_reps: int = 3
+    # serving mode: [max_keys per bucket, NSPLIT per bucket] -> launches use a SplitTable
+    split_table: list | None = None
 
     def __post_init__(self):
         if self.timing not in TIMINGS:
@@ -258,10 +261,11 @@ class Measurer:
         rows, H, Dv = spec.batch * spec.draft_tokens, spec.heads, spec.kv_lora_rank
         ws = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=dev)
         out = torch.empty(rows, H, Dv, dtype=torch.bfloat16, device=dev)
+        st = SplitTable.build(list(opts.split_table[0]), list(opts.split_table[1]), dev) if opts.split_table else None
 
         def launch(inp, lse=None):
             verify_attention(*inp.args, backend=be, params=p, out=out, lse=lse, workspace=ws,
-                             kv_lora_rank=spec.kv_lora_rank, check_values_=False)
+                             kv_lora_rank=spec.kv_lora_rank, check_values_=False, split_table=st)
 
         # -- 2. correctness gate: fresh values, poisoned outputs, fp32 oracle
         self._refresh_check()

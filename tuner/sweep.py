@@ -171,14 +171,14 @@ class Sweep:
         return opts
 
     # -- one measurement ------------------------------------------------------------------
-    def _measure(self, backend, params, spec, seed) -> dict:
+    def _measure(self, backend, params, spec, seed, extra: dict | None = None) -> dict:
         if self.o.max_measurements is not None and self.measured_now >= self.o.max_measurements:
             raise _Stop("measurement limit")
         if self.o.max_minutes is not None and time.time() - self.t0 > 60 * self.o.max_minutes:
             raise _Stop(f"time limit of {self.o.max_minutes:g} min")
         prof = self.dep.device
         req = {"op": "measure", "device": self.device, "backend": backend, "params": params, "spec": asdict(spec),
-               "options": self._options(seed),
+               "options": {**self._options(seed), **(extra or {})},
                "arch": self.info["arch"] if self.device == "cuda" else None,
                "l2_bytes": self.info.get("l2_bytes") or prof.l2_bytes if self.device == "cuda" else None,
                "ceilings": {"read_gbps": prof.read_gbps, "bf16_tflops": prof.bf16_tflops}}
@@ -491,6 +491,46 @@ class Sweep:
                     self._progress(m, remeasure=True)
             study.set_user_attr("remeasured", sig)
 
+    def serve_check(self, tp, bs):
+        """Check the config export would pick for (tp, bs) the way serving runs it: params.NSPLIT
+        = the largest bucket NSPLIT and a SplitTable choosing each bucket's NSPLIT on the
+        device, at every context bucket (correctness gate and timing). A config that fails
+        is recorded (phase `serve`) and the next best is checked; export skips failed ones."""
+        from kvtune.kernels.tuned import BACKEND_NAMES
+
+        from .export import choose, serve_key, served
+        from .table import read_trials
+        backends = [b for b in self.spaces if b in BACKEND_NAMES]
+        T = self.dep.model.draft_tokens
+        exclude: set = set()
+        for _ in range(5):
+            df = read_trials(self.table.path)
+            df = df[(df["deployment"] == self.dep.name) & (df["device"].astype(str) == str(self.info["device_name"]))]
+            contexts = sorted(int(c) for c in set(df[(df["tp"] == tp) & (df["bs"] == bs) &
+                                                     (df["phase"] == "search")]["ctx"]))
+            pick, _ = choose(df, backends, tp, bs, contexts, frozenset(exclude)) if contexts else (None, [])
+            if pick is None:
+                return
+            be, cparams, buckets, _ = pick
+            params, table = served(cparams, buckets, contexts, T)
+            key = serve_key(be, params, table)
+            ok = True
+            for ctx in contexts:
+                name = study_name(self.dep.name, be, tp, bs, ctx)
+                prev = df[(df["study"] == name) & (df["phase"] == "serve") & (df["round"].astype(str) == key)]
+                if len(prev):
+                    ok = ok and bool((prev["outcome"] == "ok").all())
+                    continue
+                spec = self._spec(tp, bs, ctx)
+                m = self._measure(be, params, spec, self.o.seed + 7 * ctx, extra={"split_table": table})
+                self.table.append(self._row(be, tp, bs, ctx, spec, name, 0, "export", params, m, phase="serve",
+                                            rnd=key))
+                self._progress(m, count=False)
+                ok = ok and m["outcome"] == "ok"
+            if ok:
+                return
+            exclude.add((be, json.dumps(cparams, sort_keys=True)))
+
     # -- progress and the whole sweep -----------------------------------------------------
     def _progress(self, m, remeasure=False, count=True):
         if self.bar is None:
@@ -540,6 +580,8 @@ class Sweep:
                         self._study = f"{be} tp{tp} bs{bs} cross/remeasure"
                         self.cross_measure(be, tp, bs)
                         self.remeasure(be, tp, bs)
+                    self._study = f"tp{tp} bs{bs} serving check"
+                    self.serve_check(tp, bs)
         except (KeyboardInterrupt, _Stop) as e:
             status = "interrupted" if isinstance(e, KeyboardInterrupt) else f"stopped ({e})"
             print(f"\nsweep {status}: every finished trial is saved; re-run the same command to resume",
