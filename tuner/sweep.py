@@ -12,7 +12,14 @@ to `results/<deployment>/trials.csv` at once, so Ctrl-C loses nothing finished.
 After the studies of one (backend, tp, bs): compile-time configs that won some context
 bucket are measured at the other buckets too (so that export can pick one config for all
 buckets under one CUDA graph), then the top configs of each bucket are re-measured,
-interleaved with the baseline, before any winner is declared.
+interleaved with the baseline, before any winner is declared. Last, per (tp, bs), the
+config export would pick is checked the way serving runs it (params.NSPLIT = the largest
+bucket NSPLIT, a SplitTable picking each bucket's NSPLIT on the device); one that fails is
+recorded and the next best is checked.
+
+Compiling overlaps measuring: TPE is asked for a few configs at once (constant liar), a
+pool of processes compiles them into the backends' on-disk caches, and the worker measures
+them in order. Trials table columns: `tuner/table.py`; measurement: `tuner/measure.py`.
 """
 from __future__ import annotations
 
