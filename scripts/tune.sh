@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Sweep and export a shipped deployment: the Kimi-K2 H200 one when a CUDA GPU is visible,
 # the tiny CPU one (Triton interpreter, CPU timings) otherwise; says which it did.
-# Usage: scripts/tune.sh [extra `kvtune sweep` options]   (kvtune must be installed:
-# scripts/setup.sh). KVTUNE_DEPLOYMENT overrides the choice; KVTUNE_OUT the results root.
+# Usage: scripts/tune.sh [extra `kvtune sweep` options]   (installs into .venv with
+# scripts/setup.sh when kvtune is missing). KVTUNE_DEPLOYMENT overrides the choice; KVTUNE_OUT
+# the results root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if ! command -v kvtune >/dev/null 2>&1; then   # a fresh machine: install into .venv first
+    if [ ! -x .venv/bin/kvtune ]; then bash scripts/setup.sh .venv; fi
+    . .venv/bin/activate
+fi
 out=${KVTUNE_OUT:-results}
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     dep=${KVTUNE_DEPLOYMENT:-configs/deployments/kimi-k2-h200.yaml}
