@@ -300,3 +300,14 @@ def test_time_limit_stops_resumably(tmp_path):
     assert sw.status.startswith("stopped (time limit") and sw.measured_now == 0
     run = json.loads((tmp_path / "results" / "timed" / "runs.jsonl").read_text().splitlines()[-1])
     assert run["status"] == sw.status and run["wall_s"] >= 0
+
+
+def test_journal_storage_resumes(tmp_path):
+    dep = _deployment(tmp_path, name="journal", tp=[8], contexts=[64], trials=2)
+    kw = dict(device="cpu", out=str(tmp_path / "results"), rounds=0, progress=False,
+              storage=f"journal:{tmp_path / 'j' / 'studies.journal'}")
+    first = run_sweep(dep, SweepOptions(**kw))
+    assert first.status == "complete" and first.measured_now >= 2
+    assert (tmp_path / "j" / "studies.journal").is_file()
+    again = run_sweep(dep, SweepOptions(**kw))
+    assert again.measured_now == 0

@@ -133,8 +133,7 @@ class Sweep:
         if cw is None:  # compiling is only worth a pool on the GPU (the interpreter compiles nothing)
             cw = 0 if self.device == "cpu" else max(1, min(6, (os.cpu_count() or 2) // 2 - 1))
         self.prefetch = Prefetcher(self.device, cw)
-        self.storage = optuna.storages.RDBStorage(self.storage_url, engine_kwargs=_engine_kwargs(self.storage_url)) \
-            if self.storage_url.startswith(("sqlite", "postgresql", "mysql")) else self.storage_url
+        self.storage, self.storage_url = open_storage(self.storage_url, self.out_dir)
         self.bar = None
 
     # -- set-up ---------------------------------------------------------------------------
@@ -686,6 +685,26 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def open_storage(url: str, out_dir: Path):
+    """Optuna storage from a URL: any SQLAlchemy URL (SQLite by default, PostgreSQL for
+    several hosts), or `journal:PATH` for Optuna's journal file. Without SQLAlchemy the
+    default SQLite file falls back to a journal file next to it (said on stderr)."""
+    import optuna
+    if url.startswith("journal:"):
+        from optuna.storages.journal import JournalFileBackend
+        path = url[len("journal:"):]
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return optuna.storages.JournalStorage(JournalFileBackend(path)), url
+    try:
+        import sqlalchemy  # noqa: F401
+    except ImportError:
+        path = out_dir / "studies.journal"
+        print(f"note: SQLAlchemy is not installed; studies go to the journal file {path} instead of {url}",
+              file=sys.stderr)
+        return open_storage(f"journal:{path}", out_dir)
+    return optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url)), url
+
+
 def _engine_kwargs(url: str) -> dict:
     if url.startswith("sqlite"):
         return {"connect_args": {"timeout": 60}}
@@ -730,7 +749,8 @@ def register(subparsers) -> None:
     p.add_argument("--bs", type=int, nargs="+", help="only these batch buckets")
     p.add_argument("--backend", nargs="+", help="only these backends")
     p.add_argument("--trials", type=int, help="trial budget per study (default: the deployment's)")
-    p.add_argument("--storage", help="Optuna storage URL (default sqlite:///<out>/<deployment>/studies.db)")
+    p.add_argument("--storage", help="Optuna storage: an SQLAlchemy URL (default sqlite:///<out>/<deployment>/"
+                   "studies.db) or journal:PATH")
     p.add_argument("--timing", choices=("graph", "eager"), help="CUDA timing mode (default: the deployment's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when a GPU is visible, else cpu")
