@@ -10,7 +10,9 @@ if ! command -v kvtune >/dev/null 2>&1; then   # a fresh machine: install into .
     if [ ! -x .venv/bin/kvtune ]; then bash scripts/setup.sh .venv; fi
     . .venv/bin/activate
 fi
-out=${KVTUNE_OUT:-results}
+# your own sweeps go to runs/ (git-ignored); results/ holds the committed evidence, whose
+# studies would otherwise be resumed (and count as done) on your machine
+out=${KVTUNE_OUT:-runs}
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     dep=${KVTUNE_DEPLOYMENT:-configs/deployments/kimi-k2-h200.yaml}
     # sized for about 8 minutes on one H200; --max-minutes stops resumably if it runs long
