@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     # kvtune report (review)
     "kvtune.tuner.report",
     # kvtune worker (distributed sweeps)
+    "kvtune.tuner.workers",
 ]
 
 

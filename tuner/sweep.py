@@ -117,7 +117,7 @@ class Sweep:
             raise ConfigError("--device cuda: no CUDA GPU is visible here; use --device cpu (Triton interpreter)")
         self.out_dir = Path(opts.out) / dep.name
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.storage_url = opts.storage or f"sqlite:///{self.out_dir / 'studies.db'}"
+        self.storage_url = opts.storage or self._default_storage()
         self.tps = _subset(opts.tps, dep.tp, "--tp", dep.source)
         self.ctxs = _subset(opts.ctxs, dep.contexts, "--ctx", dep.source)
         self.bss = _subset(opts.bss, dep.batches, "--bs", dep.source)
@@ -133,8 +133,16 @@ class Sweep:
         if cw is None:  # compiling is only worth a pool on the GPU (the interpreter compiles nothing)
             cw = 0 if self.device == "cpu" else max(1, min(6, (os.cpu_count() or 2) // 2 - 1))
         self.prefetch = Prefetcher(self.device, cw)
-        self.storage, self.storage_url = open_storage(self.storage_url, self.out_dir)
+        self.storage, self.storage_url = self._open_storage()
         self.bar = None
+
+    shared = False   # several processes share the studies and the trials table (tuner/workers.py)
+
+    def _default_storage(self) -> str:
+        return f"sqlite:///{self.out_dir / 'studies.db'}"
+
+    def _open_storage(self):
+        return open_storage(self.storage_url, self.out_dir)
 
     # -- set-up ---------------------------------------------------------------------------
     def _setup(self):
@@ -160,7 +168,7 @@ class Sweep:
         names = []
         for bi in self.binfo.values():
             names += [f for f in bi["fields"] if f not in names]
-        self.table = TrialsTable(self.out_dir / "trials.csv", names)
+        self.table = TrialsTable(self.out_dir / "trials.csv", names, shared=self.shared)
 
     def _spec(self, tp, bs, ctx):
         from .measure import ProblemSpec
@@ -255,27 +263,15 @@ class Sweep:
             study.tell(trial, state=TS.PRUNED if m["outcome"] == "pruned" else TS.FAIL)
         self.table.append(row)
 
-    def run_study(self, backend, tp, bs, ctx, warm: list[dict]) -> StudyResult:
-        TS = self.optuna.trial.TrialState
+    def _study_space(self, backend, tp, bs, ctx):
+        """What a study searches: (space, spec, default params, distributions, constraint env,
+        feasible configs or None, the grid to sweep whole or None)."""
         space: SearchSpace = self.spaces[backend]
         spec = self._spec(tp, bs, ctx)
         default = self.executor.request({"op": "backend", "backend": backend, "spec": asdict(spec),
                                          "device": self.device})["default"]
         dists = space.distributions(extra=default)
-        name, study, seed = self._open_study(backend, tp, bs, ctx)
-        stored = study.user_attrs.get("dists")
-        if stored is None:
-            study.set_user_attr("dists", {n: list(v) for n, v in dists.items()})
-            study.set_user_attr("spec", asdict(spec))
-        elif {n: tuple(v) for n, v in stored.items()} != dists:
-            raise ConfigError(f"{space.source}: the search space of {backend} changed since study {name!r} was "
-                              f"created in {self.storage_url}; sweep into a new --storage/--out, or delete it")
-        self._reconcile(study, name)
-        prof = self.dep.device
-        env = problem_env(spec.draft_tokens, spec.heads, bs, ctx, spec.Dk, spec.kv_lora_rank, prof)
-        measured = {params_key(t.params): t for t in self._finished(study)}
-        counted = sum(1 for t in measured.values() if t.user_attrs.get("role", "search") != "cross"
-                      and not t.user_attrs.get("constraint"))
+        env = problem_env(spec.draft_tokens, spec.heads, bs, ctx, spec.Dk, spec.kv_lora_rank, self.dep.device)
         # a space no larger than the budget is swept whole (its infeasible points recorded as
         # pruned); else, if its feasible part fits the budget, that part; else TPE
         full = [dict(zip(dists, vals)) for vals in _product(list(dists.values()))] \
@@ -283,6 +279,26 @@ class Sweep:
         feasible = [g for g in full if not space.violation(g, env)] if full is not None else None
         grid = full if full is not None and len(full) <= self.trials else \
             feasible if feasible is not None and (len(feasible) <= self.trials or self.o.grid) else None
+        return space, spec, default, dists, env, feasible, grid
+
+    def _check_dists(self, study, name, space, backend, dists, spec):
+        stored = study.user_attrs.get("dists")
+        if stored is None:
+            study.set_user_attr("dists", {n: list(v) for n, v in dists.items()})
+            study.set_user_attr("spec", asdict(spec))
+        elif {n: tuple(v) for n, v in stored.items()} != dists:
+            raise ConfigError(f"{space.source}: the search space of {backend} changed since study {name!r} was "
+                              f"created in {self.storage_url}; sweep into a new --storage/--out, or delete it")
+
+    def run_study(self, backend, tp, bs, ctx, warm: list[dict]) -> StudyResult:
+        TS = self.optuna.trial.TrialState
+        space, spec, default, dists, env, feasible, grid = self._study_space(backend, tp, bs, ctx)
+        name, study, seed = self._open_study(backend, tp, bs, ctx)
+        self._check_dists(study, name, space, backend, dists, spec)
+        self._reconcile(study, name)
+        measured = {params_key(t.params): t for t in self._finished(study)}
+        counted = sum(1 for t in measured.values() if t.user_attrs.get("role", "search") != "cross"
+                      and not t.user_attrs.get("constraint"))
         rng = random.Random(seed)
         waiting = {params_key(t.params) for t in study.get_trials(deepcopy=False, states=(TS.WAITING,))}
 
@@ -691,10 +707,9 @@ def open_storage(url: str, out_dir: Path):
     default SQLite file falls back to a journal file next to it (said on stderr)."""
     import optuna
     if url.startswith("journal:"):
-        from optuna.storages.journal import JournalFileBackend
         path = url[len("journal:"):]
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        return optuna.storages.JournalStorage(JournalFileBackend(path)), url
+        return optuna.storages.JournalStorage(journal_backend(path)), url
     try:
         import sqlalchemy  # noqa: F401
     except ImportError:
@@ -703,6 +718,15 @@ def open_storage(url: str, out_dir: Path):
               file=sys.stderr)
         return open_storage(f"journal:{path}", out_dir)
     return optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url)), url
+
+
+def journal_backend(path):
+    """Optuna's journal file backend: JournalFileBackend (optuna >= 4), JournalFileStorage before."""
+    try:
+        from optuna.storages.journal import JournalFileBackend
+    except ImportError:  # optuna 3
+        from optuna.storages import JournalFileStorage as JournalFileBackend
+    return JournalFileBackend(str(path))
 
 
 def _engine_kwargs(url: str) -> dict:
@@ -721,6 +745,9 @@ def run_sweep(deployment, opts: SweepOptions | None = None, **kw) -> Sweep:
 
 # --------------------------------------------------------------------------- CLI
 def _cmd_sweep(args) -> int:
+    if args.workers is not None:   # several worker processes sharing the studies (tuner/workers.py)
+        from .workers import cmd_sweep_workers
+        return cmd_sweep_workers(args)
     opts = SweepOptions(tps=args.tp, ctxs=args.ctx, bss=args.bs, backends=args.backend, trials=args.trials,
                         storage=args.storage, timing=args.timing, seed=args.seed, device=args.device, out=args.out,
                         space_dir=args.space_dir, remeasure_top=args.remeasure_top, rounds=args.rounds,
@@ -767,4 +794,10 @@ def register(subparsers) -> None:
     p.add_argument("--max-minutes", type=float, help="stop (resumably, like Ctrl-C) after this much wall time")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--export", action="store_true", help="export the YAML when the sweep completes")
+    p.add_argument("--workers", type=int,
+                   help="run N worker processes (one per visible GPU; N CPU processes with --device cpu) that "
+                        "share the studies through the storage (default journal:<out>/<deployment>/"
+                        "studies.journal; a PostgreSQL URL lets `kvtune worker` join from other hosts)")
+    from .workers import add_worker_options
+    add_worker_options(p)
     p.set_defaults(func=_cmd_sweep)

@@ -5,12 +5,19 @@ loses nothing it finished. The Optuna study is the source of truth (every finish
 trial carries its row as a user attribute); at start-up rows the table lacks are written
 back from the studies. Parameters get one column each (the dataclass field names, the
 union over the backends); `params` holds them as JSON too.
+
+Several worker processes of one sweep (`shared=True`) append to one table: each append
+holds a file lock (`trials.csv.lock`), first reads the rows the others appended since,
+and skips a row whose key (study, phase, trial, round) is there already, so a row is
+written once however many processes reconcile it.
 """
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
+from contextlib import nullcontext
 from pathlib import Path
 
 LEAD = ["deployment", "study", "phase", "round", "backend", "tp", "heads", "bs", "ctx", "T", "tree", "trial", "role"]
@@ -31,9 +38,19 @@ def row_key(row: dict) -> tuple:
 class TrialsTable:
     """Append-only CSV of trials (header widened in place when new parameters appear)."""
 
-    def __init__(self, path: str | os.PathLike, param_names: list[str]):
+    def __init__(self, path: str | os.PathLike, param_names: list[str], shared: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.shared = shared
+        if shared:
+            from filelock import FileLock
+            self.lock = FileLock(str(self.path) + ".lock")
+        else:
+            self.lock = nullcontext()
+        with self.lock:
+            self._load(param_names)
+
+    def _load(self, param_names):
         cols = columns(param_names)
         if self.path.exists() and self.path.stat().st_size:
             with self.path.open(newline="") as f:
@@ -53,6 +70,27 @@ class TrialsTable:
             self._rewrite(cols, [])
             self.keys = set()
         self.cols = cols
+        self._mark()
+
+    def _mark(self):
+        st = self.path.stat()
+        self._seen = (st.st_ino, st.st_size)
+
+    def _catch_up(self):
+        """Keys of the rows other processes appended since this one last looked."""
+        st = self.path.stat()
+        ino, size = self._seen
+        if st.st_ino != ino or st.st_size < size:      # rewritten (widened) by another process
+            with self.path.open(newline="") as f:
+                reader = csv.DictReader(f)
+                self.cols = list(reader.fieldnames or self.cols)
+                self.keys = {row_key(r) for r in reader}
+        elif st.st_size > size:
+            with self.path.open("rb") as f:
+                f.seek(size)
+                tail = f.read().decode()
+            self.keys |= {row_key(r) for r in csv.DictReader(io.StringIO(tail, newline=""), fieldnames=self.cols)}
+        self._seen = (st.st_ino, st.st_size)
 
     def _rewrite(self, cols, rows):
         tmp = self.path.with_suffix(".csv.tmp")
@@ -70,17 +108,27 @@ class TrialsTable:
             for k, v in params.items():
                 row[k] = v
             row["params"] = json.dumps(params, sort_keys=True)
-        unknown = [k for k in row if k not in self.cols]
-        if unknown:
-            raise ValueError(f"{self.path}: row has columns the table lacks: {unknown}")
-        with self.path.open("a", newline="") as f:
-            csv.DictWriter(f, fieldnames=self.cols, extrasaction="raise").writerow(
-                {k: ("" if v is None else v) for k, v in row.items()})
-            f.flush()
-            os.fsync(f.fileno())
-        self.keys.add(row_key(row))
+        with self.lock:
+            if self.shared:
+                self._catch_up()
+                if row_key(row) in self.keys:
+                    return                    # another worker wrote it (reconciled from the storage)
+            unknown = [k for k in row if k not in self.cols]
+            if unknown:
+                raise ValueError(f"{self.path}: row has columns the table lacks: {unknown}")
+            with self.path.open("a", newline="") as f:
+                csv.DictWriter(f, fieldnames=self.cols, extrasaction="raise").writerow(
+                    {k: ("" if v is None else v) for k, v in row.items()})
+                f.flush()
+                os.fsync(f.fileno())
+            self.keys.add(row_key(row))
+            if self.shared:
+                self._mark()
 
     def has(self, row: dict) -> bool:
+        if self.shared and row_key(row) not in self.keys:
+            with self.lock:
+                self._catch_up()
         return row_key(row) in self.keys
 
 
