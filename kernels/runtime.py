@@ -287,13 +287,31 @@ class VerifyAttention:
         for n in range(1, max_batch + 1):
             self._plan_of_batch[n] = next((i for i, p in enumerate(self.plans) if n <= p.max_batch),
                                           len(self.plans) - 1)
+        # Batches past the largest tuned bucket keep that bucket's total CTA count: its NSPLIT
+        # values were tuned to fill the GPU with `max_batch` requests, and reusing them for
+        # n > max_batch would launch n/max_batch times as many split CTAs (measured on the
+        # H200: 2x slower at batch 4 with batch-1 NSPLIT).
+        self._table_of_batch: list[SplitTable | None] = [None] * (max_batch + 1)
+        self._nsplit_scale: list[tuple[int, int]] = [(1, 1)] * (max_batch + 1)
+        for n in range(1, max_batch + 1):
+            p = self.plans[self._plan_of_batch[n]]
+            self._table_of_batch[n] = p.split_table
+            if p.entry is not None and p.split_table is not None and n > p.max_batch:
+                self._nsplit_scale[n] = (p.max_batch, n)
+                self._table_of_batch[n] = SplitTable.build(
+                    [b.max_context + T for b in p.entry.buckets],
+                    [_scaled_nsplit(min(b.NSPLIT, p.params.NSPLIT), p.max_batch, n) for b in p.entry.buckets], device)
+        extrapolated = [n for n in range(1, max_batch + 1) if self._nsplit_scale[n] != (1, 1)]
+        if extrapolated:
+            _warn_once(f"extrapolate:{id(self)}", f"kvtune: batches {extrapolated[0]}..{extrapolated[-1]} are past "
+                       f"the largest tuned batch bucket: NSPLIT scaled by max_batch/batch", logging.INFO)
         need = 0
         for n in {self._serves_up_to(i) for i in range(len(self.plans))}:
             p = self.plans[self._plan_of_batch[n]]
             need = max(need, p.backend.workspace_bytes(self.problem(n), p.params))
         self.workspace_bytes = need
         out_bytes = max_batch * T * H * Dv * 2 if preallocate_out else 0
-        table_bytes = sum(8 * p.split_table.num_buckets for p in self.plans if p.split_table is not None)
+        table_bytes = sum(8 * t.num_buckets for t in {id(t): t for t in self._table_of_batch if t is not None}.values())
         self.allocated_bytes = need + out_bytes + table_bytes
         if workspace_budget_bytes is not None and self.allocated_bytes > workspace_budget_bytes:
             raise ValueError(f"workspace_budget_bytes: VerifyAttention for max_batch={max_batch} needs "
@@ -422,7 +440,9 @@ class VerifyAttention:
 
     def nsplit_for(self, batch: int, prefix_len: int) -> int:
         """NSPLIT the kernel will choose on the device for a request with this prefix (host mirror)."""
-        return self.plan_for(batch).nsplit_for(prefix_len)
+        n = self.plan_for(batch).nsplit_for(prefix_len)
+        tuned_batch, b = self._nsplit_scale[batch]
+        return _scaled_nsplit(n, tuned_batch, b) if b != tuned_batch else n
 
     def warmup(self) -> None:
         """Compile every plan's kernel now (not in the first captured step) and check it
@@ -481,8 +501,13 @@ class VerifyAttention:
         return verify_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask,
                                 self.sm_scale if sm_scale is None else sm_scale, backend=plan.backend,
                                 params=plan.params, out=out, lse=lse, workspace=self.workspace,
-                                split_table=plan.split_table, kv_lora_rank=self.Dv,
+                                split_table=self._table_of_batch[B], kv_lora_rank=self.Dv,
                                 check_values_=self.check_values)
+
+
+def _scaled_nsplit(nsplit: int, tuned_batch: int, batch: int) -> int:
+    """NSPLIT for `batch` requests from one tuned at `tuned_batch`: the same CTA count."""
+    return max(1, -(-nsplit * tuned_batch // batch))
 
 
 def _problem(kw: dict, batch: int) -> VerifyProblem:

@@ -375,3 +375,26 @@ def test_startup_self_check_rejects_a_wrong_kernel(device):
                                           max_context=128, device=device)
     finally:
         register_backend("triton", "kvtune.kernels.triton_kernel:TritonBackend")
+
+
+@pytest.mark.parametrize("batch", [2, 3])
+def test_batches_past_the_largest_bucket_keep_its_cta_count(device, batch):
+    """Only a batch-1 entry: a batch of n runs each request with ceil(NSPLIT / n) splits, on
+    the device, and still matches the oracle."""
+    doc = tuned_dict(device)
+    doc["entries"] = [doc["entries"][0]]                     # tuned at batch 1 only: NSPLIT 1/2/4
+    va = VerifyAttention.from_defaults(parse_tuned(doc, "mem"), tp=TP, max_batch=3, max_context=300,
+                                       device=device, warmup=False)
+    prefixes = [300, 129, 7][:batch]
+    want = [-(-va.nsplit_for(1, p) // batch) for p in prefixes]
+    assert [va.nsplit_for(batch, p) for p in prefixes] == want
+    assert va.nsplit_for(1, 300) == 4 and va.nsplit_for(3, 300) == 2
+    inp = make_inputs(batch, T, H, prefixes, tree="random", seed=batch, device=device, sm_scale=va.sm_scale)
+    va.workspace.fill_(255)
+    o = va(*inp.args[:5])
+    assert rel_error(o, reference_attention(*inp.args)[0]) < TOL
+    plan = va.plan_for(batch)
+    _, part_lse = partials(va.problem(batch), plan.params.NSPLIT, va.workspace)
+    for b, n in enumerate(want):
+        assert bool(torch.isneginf(part_lse[n:, b * T, 0]).all()), (b, n)   # no split past the scaled NSPLIT
+        assert bool(torch.isfinite(part_lse[0, b * T, 0]))
