@@ -130,6 +130,7 @@ def open_shared_storage(url: str, heartbeat_s: int, grace_s: int, max_retry: int
     if url.startswith("sqlite"):
         raise ConfigError(f"--storage {url}: SQLite is not safe for several worker processes; use "
                           "journal:PATH on one host or a PostgreSQL URL for several")
+    url = _with_driver(url)
     kw = {"heartbeat_interval": heartbeat_s, "grace_period": grace_s}
     params = inspect.signature(optuna.storages.RDBStorage).parameters
     kw["heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in params
@@ -143,6 +144,19 @@ def open_shared_storage(url: str, heartbeat_s: int, grace_s: int, max_retry: int
                 if attempt == 4:
                     raise
                 time.sleep(1 + attempt)
+
+
+def _with_driver(url: str) -> str:
+    """postgresql:// names no driver: SQLAlchemy 2.1 picks psycopg (3), older ones psycopg2; use
+    whichever is installed (psycopg2-binary is in the test extra)."""
+    if not url.startswith(("postgresql://", "postgres://")):
+        return url
+    import importlib.util
+    rest = url.split("://", 1)[1]
+    for mod, driver in (("psycopg", "psycopg"), ("psycopg2", "psycopg2")):
+        if importlib.util.find_spec(mod) is not None:
+            return f"postgresql+{driver}://{rest}"
+    return url
 
 
 class _Heartbeats:

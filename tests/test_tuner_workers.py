@@ -1,0 +1,258 @@
+"""Distributed sweeps on the CPU (Triton under its interpreter): worker processes share the
+studies through PostgreSQL (a real server on loopback) or Optuna's journal file; one worker
+is killed (SIGKILL) while it holds a trial. The sweep still completes: the killed trial is
+failed by heartbeat and retried by another worker, every finished trial is in the storage
+and in the trials table exactly once, and the export is valid."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvtune.kernels.tuned import load_tuned
+from kvtune.tuner.export import export_deployment
+from kvtune.tuner.table import read_trials
+
+REPO = Path(__file__).resolve().parents[1]
+HEARTBEAT, GRACE = 1, 4
+
+
+def _deployment(tmp_path, name):
+    doc = {"name": name, "model": {"name": "tiny-mla", "num_heads": 8, "draft_tokens": 4, "tree": "random"},
+           "device": "cpu", "tp": [4], "contexts": [64, 128], "batches": [1], "backends": ["triton"],
+           "trials": 5, "timing": "eager"}
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    d = tmp_path / "spaces"
+    d.mkdir(exist_ok=True)
+    (d / "triton.yaml").write_text(yaml.safe_dump({
+        "backend": "triton", "params": {"NSPLIT": [1, 2, 4], "BLOCK_N": [32, 64], "BLOCK_H": [1, 2],
+                                        "num_warps": [4], "num_stages": [1, 2]},
+        "constraints": [{"name": "heads", "expr": "BLOCK_H <= H"}]}))
+    return p, d
+
+
+def _cli(*args):
+    return [sys.executable, "-m", "kvtune.tuner.cli", *map(str, args)]
+
+
+def _all_trials(storage):
+    out = {}
+    for s in storage.get_all_studies():
+        out[s.study_name] = storage.get_all_trials(s._study_id, deepcopy=False)
+    return out
+
+
+def _kill_one_inside_a_trial(storage, procs, pids_to_spare, lock_path=None, timeout=240):
+    """SIGSTOP a worker that holds a RUNNING trial, check (it can change nothing now) that the
+    trial is still running and held by it, then SIGKILL it. Returns (pid, study, trial number)."""
+    import optuna
+    RUNNING, COMPLETE = optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.COMPLETE
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for p in procs:
+            assert p.poll() is None, f"{p.args[3]} ended before a worker could be killed (rc {p.returncode})"
+        trials = _all_trials(storage)
+        done = sum(1 for ts in trials.values() for t in ts if t.state == COMPLETE)
+        if done >= 3:   # mid-sweep
+            for name, ts in trials.items():
+                for t in ts:
+                    who = t.user_attrs.get("worker")
+                    if t.state != RUNNING or not who:
+                        continue
+                    pid = int(who.rsplit(":", 1)[1])
+                    if pid in pids_to_spare:
+                        continue
+                    os.kill(pid, signal.SIGSTOP)
+                    time.sleep(0.3)
+                    now = storage.get_trial(t._trial_id)
+                    holds_lock = lock_path is not None and os.path.lexists(lock_path)
+                    if now.state == RUNNING and now.user_attrs.get("worker") == who and not holds_lock:
+                        os.kill(pid, signal.SIGKILL)
+                        return pid, name, t.number
+                    os.kill(pid, signal.SIGCONT)
+        time.sleep(0.1)
+    raise AssertionError("no worker was seen inside a trial")
+
+
+def _check(storage, out, name, victim):
+    """Every finished trial once in the storage and the table; the killed one failed and retried."""
+    import optuna
+    TS = optuna.trial.TrialState
+    _, vstudy, vnumber = victim
+    trials = _all_trials(storage)
+    assert len(trials) == 2
+    counted = {}
+    for study, ts in trials.items():
+        retried = {n: t for t in ts for n in t.system_attrs.get("retry_history", ())}
+        for t in ts:
+            assert t.state != TS.RUNNING, f"{study} trial {t.number} left running"
+            if t.state.is_finished() and "outcome" in t.user_attrs and "duplicate_of" not in t.user_attrs \
+                    and t.number not in retried:
+                counted[(study, t.number)] = t
+        n = sum(1 for (s, _), t in counted.items() if s == study and t.user_attrs.get("role") != "cross"
+                and not t.user_attrs.get("constraint"))
+        assert n >= 5, f"{study}: {n} trials counted, budget 5"
+        base = [t for (s, _), t in counted.items() if s == study and t.user_attrs.get("role") == "baseline"]
+        assert len(base) == 1, f"{study}: the default measured {len(base)} times"
+    # the killed trial: failed by heartbeat, not counted, retried with its params and finished
+    killed = next(t for t in trials[vstudy] if t.number == vnumber)
+    assert killed.state == TS.FAIL and (vstudy, vnumber) not in counted
+    retries = [t for t in trials[vstudy] if vnumber in t.system_attrs.get("retry_history", ())]
+    assert len(retries) == 1, f"trial {vnumber} retried {len(retries)} times"
+    assert retries[0].params == killed.params and retries[0].state.is_finished()
+    assert (vstudy, retries[0].number) in counted, "the retry was not counted"
+    assert retries[0].user_attrs["worker"] != killed.user_attrs["worker"], "the retry ran on the killed worker"
+    # the trials table: one row per counted trial, none for the killed one, none twice
+    df = read_trials(out / name / "trials.csv")
+    s = df[df["phase"] == "search"]
+    rows = list(zip(s["study"], s["trial"].astype(int)))
+    assert len(rows) == len(set(rows)), "a trial has two rows"
+    assert set(rows) == set(counted), (sorted(set(rows) ^ set(counted)))
+    for (study, number), t in counted.items():
+        r = s[(s["study"] == study) & (s["trial"] == number)].iloc[0]
+        assert r["outcome"] == t.user_attrs["outcome"] and json.dumps(r["params"], sort_keys=True) == \
+            json.dumps(t.params, sort_keys=True)
+    assert len(set(s["device"].astype(str))) == 1
+    assert (df["phase"] == "remeasure").any() and (df["phase"] == "serve").any(), "the phases after the search ran"
+    return df
+
+
+def _check_export(out, dep_path, name):
+    tuned = export_deployment(str(dep_path), out=str(out), quiet=True)
+    again = load_tuned(out / name / f"{name}.yaml")
+    assert again.entries == tuned.entries
+    (e,) = tuned.entries
+    assert e.tp == 4 and e.heads_per_rank == 2 and e.backend == "triton"
+    assert [b.max_context for b in e.buckets] == [64, 128]
+    for b in e.buckets:
+        assert b.latency_us <= b.default_latency_us, "an exported config lost to the default"
+
+
+def _finish(procs, timeout=300):
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outs.append(p.communicate()[0])
+    return outs
+
+
+def test_journal_workers_survive_a_killed_worker(tmp_path):
+    """`kvtune sweep --workers 2` on the default journal storage; SIGKILL one worker mid-trial."""
+    from kvtune.tuner.sweep import open_storage
+    name = "jw"
+    dep, spaces = _deployment(tmp_path, name)
+    out = tmp_path / "results"
+    journal = out / name / "studies.journal"
+    sweep = subprocess.Popen(_cli("sweep", dep, "--device", "cpu", "--workers", 2, "--out", out, "--space-dir",
+                                  spaces, "--rounds", 1, "--remeasure-top", 1, "--heartbeat", HEARTBEAT,
+                                  "--grace", GRACE), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             cwd=tmp_path)
+    try:
+        deadline = time.time() + 120
+        while not journal.exists() and time.time() < deadline and sweep.poll() is None:
+            time.sleep(0.1)
+        storage, _ = open_storage(f"journal:{journal}", out / name)
+        victim = _kill_one_inside_a_trial(storage, [sweep], {sweep.pid}, lock_path=str(journal) + ".lock")
+    finally:
+        (log,) = _finish([sweep])
+    assert sweep.returncode == 0, log
+    assert f"pid {victim[0]}" in log and "exited with -9" in log, log
+    storage, _ = open_storage(f"journal:{journal}", out / name)
+    _check(storage, out, name, victim)
+    _check_export(out, dep, name)
+    run = json.loads((out / name / "runs.jsonl").read_text().splitlines()[-1])
+    assert run["workers"] == 2 and run["status"] == "complete"
+
+
+# --------------------------------------------------------------------------- PostgreSQL
+@pytest.fixture(scope="module")
+def postgres_server():
+    """A PostgreSQL server URL: $KVTUNE_TEST_POSTGRES (CI starts one with scripts/ci_postgres.sh),
+    else a throwaway server started here with that script (skipped when PostgreSQL is missing
+    and cannot be installed)."""
+    pytest.importorskip("psycopg2", reason="psycopg2 missing (pip install 'kvtune[test]')")
+    url = os.environ.get("KVTUNE_TEST_POSTGRES")
+    if url:
+        yield url
+        return
+    r = subprocess.run(["bash", str(REPO / "scripts" / "ci_postgres.sh")], capture_output=True, text=True,
+                       timeout=900)
+    if r.returncode == 3:
+        pytest.skip(f"PostgreSQL is not available here (no server binary, and apt-get could not install it): "
+                    f"{r.stderr.strip()[-300:]}")
+    assert r.returncode == 0, r.stderr
+    env = dict(line.split(" ", 1)[1].split("=", 1) for line in r.stdout.splitlines() if line.startswith("export "))
+    yield env["KVTUNE_TEST_POSTGRES"]
+    stop = [f"{env['KVTUNE_TEST_POSTGRES_BIN']}/pg_ctl", "-D", f"{env['KVTUNE_TEST_POSTGRES_DIR']}/data", "-m",
+            "immediate", "stop"]
+    if os.geteuid() == 0:
+        owner = Path(env["KVTUNE_TEST_POSTGRES_DIR"]).owner()
+        stop = ["runuser", "-u", owner, "--"] + stop
+    subprocess.run(stop, capture_output=True, timeout=120)
+    shutil.rmtree(env["KVTUNE_TEST_POSTGRES_DIR"], ignore_errors=True)
+
+
+@pytest.fixture
+def postgres_db(postgres_server):
+    """A fresh database on the server for one test."""
+    import sqlalchemy as sa
+
+    from kvtune.tuner.workers import _with_driver
+    db = f"kvtune_{uuid.uuid4().hex[:10]}"
+    engine = sa.create_engine(_with_driver(postgres_server), isolation_level="AUTOCOMMIT")
+    with engine.connect() as c:
+        c.execute(sa.text(f"CREATE DATABASE {db}"))
+    yield postgres_server.rsplit("/", 1)[0] + f"/{db}"
+    with engine.connect() as c:
+        c.execute(sa.text(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+    engine.dispose()
+
+
+def test_postgres_workers_survive_a_killed_worker(tmp_path, postgres_db):
+    """`kvtune sweep --workers 1` and a `kvtune worker` joining it (as from another host) on
+    PostgreSQL; SIGKILL whichever first holds a trial."""
+    from kvtune.tuner.workers import open_shared_storage
+    name = "pgw"
+    dep, spaces = _deployment(tmp_path, name)
+    out = tmp_path / "results"
+    common = ["--device", "cpu", "--out", out, "--space-dir", spaces, "--storage", postgres_db, "--heartbeat",
+              HEARTBEAT, "--grace", GRACE]
+    sweep = subprocess.Popen(_cli("sweep", dep, "--workers", 1, "--rounds", 1, "--remeasure-top", 1, *common),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    joiner = None
+    try:
+        storage, _ = open_shared_storage(postgres_db, HEARTBEAT, GRACE)
+        deadline = time.time() + 120
+        while not storage.get_all_studies() and time.time() < deadline and sweep.poll() is None:
+            time.sleep(0.2)
+        joiner = subprocess.Popen(_cli("worker", dep, *common), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, cwd=tmp_path)
+        victim = _kill_one_inside_a_trial(storage, [sweep, joiner], {sweep.pid})
+    finally:
+        logs = _finish([p for p in (sweep, joiner) if p is not None])
+    assert sweep.returncode == 0, logs[0]
+    if victim[0] == joiner.pid:
+        assert joiner.returncode == -9
+    else:
+        assert joiner.returncode == 0, logs[1]
+        assert "exited with -9" in logs[0], logs[0]
+    storage, _ = open_shared_storage(postgres_db, HEARTBEAT, GRACE)
+    df = _check(storage, out, name, victim)
+    workers = {t.user_attrs.get("worker") for ts in _all_trials(storage).values() for t in ts}
+    assert len(workers - {None}) >= 2, "both workers measured trials"
+    assert len(df) > 0
+    _check_export(out, dep, name)
+    storage.engine.dispose()
