@@ -1,0 +1,23 @@
+"""Packaged tuned defaults must load and must have been measured on the kernel source that
+ships beside them: a kernel change without a new sweep fails here, not in production."""
+import pytest
+
+from kvtune.kernels import get_backend
+from kvtune.kernels.runtime import packaged_defaults_dir
+from kvtune.kernels.tuned import load_tuned
+
+FILES = sorted(packaged_defaults_dir().glob("*.yaml"))
+
+
+def test_there_are_packaged_defaults():
+    assert FILES, f"no packaged defaults in {packaged_defaults_dir()}"
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
+def test_packaged_default_is_valid_and_current(path):
+    tuned = load_tuned(path)
+    assert path.stem == tuned.deployment
+    for name in {e.backend for e in tuned.entries}:
+        assert tuned.provenance["kernel_hash"].get(name) == get_backend(name).kernel_hash(), (
+            f"{path.name}: tuned on another {name} kernel source; re-sweep and re-export it")
+    assert tuned.provenance["arch"].startswith("sm_")
