@@ -5,6 +5,7 @@ failed by heartbeat and retried by another worker, every finished trial is in th
 and in the trials table exactly once, and the export is valid."""
 from __future__ import annotations
 
+import csv
 import json
 import os
 import shutil
@@ -128,9 +129,20 @@ def _check(storage, out, name, victim):
 
 
 def _check_export(out, dep_path, name):
+    import random
     tuned = export_deployment(str(dep_path), out=str(out), quiet=True)
     again = load_tuned(out / name / f"{name}.yaml")
     assert again.entries == tuned.entries
+    # the same trials in another order (as other workers could have interleaved them): same export
+    with (out / name / "trials.csv").open(newline="") as f:
+        header, *body = list(csv.reader(f))
+    random.Random(0).shuffle(body)
+    shuffled = out / name / "shuffled.csv"
+    with shuffled.open("w", newline="") as f:
+        csv.writer(f).writerows([header, *body])
+    other = export_deployment(str(dep_path), out=str(out), trials_csv=str(shuffled), path=str(out / "other.yaml"),
+                              quiet=True)
+    assert other.entries == tuned.entries
     (e,) = tuned.entries
     assert e.tp == 4 and e.heads_per_rank == 2 and e.backend == "triton"
     assert [b.max_context for b in e.buckets] == [64, 128]
@@ -183,11 +195,12 @@ def postgres_server():
     """A PostgreSQL server URL: $KVTUNE_TEST_POSTGRES (CI starts one with scripts/ci_postgres.sh),
     else a throwaway server started here with that script (skipped when PostgreSQL is missing
     and cannot be installed)."""
-    pytest.importorskip("psycopg2", reason="psycopg2 missing (pip install 'kvtune[test]')")
     url = os.environ.get("KVTUNE_TEST_POSTGRES")
-    if url:
+    if url:   # CI started a server: the test must run
+        import psycopg2  # noqa: F401 - in the test extra
         yield url
         return
+    pytest.importorskip("psycopg2", reason="psycopg2 missing (pip install 'kvtune[test]')")
     r = subprocess.run(["bash", str(REPO / "scripts" / "ci_postgres.sh")], capture_output=True, text=True,
                        timeout=900)
     if r.returncode == 3:
@@ -238,7 +251,8 @@ def test_postgres_workers_survive_a_killed_worker(tmp_path, postgres_db):
         deadline = time.time() + 120
         while not storage.get_all_studies() and time.time() < deadline and sweep.poll() is None:
             time.sleep(0.2)
-        joiner = subprocess.Popen(_cli("worker", dep, *common), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        # the joiner keeps its own trials table, as on another host: its rows reach the sweep's from the storage
+        joiner = subprocess.Popen(_cli("worker", dep, *common, "--out", tmp_path / "other-host"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True, cwd=tmp_path)
         victim = _kill_one_inside_a_trial(storage, [sweep, joiner], {sweep.pid})
     finally:

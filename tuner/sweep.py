@@ -619,14 +619,16 @@ class Sweep:
         return self.results
 
     def _log_run(self, t0):
-        rec = {"command": " ".join(sys.argv), "deployment": self.dep.name, "device": self.device,
+        with (self.out_dir / "runs.jsonl").open("a") as f:
+            f.write(json.dumps(self._run_record(t0)) + "\n")
+
+    def _run_record(self, t0) -> dict:
+        return {"command": " ".join(sys.argv), "deployment": self.dep.name, "device": self.device,
                "status": self.status, "start": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
                "wall_s": round(self.wall_s, 1), "measurements": self.measured_now, "skipped": self.skipped,
                "studies": len(self.results), "storage": self.storage_url,
                "restarts": getattr(self.executor, "restarts", 0),
                "provenance": {k: v for k, v in getattr(self, "info", {}).items()}}
-        with (self.out_dir / "runs.jsonl").open("a") as f:
-            f.write(json.dumps(rec) + "\n")
 
     def summary(self) -> str:
         import pandas as pd

@@ -138,6 +138,12 @@ def read_trials(path: str | os.PathLike):
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no trials table (run `kvtune sweep` first)")
+    lock = Path(str(path) + ".lock")
+    if lock.exists():   # a table that worker processes append to: read it between two appends
+        from filelock import FileLock
+        with FileLock(str(lock)):
+            text = path.read_text()
+        path = io.StringIO(text)
     df = pd.read_csv(path, dtype={"reason": "string", "driver": "string", "cuda": "string", "nvrtc": "string",
                                   "kernel_hash": "string", "torch": "string", "triton": "string",
                                   "kvtune": "string", "round": "string"}, keep_default_na=True)

@@ -433,7 +433,9 @@ class SharedSweep(Sweep):
                     else:
                         self.prefetch.wait(backend, params, sd)
                         m = self._measure(backend, params, spec, seed + trial.number)
-                except BaseException:
+                except BaseException as e:
+                    if isinstance(e, KeyboardInterrupt):   # a second Ctrl-C must not cut the clean-up short
+                        signal.signal(signal.SIGINT, signal.SIG_IGN)
                     for t, _, _ in batch[i:]:   # not finished: failed as interrupted, retried elsewhere
                         self._fail(study, t, retry=True, interrupted=True)
                     raise
@@ -549,17 +551,24 @@ class SharedSweep(Sweep):
                 p.kill()
                 p.wait()
 
-    def _log_run(self, t0):
-        self.skipped = dict(self.skipped)
-        rec_workers = {"workers": len(self.children) or None, "worker": None if self.post else self.worker_id}
-        super()._log_run(t0)
-        import json
-        path = self.out_dir / "runs.jsonl"   # tag the record just written with the worker layout
-        lines = path.read_text().splitlines()
-        last = json.loads(lines[-1])
-        last.update({k: v for k, v in rec_workers.items() if v is not None}, dropped_stale=self.dropped)
-        lines[-1] = json.dumps(last)
-        path.write_text("\n".join(lines) + "\n")
+    def _run_record(self, t0) -> dict:
+        rec = super()._run_record(t0)
+        rec.update(worker=self.worker_id, dropped_stale=self.dropped)
+        if self.children:
+            rec.update(workers=len(self.children), worker_exit_codes=[p.returncode for p in self.children])
+        return rec
+
+    def summary(self) -> str:
+        text = super().summary()
+        if not self.results:
+            return text
+        counted = stale = 0
+        for _, study, _ in self._studies.values():
+            trials = study.get_trials(deepcopy=False)
+            counted += len(self._counted_trials(trials))
+            stale += len({n for t in trials for n in t.system_attrs.get("retry_history", ())})
+        return (f"{text}\n{len(self.children)} worker process(es) shared {self.storage_url}: {counted} trials "
+                f"counted, {stale} failed as stale and retried (the measurements above are this process's own)")
 
 
 # --------------------------------------------------------------------------- spawning
