@@ -85,11 +85,10 @@ def _kill_one_inside_a_trial(storage, procs, pids_to_spare, lock_path=None, time
     raise AssertionError("no worker was seen inside a trial")
 
 
-def _check(storage, out, name, victim):
+def _check(storage, out, name, victim=None):
     """Every finished trial once in the storage and the table; the killed one failed and retried."""
     import optuna
     TS = optuna.trial.TrialState
-    _, vstudy, vnumber = victim
     trials = _all_trials(storage)
     assert len(trials) == 2
     counted = {}
@@ -105,18 +104,6 @@ def _check(storage, out, name, victim):
         assert n >= 5, f"{study}: {n} trials counted, budget 5"
         base = [t for (s, _), t in counted.items() if s == study and t.user_attrs.get("role") == "baseline"]
         assert len(base) == 1, f"{study}: the default measured {len(base)} times"
-    # the killed trial: failed by heartbeat, not counted, retried with its params and finished
-    killed = next(t for t in trials[vstudy] if t.number == vnumber)
-    assert killed.state == TS.FAIL and (vstudy, vnumber) not in counted
-    retries = [t for t in trials[vstudy] if vnumber in t.system_attrs.get("retry_history", ())]
-    assert len(retries) == 1, f"trial {vnumber} retried {len(retries)} times"
-    assert retries[0].params == killed.params and retries[0].state.is_finished()
-    retry = retries[0]
-    if (vstudy, retry.number) not in counted:   # the config was measured meanwhile by another trial
-        src = retry.user_attrs.get("duplicate_of")
-        assert src is not None and (vstudy, src) in counted, "the retry was neither counted nor a duplicate"
-        assert counted[(vstudy, src)].params == killed.params
-    assert retries[0].user_attrs["worker"] != killed.user_attrs["worker"], "the retry ran on the killed worker"
     # the trials table: one row per counted trial, none for the killed one, none twice
     df = read_trials(out / name / "trials.csv")
     s = df[df["phase"] == "search"]
@@ -129,7 +116,22 @@ def _check(storage, out, name, victim):
             json.dumps(t.params, sort_keys=True)
     assert len(set(s["device"].astype(str))) == 1
     assert (df["phase"] == "remeasure").any() and (df["phase"] == "serve").any(), "the phases after the search ran"
-    return df
+    if victim is None:
+        return trials, counted
+    _, vstudy, vnumber = victim
+    # the killed trial: failed by heartbeat, not counted, retried with its params and finished
+    killed = next(t for t in trials[vstudy] if t.number == vnumber)
+    assert killed.state == TS.FAIL and (vstudy, vnumber) not in counted
+    retries = [t for t in trials[vstudy] if vnumber in t.system_attrs.get("retry_history", ())]
+    assert len(retries) == 1, f"trial {vnumber} retried {len(retries)} times"
+    assert retries[0].params == killed.params and retries[0].state.is_finished()
+    retry = retries[0]
+    if (vstudy, retry.number) not in counted:   # the config was measured meanwhile by another trial
+        src = retry.user_attrs.get("duplicate_of")
+        assert src is not None and (vstudy, src) in counted, "the retry was neither counted nor a duplicate"
+        assert counted[(vstudy, src)].params == killed.params
+    assert retries[0].user_attrs["worker"] != killed.user_attrs["worker"], "the retry ran on the killed worker"
+    return trials, counted
 
 
 def _check_export(out, dep_path, name):
@@ -268,9 +270,50 @@ def test_postgres_workers_survive_a_killed_worker(tmp_path, postgres_db):
         assert joiner.returncode == 0, logs[1]
         assert "exited with -9" in logs[0], logs[0]
     storage, _ = open_shared_storage(postgres_db, HEARTBEAT, GRACE)
-    df = _check(storage, out, name, victim)
-    workers = {t.user_attrs.get("worker") for ts in _all_trials(storage).values() for t in ts}
+    trials, _ = _check(storage, out, name, victim)
+    workers = {t.user_attrs.get("worker") for ts in trials.values() for t in ts}
     assert len(workers - {None}) >= 2, "both workers measured trials"
-    assert len(df) > 0
     _check_export(out, dep, name)
     storage.engine.dispose()
+
+
+def test_ctrl_c_of_workers_resumes(tmp_path):
+    """SIGINT to `kvtune sweep --workers 2` mid-sweep: it exits 130, the trials its workers held
+    are failed as interrupted (none left running) and queued again; the re-run completes with
+    every finished trial counted once and each interrupted trial retried once."""
+    from kvtune.tuner.sweep import open_storage
+    name = "cw"
+    dep, spaces = _deployment(tmp_path, name)
+    out = tmp_path / "results"
+    journal = out / name / "studies.journal"
+    cmd = _cli("sweep", dep, "--device", "cpu", "--workers", 2, "--out", out, "--space-dir", spaces, "--rounds", 1,
+               "--remeasure-top", 1, "--heartbeat", HEARTBEAT, "--grace", GRACE)
+    sweep = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and sweep.poll() is None:
+            if journal.exists():
+                storage, _ = open_storage(f"journal:{journal}", out / name)
+                if sum(t.state.is_finished() for ts in _all_trials(storage).values() for t in ts) >= 3:
+                    break
+            time.sleep(0.2)
+        assert sweep.poll() is None, "the sweep ended before it could be interrupted"
+        sweep.send_signal(signal.SIGINT)
+    finally:
+        (log,) = _finish([sweep])
+    assert sweep.returncode == 130, log
+    import optuna
+    TS = optuna.trial.TrialState
+    storage, _ = open_storage(f"journal:{journal}", out / name)
+    for ts in _all_trials(storage).values():
+        assert not [t.number for t in ts if t.state == TS.RUNNING], "a trial was left running"
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert again.returncode == 0, again.stdout + again.stderr
+    storage, _ = open_storage(f"journal:{journal}", out / name)
+    trials, counted = _check(storage, out, name)
+    for study, ts in trials.items():
+        for t in ts:
+            if t.user_attrs.get("interrupted"):
+                assert (study, t.number) not in counted
+                assert sum(t.number in r.system_attrs.get("retry_history", ()) for r in ts) == 1, t.number
+    _check_export(out, dep, name)
