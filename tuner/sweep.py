@@ -20,6 +20,10 @@ recorded and the next best is checked.
 Compiling overlaps measuring: TPE is asked for a few configs at once (constant liar), a
 pool of processes compiles them into the backends' on-disk caches, and the worker measures
 them in order. Trials table columns: `tuner/table.py`; measurement: `tuner/measure.py`.
+
+`--workers N` runs the search in N worker processes (one per visible GPU) sharing the
+studies through a journal file or PostgreSQL, with heartbeats; the phases after the search
+then run once, here. See `tuner/workers.py` (and `kvtune worker` to join from other hosts).
 """
 from __future__ import annotations
 
