@@ -159,6 +159,51 @@ def _with_driver(url: str) -> str:
     return url
 
 
+class _Interrupts:
+    """Ctrl-C (SIGINT) in a worker is raised only where it can be cleaned up: while waiting
+    for a measurement or sleeping (`interruptible`), else at the next `check`. So a trial is
+    never left running by an interruption: the worker fails it and queues it again."""
+
+    def __init__(self):
+        self.pending = False
+        self.safe = 0
+        self.previous = None
+
+    def install(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._handler)
+
+    def restore(self):
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+            self.previous = None
+
+    def _handler(self, signum, frame):
+        first = not self.pending
+        self.pending = True
+        if self.safe and first:
+            raise KeyboardInterrupt
+
+    def check(self):
+        if self.pending:
+            raise KeyboardInterrupt
+
+    class _Safe:
+        def __init__(self, owner):
+            self.owner = owner
+
+        def __enter__(self):
+            self.owner.check()
+            self.owner.safe += 1
+
+        def __exit__(self, *exc):
+            self.owner.safe = max(0, self.owner.safe - 1)
+            return False
+
+    def interruptible(self):
+        return self._Safe(self)
+
+
 class _Heartbeats:
     """Records a heartbeat for every trial this worker holds, every `interval` seconds."""
 
@@ -213,6 +258,7 @@ class SharedSweep(Sweep):
         self.index, self.of, self.post = index, max(1, of), post
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
         self.beats = _Heartbeats(self.storage, self.heartbeat_s)
+        self.intr = _Interrupts()
         self._studies: dict = {}
         self._created: dict = {}
         self._plans: dict = {}
@@ -282,6 +328,10 @@ class SharedSweep(Sweep):
         trial, params = super()._ask_for(study, q, dists, role)
         self._hold(trial)
         return trial, params
+
+    def _measure(self, *args, **kw):
+        with self.intr.interruptible():
+            return super()._measure(*args, **kw)
 
     def _hold(self, trial):
         self.beats.hold(trial._trial_id)                 # heartbeat first: a held trial always has one
@@ -366,6 +416,7 @@ class SharedSweep(Sweep):
         cap = max(4 * self.trials, self.trials + 20) + (len(grid) if grid else 0)
         worked = False
         while True:
+            self.intr.check()                  # between trials: nothing held
             self._fail_stale(study)
             trials = study.get_trials(deepcopy=False)
             measured = {params_key(t.params): t for t in self._counted_trials(trials)}
@@ -431,8 +482,9 @@ class SharedSweep(Sweep):
                         trial.set_user_attr("constraint", True)
                         repair()
                     else:
-                        self.prefetch.wait(backend, params, sd)
-                        m = self._measure(backend, params, spec, seed + trial.number)
+                        with self.intr.interruptible():
+                            self.prefetch.wait(backend, params, sd)
+                            m = self._measure(backend, params, spec, seed + trial.number)
                 except BaseException as e:
                     if isinstance(e, KeyboardInterrupt):   # a second Ctrl-C must not cut the clean-up short
                         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -477,12 +529,14 @@ class SharedSweep(Sweep):
             if all(done for done, _ in states):
                 return
             if not any(worked for _, worked in states):
-                time.sleep(min(1.0, self.heartbeat_s / 2))
+                with self.intr.interruptible():
+                    time.sleep(min(1.0, self.heartbeat_s / 2))
 
     # -- the whole run: workers, then (parent) the phases after the search ----------------
     def run(self):
         t0 = self.t0 = time.time()
         status = "complete"
+        self.intr.install()
         try:
             if self.children_cmd:
                 status = self._run_children()
@@ -496,6 +550,7 @@ class SharedSweep(Sweep):
             print(f"\nsweep {status}: every finished trial is saved; re-run the same command to resume",
                   file=sys.stderr)
         finally:
+            self.intr.restore()
             self._stop_children()
             self.beats.close()
             self.executor.close(force=status != "complete")
@@ -537,7 +592,8 @@ class SharedSweep(Sweep):
                     if p.returncode != 0:
                         print(f"warning: worker {i} (pid {p.pid}) exited with {p.returncode}; trials it held "
                               f"are retried once stale ({self.grace_s} s)", file=sys.stderr, flush=True)
-            time.sleep(0.5)
+            with self.intr.interruptible():
+                time.sleep(0.5)
         return "complete"
 
     def _stop_children(self):
