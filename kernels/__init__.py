@@ -2,6 +2,8 @@
 
 Never imports the tuner, Optuna or pandas.
 """
+__version__ = "0.1.0"  # keep equal to pyproject.toml's version
+
 from .api import describe_problem, verify_attention, workspace_bytes
 from .backends import Backend, SplitTable, backend_names, get_backend, params_from_dict, register_backend
 from .inputs import VerifyInputs, make_inputs, rel_error

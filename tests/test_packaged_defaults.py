@@ -21,3 +21,13 @@ def test_packaged_default_is_valid_and_current(path):
         assert tuned.provenance["kernel_hash"].get(name) == get_backend(name).kernel_hash(), (
             f"{path.name}: tuned on another {name} kernel source; re-sweep and re-export it")
     assert tuned.provenance["arch"].startswith("sm_")
+
+
+def test_version_matches_pyproject():
+    """Exported provenance records kvtune.kernels.__version__ (also when run uninstalled)."""
+    import tomllib
+    from pathlib import Path
+
+    import kvtune.kernels
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert kvtune.kernels.__version__ == pyproject["project"]["version"]

@@ -82,11 +82,7 @@ def device_info(device: str) -> dict:
     import triton
 
     import kvtune.kernels.triton_kernel as tk
-    try:
-        from importlib.metadata import version
-        kv = version("kvtune")
-    except Exception:  # noqa: BLE001
-        kv = ""
+    from kvtune.kernels import __version__ as kv   # also set where kvtune runs from a checkout, uninstalled
     info = {"device_type": device, "torch": torch.__version__, "triton": triton.__version__, "kvtune": kv,
             "nvrtc": _nvrtc_version(), "kernel_hash_triton": tk.kernel_source_hash(),
             "kernel_hash_cuda": _cuda_kernel_hash(),
