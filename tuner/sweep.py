@@ -216,7 +216,8 @@ class Sweep:
         for k in ("outcome", "reason", "median_us", "p10_us", "p90_us", "rel_err", "gbps", "tflops", "floor_us",
                   "pct_floor", "timing", "launches", "pools", "wall_s"):
             v = m.get(k)
-            row[k] = round(v, 4) if isinstance(v, float) else v
+            # significant digits, not decimals: CPU-interpreter GB/s and small errors are << 1e-4
+            row[k] = float(f"{v:.6g}") if isinstance(v, float) else v
         row.update(device=i["device_name"], arch=i["arch"], sm_count=i["sm_count"], driver=i["driver"],
                    cuda=i["cuda"], nvrtc=i["nvrtc"], torch=i["torch"], triton=i["triton"],
                    kernel_hash=self.binfo[backend].get("kernel_hash", ""), kvtune=i["kvtune"],
