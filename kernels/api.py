@@ -181,6 +181,8 @@ def verify_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, ba
         if tuple(lse.shape) != shape_o[:2] or lse.dtype != torch.float32 or lse.device != problem.device:
             raise ValueError(f"lse: expected fp32 {list(shape_o[:2])} on {problem.device}, got {lse.dtype} "
                              f"{list(lse.shape)} on {lse.device}")
+        if lse.stride(-1) != 1:
+            raise ValueError("lse: the last (head) dimension must be contiguous")
     elif return_lse:
         lse = torch.empty(shape_o[:2], dtype=torch.float32, device=problem.device)
     need = be.workspace_bytes(problem, params)
@@ -193,12 +195,17 @@ def verify_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, ba
         if workspace.device != problem.device or not workspace.is_contiguous() or have < need:
             raise ValueError(f"workspace: need a contiguous tensor of >= {need} bytes on {problem.device}, "
                              f"got {have} bytes on {workspace.device}")
+        if workspace.data_ptr() % 16:
+            raise ValueError("workspace: must start at a 16-byte aligned address (kernels use vector accesses)")
     if split_table is not None:
         if not isinstance(split_table, SplitTable):
             raise ValueError(f"split_table: expected a SplitTable, got {type(split_table).__name__}")
         for name, t in (("max_keys", split_table.max_keys), ("nsplit", split_table.nsplit)):
             if t.dtype != torch.int32 or t.device != problem.device or t.dim() != 1:
                 raise ValueError(f"split_table.{name}: expected a 1-D int32 tensor on {problem.device}")
+        if split_table.max_keys.numel() < 1 or split_table.nsplit.numel() != split_table.max_keys.numel():
+            raise ValueError(f"split_table: needs as many NSPLIT values as bounds (>= 1), got "
+                             f"{split_table.nsplit.numel()} and {split_table.max_keys.numel()}")
     be.launch(LaunchArgs(problem, q, kv_cache, kv_indptr, kv_indices, tree_mask, float(sm_scale), out, lse,
                          workspace, split_table), params)
     return (out, lse) if return_lse else out

@@ -35,7 +35,7 @@ import torch
 
 from .api import DEFAULT_KV_LORA_RANK, verify_attention
 from .backends import Backend, SplitTable, get_backend, params_from_dict
-from .shapes import MAX_DRAFT_TOKENS, ModelShape, VerifyProblem
+from .shapes import MAX_DRAFT_TOKENS, VerifyProblem
 from .tuned import SchemaError, TunedDefaults, TunedEntry, load_tuned
 
 log = logging.getLogger("kvtune.runtime")
@@ -394,8 +394,10 @@ class VerifyAttention:
         Dv = pick("kv_lora_rank", kv_lora_rank, m.get("kv_lora_rank"), DEFAULT_KV_LORA_RANK)
         dpe = pick("rope_dim", rope_dim, m.get("qk_rope_head_dim"), 64)
         if sm_scale is None:
-            sm_scale = m.get("sm_scale") or ModelShape(num_heads=H * tp, kv_lora_rank=Dv,
-                                                       qk_rope_head_dim=dpe).scale
+            sm_scale = m.get("sm_scale")
+        if sm_scale is None:
+            # a guessed 192**-0.5 would drop the model's YaRN mscale (Kimi-K2: 0.131, not 0.072)
+            raise ValueError("sm_scale: required when no tuned defaults file gives the model's")
         if not 1 <= T <= MAX_DRAFT_TOKENS:
             raise ValueError(f"draft_tokens: {T} not in [1, {MAX_DRAFT_TOKENS}]")
         kw = dict(T=T, H=H, Dk=Dv + dpe, Dv=Dv, sm_scale=sm_scale, tp=tp, max_batch=max_batch,

@@ -129,3 +129,17 @@ def test_row_that_sees_nothing_gives_zero_not_nan():
         o, lse = verify_attention(*x.args, backend=backend, return_lse=True)
         assert torch.all(o[1] == 0) and torch.all(torch.isneginf(lse[1])), backend
         assert torch.isfinite(o).all() and torch.isfinite(lse[0]).all(), backend
+
+
+def test_misuse_of_outputs_workspace_and_split_table_is_named():
+    x = make_inputs(1, 2, 4, [5], device=DEVICE)
+    buf = torch.empty(2, 8, dtype=torch.float32, device=DEVICE)
+    with pytest.raises(ValueError, match="^lse: the last"):
+        verify_attention(*x.args, backend="triton", lse=buf[:, ::2])
+    ws = torch.empty(1 << 24, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(ValueError, match="^workspace: must start at a 16-byte"):
+        verify_attention(*x.args, backend="triton", workspace=ws[4:])
+    bad = SplitTable(max_keys=torch.tensor([10, 20, 30], dtype=torch.int32, device=DEVICE),
+                     nsplit=torch.tensor([1], dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="^split_table: needs as many"):
+        verify_attention(*x.args, backend="triton", split_table=bad)

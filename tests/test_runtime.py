@@ -190,7 +190,7 @@ def test_no_file_falls_back_and_warns_once(tmp_path, device, caplog, monkeypatch
     with caplog.at_level(logging.WARNING, logger="kvtune.runtime"):
         assert load_defaults(deployment="absent", device=device) is None
         va = VerifyAttention.from_defaults(None, tp=TP, max_batch=2, max_context=128, device=device,
-                                           deployment="absent", draft_tokens=T, heads=H)
+                                           deployment="absent", draft_tokens=T, heads=H, sm_scale=0.0721)
     assert sum("no tuned defaults" in r.getMessage() for r in caplog.records) == 1
     assert va.plans[0].source == "untuned default of triton"
     assert va.plans[0].params == TritonBackend().default_params(va.problem(2))
@@ -198,6 +198,9 @@ def test_no_file_falls_back_and_warns_once(tmp_path, device, caplog, monkeypatch
     check_against_oracle(va, [1, 97], "random", 3, device)
     with pytest.raises(ValueError, match="heads: no tuned defaults"):
         VerifyAttention.from_defaults(None, tp=TP, max_batch=1, device=device, deployment="absent", draft_tokens=T)
+    with pytest.raises(ValueError, match="sm_scale: required"):
+        VerifyAttention.from_defaults(None, tp=TP, max_batch=1, device=device, deployment="absent", draft_tokens=T,
+                                      heads=H)
 
 
 def test_reads_the_tuners_real_export(device):

@@ -217,6 +217,8 @@ def compile_module(name: str, name_exprs: list[str], arch: str, extra_options: l
     if not re.fullmatch(r"sm_\d+[a-z]?", arch):
         raise ValueError(f"arch: expected 'sm_XX' (e.g. sm_90, sm_120), got {arch!r}")
     full = f"{name}_{arch}_nvrtc{nvrtc_version()}_{kernel_source_hash()}"
+    if extra_options:   # -lineinfo / -G builds must not share a CUBIN with the plain one
+        full += "_opt" + hashlib.sha256(" ".join(extra_options).encode()).hexdigest()[:8]
     with _mem_lock:
         if full in _mem_cache:
             return _mem_cache[full]
