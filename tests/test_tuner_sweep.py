@@ -311,3 +311,38 @@ def test_journal_storage_resumes(tmp_path):
     assert (tmp_path / "j" / "studies.journal").is_file()
     again = run_sweep(dep, SweepOptions(**kw))
     assert again.measured_now == 0
+
+
+def test_gate_catches_a_tree_mask_bug_invisible_at_long_prefixes():
+    """A kernel that lets every draft see every draft is off by < 1e-2 at a 16k prefix (the
+    drafts hardly weigh there), so the bucket-shaped check alone would pass it; the short-
+    prefix check of the gate rejects it."""
+    import dataclasses
+
+    import torch
+
+    from kvtune.kernels import make_inputs, reference_attention, rel_error, verify_attention
+    from kvtune.kernels.backends import unregister_backend
+    from kvtune.kernels.triton_kernel import TritonBackend, TritonParams
+    from kvtune.tuner.measure import Measurer, MeasureOptions, ProblemSpec
+
+    class AllDraftsVisible(TritonBackend):
+        name = "triton-all-drafts-visible"
+
+        def launch(self, a, params):
+            # every bit set: the tree mask is ignored (a copy: the caller's mask stays intact)
+            super().launch(dataclasses.replace(a, tree_mask=torch.full_like(a.tree_mask, -1)), params)
+
+    register_backend("triton-all-drafts-visible", AllDraftsVisible)
+    try:
+        spec = ProblemSpec(heads=1, batch=1, context=16384, draft_tokens=8, tree="chain")
+        x = make_inputs(1, 8, 1, [16384], tree="chain", seed=3)
+        ref = reference_attention(*x.args)[0]
+        o = verify_attention(*x.args, backend="triton-all-drafts-visible", params=TritonParams(NSPLIT=4, BLOCK_N=64))
+        assert rel_error(o, ref) < 1e-2              # the long-prefix check alone is blind to it
+        base = dataclasses.asdict(TritonParams(NSPLIT=4, BLOCK_N=64, BLOCK_H=1))
+        r = Measurer("cpu").measure("triton-all-drafts-visible", base, spec,
+                                    MeasureOptions(timing="eager", cpu_reps=1, warmup=False), None)
+        assert r.outcome == "wrong" and "short prefixes" in r.reason, r
+    finally:
+        unregister_backend("triton-all-drafts-visible")

@@ -36,6 +36,11 @@ OUTCOMES = ("ok", "pruned", "wrong", "failed")
 TIMINGS = ("graph", "eager", "cpu-eager")
 
 
+# prefixes of the second correctness check (one per request, cycled): short and odd, so the
+# draft keys weigh in the softmax and tiles end mid-way
+SHORT_PREFIXES = (37, 1, 97, 250)
+
+
 @dataclass(frozen=True)
 class ProblemSpec:
     """One measured shape: `batch` requests of `context` prefix tokens plus T drafts each."""
@@ -165,6 +170,7 @@ class Measurer:
         self._check = None
         self._pools: list = []
         self._gen = None
+        self._short_seed = 0
 
     # -- inputs ---------------------------------------------------------------------------
     def _inputs_for(self, spec: ProblemSpec, opts: MeasureOptions):
@@ -282,6 +288,20 @@ class Measurer:
             bool(((lse - ref_lse).abs()[fin] > 1e-2 * (1 + ref_lse.abs()[fin])).any())
         if lse_bad:
             return Measurement("wrong", "lse differs from the oracle's (or is NaN)", rel_err=err)
+        # -- 2b. the same gate at short ragged prefixes: at 4k+ prefix keys the T draft keys
+        #    carry so little softmax mass that a wrong tree mask moves o by < 1e-2 and passes
+        self._short_seed += 1
+        short = make_inputs(spec.batch, spec.draft_tokens, spec.heads,
+                            [min(spec.context, SHORT_PREFIXES[b % len(SHORT_PREFIXES)]) for b in range(spec.batch)],
+                            tree=spec.tree, kv_lora_rank=spec.kv_lora_rank, rope_dim=spec.rope_dim, device=dev,
+                            sm_scale=spec.sm_scale, seed=opts.seed + self._short_seed)
+        out.fill_(float("nan"))
+        launch(short)
+        err_short = rel_error(out, reference_attention(*short.args, kv_lora_rank=spec.kv_lora_rank)[0])
+        if not err_short < opts.tol:
+            return Measurement("wrong", f"at short prefixes {short.prefix_lens}: ||o-ref||/||ref|| = "
+                                        f"{err_short:.3g} >= {opts.tol:g}", rel_err=err_short)
+        err = max(err, err_short)
         # -- 3. timing over rotating KV pools (cold L2)
         pools = self._pools
         if timing == "cpu-eager":
