@@ -24,6 +24,7 @@ attention path.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -290,28 +291,34 @@ class VerifyAttention:
         # Batches past the largest tuned bucket keep that bucket's total CTA count: its NSPLIT
         # values were tuned to fill the GPU with `max_batch` requests, and reusing them for
         # n > max_batch would launch n/max_batch times as many split CTAs (measured on the
-        # H200: 2x slower at batch 4 with batch-1 NSPLIT).
-        self._table_of_batch: list[SplitTable | None] = [None] * (max_batch + 1)
+        # H200: 2x slower at batch 4 with batch-1 NSPLIT). The grid (params.NSPLIT) and so the
+        # workspace shrink with them. _launch[n] = (plan, params, split table) for batch n.
+        self._launch: list[tuple] = [None] * (max_batch + 1)
         self._nsplit_scale: list[tuple[int, int]] = [(1, 1)] * (max_batch + 1)
+        variants: dict = {}
         for n in range(1, max_batch + 1):
-            p = self.plans[self._plan_of_batch[n]]
-            self._table_of_batch[n] = p.split_table
+            i = self._plan_of_batch[n]
+            p = self.plans[i]
             if p.entry is not None and p.split_table is not None and n > p.max_batch:
                 self._nsplit_scale[n] = (p.max_batch, n)
-                self._table_of_batch[n] = SplitTable.build(
-                    [b.max_context + T for b in p.entry.buckets],
-                    [_scaled_nsplit(min(b.NSPLIT, p.params.NSPLIT), p.max_batch, n) for b in p.entry.buckets], device)
+                scaled = tuple(_scaled_nsplit(min(b.NSPLIT, p.params.NSPLIT), p.max_batch, n) for b in p.entry.buckets)
+                if (i, scaled) not in variants:
+                    variants[(i, scaled)] = (
+                        p, dataclasses.replace(p.params, NSPLIT=max(scaled)),
+                        SplitTable.build([b.max_context + T for b in p.entry.buckets], list(scaled), device))
+                self._launch[n] = variants[(i, scaled)]
+            else:
+                self._launch[n] = (p, p.params, p.split_table)
         extrapolated = [n for n in range(1, max_batch + 1) if self._nsplit_scale[n] != (1, 1)]
         if extrapolated:
             _warn_once(f"extrapolate:{id(self)}", f"kvtune: batches {extrapolated[0]}..{extrapolated[-1]} are past "
                        f"the largest tuned batch bucket: NSPLIT scaled by max_batch/batch", logging.INFO)
-        need = 0
-        for n in {self._serves_up_to(i) for i in range(len(self.plans))}:
-            p = self.plans[self._plan_of_batch[n]]
-            need = max(need, p.backend.workspace_bytes(self.problem(n), p.params))
+        need = max(self._launch[n][0].backend.workspace_bytes(self.problem(n), self._launch[n][1])
+                   for n in range(1, max_batch + 1))
         self.workspace_bytes = need
         out_bytes = max_batch * T * H * Dv * 2 if preallocate_out else 0
-        table_bytes = sum(8 * t.num_buckets for t in {id(t): t for t in self._table_of_batch if t is not None}.values())
+        tables = {id(t): t for t in (self._launch[n][2] for n in range(1, max_batch + 1)) if t is not None}
+        table_bytes = sum(8 * t.num_buckets for t in tables.values())
         self.allocated_bytes = need + out_bytes + table_bytes
         if workspace_budget_bytes is not None and self.allocated_bytes > workspace_budget_bytes:
             raise ValueError(f"workspace_budget_bytes: VerifyAttention for max_batch={max_batch} needs "
@@ -440,6 +447,12 @@ class VerifyAttention:
             raise ValueError(f"batch: {batch!r} requests; this VerifyAttention serves 1..{self.max_batch}")
         return self.plans[self._plan_of_batch[batch]]
 
+    def params_for(self, batch: int):
+        """The backend parameters a batch of `batch` requests launches with (the plan's, with
+        the grid NSPLIT scaled down past the largest tuned batch bucket)."""
+        self.plan_for(batch)                 # validates batch
+        return self._launch[batch][1]
+
     def nsplit_for(self, batch: int, prefix_len: int) -> int:
         """NSPLIT the kernel will choose on the device for a request with this prefix (host mirror)."""
         n = self.plan_for(batch).nsplit_for(prefix_len)
@@ -451,19 +464,28 @@ class VerifyAttention:
         against the oracle on fresh inputs: a config that computes wrong values fails here."""
         from .inputs import make_inputs, rel_error
         from .reference import reference_attention
-        for i, p in enumerate(self.plans):
-            n = min(self._serves_up_to(i), 2)
-            inp = make_inputs(n, self.T, self.H, [1, 37][:n], tree="random", kv_lora_rank=self.Dv,
-                              rope_dim=self.Dk - self.Dv, device=self.device, seed=1234 + i,
+        # each distinct launch: a plan (at batch <= 2), or a plan scaled past its batch bucket (at
+        # the first batch that uses it)
+        seen = set()
+        for n in range(1, self.max_batch + 1):
+            p, params, table = self._launch[n]
+            if (id(p), params) in seen:
+                continue
+            seen.add((id(p), params))
+            i = len(seen)
+            if self._nsplit_scale[n] == (1, 1):
+                n = min(self._serves_up_to(next(j for j, q in enumerate(self.plans) if q is p)), 2)
+            inp = make_inputs(n, self.T, self.H, [(1, 37)[b % 2] for b in range(n)], tree="random",
+                              kv_lora_rank=self.Dv, rope_dim=self.Dk - self.Dv, device=self.device, seed=1234 + i,
                               sm_scale=self.sm_scale)
             out = torch.full((n * self.T, self.H, self.Dv), float("nan"), dtype=torch.bfloat16, device=self.device)
-            verify_attention(*inp.args, backend=p.backend, params=p.params, out=out, workspace=self.workspace,
-                             split_table=p.split_table, kv_lora_rank=self.Dv, check_values_=True)
+            verify_attention(*inp.args, backend=p.backend, params=params, out=out, workspace=self.workspace,
+                             split_table=table, kv_lora_rank=self.Dv, check_values_=True)
             ref, _ = reference_attention(*inp.args, kv_lora_rank=self.Dv)
             err = rel_error(out, ref)
             if not err <= SELF_CHECK_TOL:
                 raise RuntimeError(f"kvtune: start-up self-check failed for {p.source}: backend {p.backend.name} "
-                                   f"params {p.params} gives relative error {err:.3g} against the oracle")
+                                   f"params {params} gives relative error {err:.3g} against the oracle")
 
     def describe(self) -> dict:
         """A plain summary (for logs): plans, parameters, buckets and preallocated bytes."""
@@ -495,15 +517,15 @@ class VerifyAttention:
         if tuple(q.shape) != (B * self.T, self.H, self.Dk):
             raise ValueError(f"q: expected [{B * self.T}, {self.H}, {self.Dk}] (B*T, H, Dk) for B={B}, T={self.T}, "
                              f"got {list(q.shape)}")
-        plan = self.plans[self._plan_of_batch[B]]
+        plan, params, table = self._launch[B]
         if out is None:
             if self.out_buf is None:
                 raise ValueError("out: required (this VerifyAttention was built with preallocate_out=False)")
             out = self.out_buf[:B * self.T]
         return verify_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask,
                                 self.sm_scale if sm_scale is None else sm_scale, backend=plan.backend,
-                                params=plan.params, out=out, lse=lse, workspace=self.workspace,
-                                split_table=self._table_of_batch[B], kv_lora_rank=self.Dv,
+                                params=params, out=out, lse=lse, workspace=self.workspace,
+                                split_table=table, kv_lora_rank=self.Dv,
                                 check_values_=self.check_values)
 
 

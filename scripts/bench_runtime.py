@@ -129,7 +129,7 @@ def main(argv=None) -> int:
                     r = {"outcome": "failed", "reason": f"{type(e).__name__}: {e}"[:300]}
                 row = {"batch": B, "context": C, "variant": name, **r, "wall_s": round(time.perf_counter() - t0, 1)}
                 if name.startswith("tuned"):
-                    row["config"] = f"{plan.backend.name} {plan.params} nsplit={plan.nsplit_for(C)}"
+                    row["config"] = f"{plan.backend.name} {va.params_for(B)} nsplit={va.nsplit_for(B, C)}"
                 else:
                     row["config"] = f"{fixed[name][0].name} {fixed[name][1]}"
                 rows.append(row)

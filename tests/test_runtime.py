@@ -396,8 +396,23 @@ def test_batches_past_the_largest_bucket_keep_its_cta_count(device, batch):
     va.workspace.fill_(255)
     o = va(*inp.args[:5])
     assert rel_error(o, reference_attention(*inp.args)[0]) < TOL
-    plan = va.plan_for(batch)
-    _, part_lse = partials(va.problem(batch), plan.params.NSPLIT, va.workspace)
+    _, part_lse = partials(va.problem(batch), va.params_for(batch).NSPLIT, va.workspace)
     for b, n in enumerate(want):
         assert bool(torch.isneginf(part_lse[n:, b * T, 0]).all()), (b, n)   # no split past the scaled NSPLIT
         assert bool(torch.isfinite(part_lse[0, b * T, 0]))
+
+
+def test_scaled_batches_shrink_the_grid_and_the_workspace(device):
+    """Past the tuned bucket the grid NSPLIT shrinks with the per-request NSPLIT, so the
+    workspace is sized for the scaled grid, not for the tuned one at max_batch."""
+    doc = tuned_dict(device)
+    doc["entries"] = [doc["entries"][0]]                     # batch 1, grid NSPLIT 4
+    va = VerifyAttention.from_defaults(parse_tuned(doc, "mem"), tp=TP, max_batch=8, max_context=300,
+                                       device=device, warmup=False)
+    grid = {n: va.params_for(n).NSPLIT for n in (1, 2, 3, 4, 8)}
+    assert grid == {1: 4, 2: 2, 3: 2, 4: 1, 8: 1}
+    be = TritonBackend()
+    assert va.workspace_bytes == max(be.workspace_bytes(va.problem(n), va.params_for(n)) for n in range(1, 9))
+    assert va.workspace_bytes < be.workspace_bytes(va.problem(8), va.plans[0].params)
+    va.warmup()                                               # every scaled variant is compiled and checked
+    check_against_oracle(va, [300, 7, 129, 1, 54], "random", 5, device)
