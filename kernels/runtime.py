@@ -464,17 +464,14 @@ class VerifyAttention:
         against the oracle on fresh inputs: a config that computes wrong values fails here."""
         from .inputs import make_inputs, rel_error
         from .reference import reference_attention
-        # each distinct launch: a plan (at batch <= 2), or a plan scaled past its batch bucket (at
-        # the first batch that uses it)
-        seen = set()
+        # each distinct launch (a plan, or a plan scaled past its batch bucket) once, at a batch
+        # that uses it: its first, or 2 when that uses it too (a ragged pair of requests)
+        users: dict = {}
         for n in range(1, self.max_batch + 1):
             p, params, table = self._launch[n]
-            if (id(p), params) in seen:
-                continue
-            seen.add((id(p), params))
-            i = len(seen)
-            if self._nsplit_scale[n] == (1, 1):
-                n = min(self._serves_up_to(next(j for j, q in enumerate(self.plans) if q is p)), 2)
+            users.setdefault((id(p), params), (p, params, table, []))[3].append(n)
+        for i, (p, params, table, batches) in enumerate(users.values()):
+            n = 2 if 2 in batches else batches[0]
             inp = make_inputs(n, self.T, self.H, [(1, 37)[b % 2] for b in range(n)], tree="random",
                               kv_lora_rank=self.Dv, rope_dim=self.Dk - self.Dv, device=self.device, seed=1234 + i,
                               sm_scale=self.sm_scale)
