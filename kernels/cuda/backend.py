@@ -260,6 +260,15 @@ class CudaBackend(Backend):
         return got
 
     def launch(self, a: LaunchArgs, params: CudaParams) -> None:
+        idx = a.problem.device.index
+        if idx is not None and idx != torch.cuda.current_device():
+            # tensors on another GPU than the current one: load and launch in that GPU's
+            # primary context (the driver calls use the thread's current context)
+            with torch.cuda.device(idx):
+                return self._launch(a, params)
+        return self._launch(a, params)
+
+    def _launch(self, a: LaunchArgs, params: CudaParams) -> None:
         from cuda.bindings import driver as drv
         from .nvrtc import check_driver
         pb = a.problem
