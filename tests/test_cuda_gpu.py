@@ -160,3 +160,16 @@ def test_cuda_graph_replay_new_lengths_and_trees():
         err = rel_error(out, ref_o)
         assert err < TOL, f"prefixes {prefixes}: rel error {err:.3g}"
         assert torch.allclose(lse, ref_lse, atol=2e-2, rtol=0), f"prefixes {prefixes}: lse differs"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensors_on_a_gpu_other_than_the_current_one():
+    """The kernel is loaded and launched in the tensors' GPU's context, not the current one's."""
+    assert torch.cuda.current_device() == 0
+    for dev in ("cuda:1", "cuda:0", "cuda:1"):
+        x = make_inputs(2, 9, 8, [300, 54], tree="random", device=dev)
+        o = verify_attention(*x.args, backend="cuda")
+        torch.cuda.synchronize(dev)
+        assert o.device == torch.device(dev)
+        assert rel_error(o, reference_attention(*x.args)[0]) < 1e-2
+    assert torch.cuda.current_device() == 0
