@@ -307,6 +307,11 @@ class VerifyAttention:
                         p, dataclasses.replace(p.params, NSPLIT=max(scaled)),
                         SplitTable.build([b.max_context + T for b in p.entry.buckets], list(scaled), device))
                 self._launch[n] = variants[(i, scaled)]
+            elif p.entry is None and p.params is not None and p.source.startswith("untuned default"):
+                # no tuning to scale: the backend's own default for this batch size (its NSPLIT
+                # fills the GPU for n requests), not the one sized for max_batch
+                params = p.backend.default_params(self.problem(n))
+                self._launch[n] = variants.setdefault((i, params), (p, params, None))
             else:
                 self._launch[n] = (p, p.params, p.split_table)
         extrapolated = [n for n in range(1, max_batch + 1) if self._nsplit_scale[n] != (1, 1)]

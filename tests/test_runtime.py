@@ -194,6 +194,8 @@ def test_no_file_falls_back_and_warns_once(tmp_path, device, caplog, monkeypatch
     assert sum("no tuned defaults" in r.getMessage() for r in caplog.records) == 1
     assert va.plans[0].source == "untuned default of triton"
     assert va.plans[0].params == TritonBackend().default_params(va.problem(2))
+    # each batch size runs the backend's default for that size (NSPLIT fills the GPU for it)
+    assert [va.params_for(n) for n in (1, 2)] == [TritonBackend().default_params(va.problem(n)) for n in (1, 2)]
     assert va.plans[0].split_table is None
     check_against_oracle(va, [1, 97], "random", 3, device)
     with pytest.raises(ValueError, match="heads: no tuned defaults"):
