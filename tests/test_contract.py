@@ -7,7 +7,7 @@ bf16 output, NaN never passes.
 import pytest
 import torch
 
-from conftest import DEVICE, HAS_CUDA
+from conftest import DEVICE
 from kvtune.kernels import (SplitTable, backend_names, get_backend, make_inputs, reference_attention, rel_error,
                             verify_attention)
 
@@ -122,7 +122,6 @@ def test_preallocated_workspace_and_lse(backend):
 
 def test_row_that_sees_nothing_gives_zero_not_nan():
     # A hand-made mask where draft 1 sees nothing and the request has no prefix.
-    from kvtune.kernels import tree_mask_from_parents
     x = make_inputs(1, 2, 4, [0], device=DEVICE)
     x.tree_mask = torch.tensor([1, 0], dtype=torch.int64, device=DEVICE)
     for backend in ["reference"] + [p.values[0] for p in BACKENDS if not p.marks]:

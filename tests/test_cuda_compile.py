@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-import cuda.bindings.nvrtc as nvrtc_mod  # a hard dependency: a broken install must fail here, not skip
+import cuda.bindings.nvrtc  # noqa: F401  (a hard dependency: a broken install must fail here, not skip)
 
 from kvtune.kernels import VerifyProblem  # noqa: E402
 from kvtune.kernels.cuda import nvrtc  # noqa: E402

@@ -8,7 +8,6 @@ graph captured once and replayed on new prefix lengths and tree masks.
 import pytest
 import torch
 
-from conftest import HAS_CUDA
 from kvtune.kernels import (SplitTable, describe_problem, make_inputs, reference_attention, rel_error,
                             tree_mask_from_parents, verify_attention, workspace_bytes)
 from kvtune.kernels.tree import random_parents
