@@ -294,13 +294,11 @@ class VerifyAttention:
         # H200: 2x slower at batch 4 with batch-1 NSPLIT). The grid (params.NSPLIT) and so the
         # workspace shrink with them. _launch[n] = (plan, params, split table) for batch n.
         self._launch: list[tuple] = [None] * (max_batch + 1)
-        self._nsplit_scale: list[tuple[int, int]] = [(1, 1)] * (max_batch + 1)
         variants: dict = {}
         for n in range(1, max_batch + 1):
             i = self._plan_of_batch[n]
             p = self.plans[i]
             if p.entry is not None and p.split_table is not None and n > p.max_batch:
-                self._nsplit_scale[n] = (p.max_batch, n)
                 scaled = tuple(_scaled_nsplit(min(b.NSPLIT, p.params.NSPLIT), p.max_batch, n) for b in p.entry.buckets)
                 if (i, scaled) not in variants:
                     variants[(i, scaled)] = (
@@ -314,7 +312,8 @@ class VerifyAttention:
                 self._launch[n] = variants.setdefault((i, params), (p, params, None))
             else:
                 self._launch[n] = (p, p.params, p.split_table)
-        extrapolated = [n for n in range(1, max_batch + 1) if self._nsplit_scale[n] != (1, 1)]
+        extrapolated = [n for n in range(1, max_batch + 1)
+                        if self._launch[n][2] is not None and n > self._launch[n][0].max_batch]
         if extrapolated:
             _warn_once(f"extrapolate:{id(self)}", f"kvtune: batches {extrapolated[0]}..{extrapolated[-1]} are past "
                        f"the largest tuned batch bucket: NSPLIT scaled by max_batch/batch", logging.INFO)
@@ -443,9 +442,6 @@ class VerifyAttention:
     def problem(self, batch: int) -> VerifyProblem:
         return VerifyProblem(B=batch, T=self.T, H=self.H, Dk=self.Dk, Dv=self.Dv, device=self.device)
 
-    def _serves_up_to(self, i: int) -> int:
-        return self.max_batch if i == len(self.plans) - 1 else min(self.plans[i].max_batch, self.max_batch)
-
     def plan_for(self, batch: int) -> Plan:
         """The plan serving a batch of `batch` requests (host side, no sync)."""
         if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= self.max_batch:
@@ -460,9 +456,15 @@ class VerifyAttention:
 
     def nsplit_for(self, batch: int, prefix_len: int) -> int:
         """NSPLIT the kernel will choose on the device for a request with this prefix (host mirror)."""
-        n = self.plan_for(batch).nsplit_for(prefix_len)
-        tuned_batch, b = self._nsplit_scale[batch]
-        return _scaled_nsplit(n, tuned_batch, b) if b != tuned_batch else n
+        p = self.plan_for(batch)
+        _, params, table = self._launch[batch]
+        grid = getattr(params, "NSPLIT", 1)
+        if table is None:
+            return grid
+        n = p.nsplit_for(prefix_len)
+        if batch > p.max_batch:
+            n = _scaled_nsplit(n, p.max_batch, batch)
+        return max(1, min(grid, n))
 
     def warmup(self) -> None:
         """Compile every plan's kernel now (not in the first captured step) and check it

@@ -420,3 +420,10 @@ def test_scaled_batches_shrink_the_grid_and_the_workspace(device):
     assert va.workspace_bytes < be.workspace_bytes(va.problem(8), va.plans[0].params)
     va.warmup()                                               # every scaled variant is compiled and checked
     check_against_oracle(va, [300, 7, 129, 1, 54], "random", 5, device)
+
+
+def test_untuned_fallback_reports_the_nsplit_it_launches(tmp_path, device, monkeypatch):
+    monkeypatch.setattr(rt, "packaged_defaults_dir", lambda: tmp_path)
+    va = VerifyAttention.from_defaults(None, tp=TP, max_batch=2, max_context=128, device=device, warmup=False,
+                                       deployment="absent", draft_tokens=T, heads=H, sm_scale=0.0721)
+    assert [va.nsplit_for(n, 100) for n in (1, 2)] == [va.params_for(n).NSPLIT for n in (1, 2)]
