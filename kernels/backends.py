@@ -111,6 +111,28 @@ class Backend(abc.ABC):
         """Write `args.out` (and `args.lse` when given); no host sync, no allocation."""
 
 
+# Parameter names a backend used before, per backend: old -> current. Only readers of
+# committed evidence (trials tables, Optuna studies, the review) translate them; everything
+# else rejects an old name with an error that names the current one (`renamed_hint`).
+RENAMED_PARAMS: dict[str, dict[str, str]] = {
+    "triton": {"BLOCK_H": "HEADS_PER_BLOCK", "num_warps": "NUM_WARPS", "num_stages": "STAGES"},
+}
+
+
+def rename_legacy_params(backend: str, values: dict) -> dict:
+    """`values` with `backend`'s old parameter names replaced by the current ones."""
+    renamed = RENAMED_PARAMS.get(backend, {})
+    return {renamed.get(k, k): v for k, v in values.items()}
+
+
+def renamed_hint(unknown, known) -> str:
+    """'; BLOCK_H was renamed HEADS_PER_BLOCK, ...' for the unknown names that are old names of
+    known ones, else ''."""
+    old_to_new = {old: new for m in RENAMED_PARAMS.values() for old, new in m.items()}
+    hits = [f"{u} was renamed {old_to_new[u]}" for u in unknown if old_to_new.get(u) in known]
+    return "; " + ", ".join(hits) if hits else ""
+
+
 def params_from_dict(params_type: type, values: dict, where: str = "params") -> Any:
     """Build a parameter dataclass from a mapping, naming unknown or missing keys."""
     if not isinstance(values, dict):
@@ -119,7 +141,7 @@ def params_from_dict(params_type: type, values: dict, where: str = "params") -> 
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ValueError(f"{where}: unknown parameter(s) {unknown} for {params_type.__name__}; "
-                         f"known: {sorted(fields)}")
+                         f"known: {sorted(fields)}{renamed_hint(unknown, fields)}")
     missing = sorted(n for n, f in fields.items() if n not in values
                      and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
     if missing:

@@ -25,32 +25,32 @@ class TritonParams:
     """Compile-time parameters of the Triton kernel (NSPLIT is the stage-1 grid's split count).
 
     NSPLIT: key-range splits per request (1..256); BLOCK_N: keys per tile (16..256, pow2);
-    BLOCK_H: heads per program (1..64; the tile has next_pow2(BLOCK_H*T) rows, at least 16);
-    num_warps: 1..16, pow2; num_stages: 1..5.
+    HEADS_PER_BLOCK: heads per program (1..64; the tile has next_pow2(HEADS_PER_BLOCK*T) rows, at least 16);
+    NUM_WARPS: 1..16, pow2 (Triton's num_warps); STAGES: 1..5 (Triton's num_stages).
     """
 
     NSPLIT: int = 16
     BLOCK_N: int = 32
-    BLOCK_H: int = 2
-    num_warps: int = 4
-    num_stages: int = 2
+    HEADS_PER_BLOCK: int = 2
+    NUM_WARPS: int = 4
+    STAGES: int = 2
 
     def __post_init__(self):
         def need(ok, msg):
             if not ok:
                 raise ValueError(f"TritonParams: {msg}")
-        for f in ("NSPLIT", "BLOCK_N", "BLOCK_H", "num_warps", "num_stages"):
+        for f in ("NSPLIT", "BLOCK_N", "HEADS_PER_BLOCK", "NUM_WARPS", "STAGES"):
             v = getattr(self, f)
             need(isinstance(v, int) and not isinstance(v, bool), f"{f} must be an int, got {v!r}")
         need(1 <= self.NSPLIT <= 256, f"NSPLIT must be in [1, 256], got {self.NSPLIT}")
         need(self.BLOCK_N in (16, 32, 64, 128, 256), f"BLOCK_N must be a power of two in [16, 256], got {self.BLOCK_N}")
-        need(1 <= self.BLOCK_H <= 64, f"BLOCK_H must be in [1, 64], got {self.BLOCK_H}")
-        need(self.num_warps in (1, 2, 4, 8, 16), f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        need(1 <= self.num_stages <= 5, f"num_stages must be in [1, 5], got {self.num_stages}")
+        need(1 <= self.HEADS_PER_BLOCK <= 64, f"HEADS_PER_BLOCK must be in [1, 64], got {self.HEADS_PER_BLOCK}")
+        need(self.NUM_WARPS in (1, 2, 4, 8, 16), f"NUM_WARPS must be 1, 2, 4, 8 or 16, got {self.NUM_WARPS}")
+        need(1 <= self.STAGES <= 5, f"STAGES must be in [1, 5], got {self.STAGES}")
 
     def block_m(self, T: int) -> int:
-        """Rows of the stage-1 tile: BLOCK_H*T padded to a power of two (>= 16 for tl.dot)."""
-        return max(16, next_pow2(self.BLOCK_H * T))
+        """Rows of the stage-1 tile: HEADS_PER_BLOCK*T padded to a power of two (>= 16 for tl.dot)."""
+        return max(16, next_pow2(self.HEADS_PER_BLOCK * T))
 
 
 @triton.jit
@@ -75,15 +75,15 @@ def _verify_split_kernel(
     stride_ps, stride_pm, stride_ph,            # partial o [NSPLIT, B*T, H, DV] (last dim 1)
     stride_ls, stride_lm,                       # partial lse [NSPLIT, B*T, H] (last dim 1)
     H,
-    T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    T: tl.constexpr, HEADS_PER_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DV: tl.constexpr, DPE: tl.constexpr, NSPLIT: tl.constexpr, NUM_BUCKETS: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_M >= BLOCK_H * T)
+    tl.static_assert(BLOCK_M >= HEADS_PER_BLOCK * T)
     tl.static_assert(BLOCK_M >= 16)
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    num_hg = tl.cdiv(H, BLOCK_H)
+    num_hg = tl.cdiv(H, HEADS_PER_BLOCK)
     b = pid // num_hg
     hg = pid % num_hg
 
@@ -100,8 +100,8 @@ def _verify_split_kernel(
     rows = tl.arange(0, BLOCK_M)
     h_loc = rows // T
     t = rows % T
-    head = hg * BLOCK_H + h_loc
-    row_ok = (rows < BLOCK_H * T) & (head < H)
+    head = hg * HEADS_PER_BLOCK + h_loc
+    row_ok = (rows < HEADS_PER_BLOCK * T) & (head < H)
     qrow = b * T + t
     offs_dv = tl.arange(0, DV)
     offs_pe = tl.arange(0, DPE)
@@ -227,7 +227,7 @@ class TritonBackend(Backend):
         sms = torch.cuda.get_device_properties(problem.device).multi_processor_count if problem.is_cuda else 64
         progs = problem.B * cdiv(problem.H, block_h)
         nsplit = min(128, next_pow2(max(1, sms // progs)))
-        return TritonParams(NSPLIT=nsplit, BLOCK_N=32, BLOCK_H=block_h, num_warps=8, num_stages=2)
+        return TritonParams(NSPLIT=nsplit, BLOCK_N=32, HEADS_PER_BLOCK=block_h, NUM_WARPS=8, STAGES=2)
 
     def check_params(self, params: TritonParams, problem: VerifyProblem) -> None:
         dpe = problem.Dk - problem.Dv
@@ -235,7 +235,8 @@ class TritonBackend(Backend):
             raise ValueError(f"triton backend needs power-of-two Dv and Dk-Dv >= 16, got Dk={problem.Dk}, "
                              f"Dv={problem.Dv}")
         if params.block_m(problem.T) > 256:
-            raise ValueError(f"TritonParams: BLOCK_H*T = {params.BLOCK_H * problem.T} rows per tile exceeds 256")
+            raise ValueError(f"TritonParams: HEADS_PER_BLOCK*T = {params.HEADS_PER_BLOCK * problem.T} rows per tile "
+                             "exceeds 256")
 
     def workspace_bytes(self, problem: VerifyProblem, params: TritonParams) -> int:
         return 4 * params.NSPLIT * problem.rows * problem.H * (problem.Dv + 1)
@@ -247,16 +248,16 @@ class TritonBackend(Backend):
         nb = st.num_buckets if st is not None else 0
         smk = st.max_keys if st is not None else a.kv_indptr
         sv = st.nsplit if st is not None else a.kv_indptr
-        grid1 = (pb.B * cdiv(pb.H, params.BLOCK_H), params.NSPLIT)
+        grid1 = (pb.B * cdiv(pb.H, params.HEADS_PER_BLOCK), params.NSPLIT)
         _verify_split_kernel[grid1](
             a.q, a.kv_cache, a.kv_indptr, a.kv_indices, a.tree_mask, part_o, part_lse, smk, sv,
             a.sm_scale * LOG2E,
             a.q.stride(0), a.q.stride(1), a.kv_cache.stride(0),
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
             pb.H,
-            T=pb.T, BLOCK_H=params.BLOCK_H, BLOCK_M=params.block_m(pb.T), BLOCK_N=params.BLOCK_N,
+            T=pb.T, HEADS_PER_BLOCK=params.HEADS_PER_BLOCK, BLOCK_M=params.block_m(pb.T), BLOCK_N=params.BLOCK_N,
             DV=pb.Dv, DPE=pb.Dk - pb.Dv, NSPLIT=params.NSPLIT, NUM_BUCKETS=nb, UPCAST=_interpreting(),
-            num_warps=params.num_warps, num_stages=params.num_stages,
+            num_warps=params.NUM_WARPS, num_stages=params.STAGES,   # Triton's launch keywords
         )
         lse = a.lse if a.lse is not None else part_lse  # dummy pointer when not written
         _verify_merge_kernel[(pb.rows, pb.H)](

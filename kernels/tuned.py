@@ -140,10 +140,15 @@ def _only(src, key, d: dict, allowed, required=()) -> None:
         raise _err(src, key, f"missing key(s) {missing}")
 
 
-def parse_tuned(data: Any, source: str = "<memory>", check_params: bool = True) -> TunedDefaults:
+def parse_tuned(data: Any, source: str = "<memory>", check_params: bool = True,
+                legacy_names: bool = False) -> TunedDefaults:
     """Validate a parsed YAML document and build `TunedDefaults` (SchemaError on any problem).
 
     check_params: also build each entry's parameter dataclass (imports that backend).
+    legacy_names: give parameters a backend has renamed (`backends.RENAMED_PARAMS`, e.g.
+        Triton's BLOCK_H -> HEADS_PER_BLOCK) their current names, for reading committed
+        evidence written before the rename. Off (serving): an old name is an error naming
+        the current one.
     """
     src = source
     d = _mapping(src, "<top>", data)
@@ -185,6 +190,9 @@ def parse_tuned(data: Any, source: str = "<memory>", check_params: bool = True) 
         if e["backend"] not in BACKEND_NAMES:
             raise _err(src, f"{key}.backend", f"expected one of {list(BACKEND_NAMES)}, got {e['backend']!r}")
         params = _mapping(src, f"{key}.params", e["params"])
+        if legacy_names:
+            from .backends import rename_legacy_params
+            params = rename_legacy_params(e["backend"], params)
         grid_nsplit = params.get("NSPLIT")
         if check_params and e["backend"] != "reference":
             from .backends import get_backend, params_from_dict
@@ -217,8 +225,8 @@ def parse_tuned(data: Any, source: str = "<memory>", check_params: bool = True) 
                          entries=tuple(entries), source=src)
 
 
-def load_tuned(path: str | os.PathLike, check_params: bool = True) -> TunedDefaults:
-    """Read and validate one exported YAML file."""
+def load_tuned(path: str | os.PathLike, check_params: bool = True, legacy_names: bool = False) -> TunedDefaults:
+    """Read and validate one exported YAML file (legacy_names: see `parse_tuned`)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -228,7 +236,7 @@ def load_tuned(path: str | os.PathLike, check_params: bool = True) -> TunedDefau
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise SchemaError(f"{path}: not valid YAML: {e}") from None
-    return parse_tuned(data, str(path), check_params)
+    return parse_tuned(data, str(path), check_params, legacy_names)
 
 
 def dump_tuned(tuned: TunedDefaults, path: str | os.PathLike) -> Path:

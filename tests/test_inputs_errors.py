@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from kvtune.kernels import ModelShape, make_inputs, tree_mask_from_parents, verify_attention
+from kvtune.kernels import ModelShape, make_inputs, params_from_dict, tree_mask_from_parents, verify_attention
 from kvtune.kernels.triton_kernel import TritonParams
 
 
@@ -81,12 +81,18 @@ def test_out_and_params_errors(x):
 
 
 @pytest.mark.parametrize("kw,field", [
-    (dict(NSPLIT=0), "NSPLIT"), (dict(BLOCK_N=24), "BLOCK_N"), (dict(BLOCK_H=0), "BLOCK_H"),
-    (dict(num_warps=3), "num_warps"), (dict(num_stages=9), "num_stages"), (dict(NSPLIT=2.0), "NSPLIT"),
+    (dict(NSPLIT=0), "NSPLIT"), (dict(BLOCK_N=24), "BLOCK_N"), (dict(HEADS_PER_BLOCK=0), "HEADS_PER_BLOCK"),
+    (dict(NUM_WARPS=3), "NUM_WARPS"), (dict(STAGES=9), "STAGES"), (dict(NSPLIT=2.0), "NSPLIT"),
 ])
 def test_triton_params_validation(kw, field):
     with pytest.raises(ValueError, match=field):
         TritonParams(**kw)
+
+
+def test_renamed_triton_params_name_the_new_names():
+    """Triton's parameters took the CUDA backend's names; an old name says which one it became."""
+    with pytest.raises(ValueError, match="BLOCK_H was renamed HEADS_PER_BLOCK, num_stages was renamed STAGES"):
+        params_from_dict(TritonParams, {"NSPLIT": 4, "BLOCK_H": 2, "num_stages": 1}, where="triton params")
 
 
 def test_tree_mask_from_parents():

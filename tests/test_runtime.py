@@ -15,7 +15,7 @@ from kvtune.kernels import runtime as rt
 from kvtune.kernels.backends import register_backend
 from kvtune.kernels.runtime import ProvenanceError, VerifyAttention, load_defaults
 from kvtune.kernels.triton_kernel import TritonBackend, TritonParams, kernel_source_hash, partials
-from kvtune.kernels.tuned import SchemaError, dump_tuned, parse_tuned
+from kvtune.kernels.tuned import SchemaError, dump_tuned, load_tuned, parse_tuned
 
 T, TP, NUM_HEADS = 9, 8, 16          # 2 heads per rank: small enough for the interpreter
 H = NUM_HEADS // TP
@@ -34,15 +34,15 @@ def tuned_dict(device="cpu", **top) -> dict:
                        "timing": "graph", "kvtune": "0.1.0"},
         "entries": [
             {"tp": TP, "heads_per_rank": H, "max_batch": 1, "backend": "triton",
-             "params": {"NSPLIT": 4, "BLOCK_N": 16, "BLOCK_H": 2, "num_warps": 4, "num_stages": 1},
+             "params": {"NSPLIT": 4, "BLOCK_N": 16, "HEADS_PER_BLOCK": 2, "NUM_WARPS": 4, "STAGES": 1},
              "buckets": [{"max_context": 64, "NSPLIT": 1, "latency_us": 3.0, "default_latency_us": 4.0},
                          {"max_context": 128, "NSPLIT": 2},
                          {"max_context": 256, "NSPLIT": 4}]},
             {"tp": TP, "heads_per_rank": H, "max_batch": 4, "backend": "triton",
-             "params": {"NSPLIT": 2, "BLOCK_N": 32, "BLOCK_H": 1, "num_warps": 4, "num_stages": 2},
+             "params": {"NSPLIT": 2, "BLOCK_N": 32, "HEADS_PER_BLOCK": 1, "NUM_WARPS": 4, "STAGES": 2},
              "buckets": [{"max_context": 100, "NSPLIT": 1}, {"max_context": 200, "NSPLIT": 2}]},
             {"tp": 4, "heads_per_rank": 4, "max_batch": 8, "backend": "triton",
-             "params": {"NSPLIT": 8, "BLOCK_N": 32, "BLOCK_H": 2, "num_warps": 4, "num_stages": 2},
+             "params": {"NSPLIT": 8, "BLOCK_N": 32, "HEADS_PER_BLOCK": 2, "NUM_WARPS": 4, "STAGES": 2},
              "buckets": [{"max_context": 4096, "NSPLIT": 8}]},
         ],
     }
@@ -207,12 +207,19 @@ def test_no_file_falls_back_and_warns_once(tmp_path, device, caplog, monkeypatch
 
 def test_reads_the_tuners_real_export(device):
     """The CPU sweep's committed export (results/cpu-tiny) loads and runs: the tuner's writer
-    and this reader agree. allow_mismatch: the kernel source may have changed since."""
+    and this reader agree. allow_mismatch: the kernel source may have changed since. An
+    export from before Triton's parameters took their current names is refused for serving,
+    naming the new names, and read as evidence with `legacy_names`."""
     from pathlib import Path
     path = Path(__file__).resolve().parents[1] / "results" / "cpu-tiny" / "cpu-tiny.yaml"
     if not path.is_file():
         pytest.skip("no committed CPU export")
-    tuned = load_defaults(path, deployment="cpu-tiny", device="cpu", allow_mismatch=True)
+    if "BLOCK_H" in path.read_text():
+        with pytest.raises(SchemaError, match="BLOCK_H was renamed HEADS_PER_BLOCK"):
+            load_defaults(path, deployment="cpu-tiny", device="cpu", allow_mismatch=True)
+        tuned = load_tuned(path, legacy_names=True)
+    else:
+        tuned = load_defaults(path, deployment="cpu-tiny", device="cpu", allow_mismatch=True)
     tp = tuned.entries[0].tp
     va = VerifyAttention.from_defaults(tuned, tp=tp, max_batch=2, max_context=300, device=device,
                                        allow_mismatch=True)

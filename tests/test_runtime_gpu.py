@@ -30,7 +30,7 @@ REPLAYS = [(1024, 1), (2048, 2049), (16384, 16385), (4096, 65536), (MAX_CONTEXT,
 def _params(backend: str) -> dict:
     be = get_backend(backend)
     if backend == "triton":
-        return {"NSPLIT": 32, "BLOCK_N": 32, "BLOCK_H": 2, "num_warps": 4, "num_stages": 2}
+        return {"NSPLIT": 32, "BLOCK_N": 32, "HEADS_PER_BLOCK": 2, "NUM_WARPS": 4, "STAGES": 2}
     from kvtune.kernels.shapes import VerifyProblem
     p = be.default_params(VerifyProblem(B=2, T=T, H=H, Dk=DK, Dv=DV, device=torch.device("cuda")))
     return dataclasses.asdict(dataclasses.replace(p, NSPLIT=max(n for _, n in BUCKETS)))

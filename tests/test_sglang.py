@@ -32,7 +32,7 @@ def tuned(device):
         "provenance": {"device_name": rt.device_name(device), "arch": rt.device_arch(device),
                        "kernel_hash": {"triton": kernel_source_hash()}, "date": "2026-11-29T17:00:00Z"},
         "entries": [{"tp": 1, "heads_per_rank": H, "max_batch": 4, "backend": "triton",
-                     "params": {"NSPLIT": 3, "BLOCK_N": 32, "BLOCK_H": 2, "num_warps": 4, "num_stages": 1},
+                     "params": {"NSPLIT": 3, "BLOCK_N": 32, "HEADS_PER_BLOCK": 2, "NUM_WARPS": 4, "STAGES": 1},
                      "buckets": [{"max_context": 50, "NSPLIT": 1}, {"max_context": 200, "NSPLIT": 2},
                                  {"max_context": 400, "NSPLIT": 3}]}]}, "mem")
 

@@ -11,7 +11,7 @@ import yaml
 from kvtune.tuner.config import CONFIG_DIR, ConfigError, load_deployment, load_device
 from kvtune.tuner.space import SPACE_DIR, load_space, problem_env
 
-TRITON_FIELDS = ["NSPLIT", "BLOCK_N", "BLOCK_H", "num_warps", "num_stages"]
+TRITON_FIELDS = ["NSPLIT", "BLOCK_N", "HEADS_PER_BLOCK", "NUM_WARPS", "STAGES"]
 CUDA_FIELDS = ["NSPLIT", "VEC", "BLOCK_N", "NUM_WARPS", "HEADS_PER_BLOCK", "STAGES"]
 
 GOOD = {
@@ -90,10 +90,10 @@ def test_good_tmp_deployment_loads(tmp_path):
 
 
 SPACE = {"backend": "triton",
-         "params": {"NSPLIT": [1, 2], "BLOCK_N": {"choices": [32]}, "BLOCK_H": {"range": {"low": 1, "high": 4,
-                                                                                         "log": True}},
-                    "num_warps": [4], "num_stages": [1]},
-         "constraints": [{"name": "heads", "expr": "BLOCK_H <= H", "reason": "too many heads"}]}
+         "params": {"NSPLIT": [1, 2], "BLOCK_N": {"choices": [32]},
+                    "HEADS_PER_BLOCK": {"range": {"low": 1, "high": 4, "log": True}},
+                    "NUM_WARPS": [4], "STAGES": [1]},
+         "constraints": [{"name": "heads", "expr": "HEADS_PER_BLOCK <= H", "reason": "too many heads"}]}
 
 
 def _space(tmp_path, doc):
@@ -107,25 +107,26 @@ def _space(tmp_path, doc):
 def test_space_choices_ranges_and_constraints(tmp_path):
     d, _ = _space(tmp_path, SPACE)
     sp = load_space("triton", TRITON_FIELDS, d)
-    assert sp.choices["BLOCK_H"] == (1, 2, 4)
+    assert sp.choices["HEADS_PER_BLOCK"] == (1, 2, 4)
     env = problem_env(4, 2, 1, 64, 576, 512, load_device("cpu"))
-    assert sp.violation({"NSPLIT": 1, "BLOCK_N": 32, "BLOCK_H": 2, "num_warps": 4, "num_stages": 1}, env) is None
-    why = sp.violation({"NSPLIT": 1, "BLOCK_N": 32, "BLOCK_H": 4, "num_warps": 4, "num_stages": 1}, env)
+    assert sp.violation({"NSPLIT": 1, "BLOCK_N": 32, "HEADS_PER_BLOCK": 2, "NUM_WARPS": 4, "STAGES": 1}, env) is None
+    why = sp.violation({"NSPLIT": 1, "BLOCK_N": 32, "HEADS_PER_BLOCK": 4, "NUM_WARPS": 4, "STAGES": 1}, env)
     assert "heads" in why and "too many heads" in why
     # the default of a study is always a legal point
-    assert 16 in sp.distributions(extra={"NSPLIT": 16, "BLOCK_N": 32, "BLOCK_H": 1, "num_warps": 4,
-                                         "num_stages": 1})["NSPLIT"]
+    assert 16 in sp.distributions(extra={"NSPLIT": 16, "BLOCK_N": 32, "HEADS_PER_BLOCK": 1, "NUM_WARPS": 4,
+                                         "STAGES": 1})["NSPLIT"]
 
 
 @pytest.mark.parametrize("mutate, key", [
     (lambda d: d["params"].update(BLOCK_Q=[1]), "params.BLOCK_Q"),
-    (lambda d: d["params"].pop("num_stages"), "missing parameter(s) ['num_stages']"),
+    (lambda d: d["params"].pop("STAGES"), "missing parameter(s) ['STAGES']"),
+    (lambda d: d["params"].update(num_warps=d["params"].pop("NUM_WARPS")), "num_warps was renamed NUM_WARPS"),
     (lambda d: d["params"].update(NSPLIT={"choices": []}), "params.NSPLIT.choices"),
     (lambda d: d["params"].update(NSPLIT={"range": {"low": 4, "high": 1}}), "params.NSPLIT.range"),
     (lambda d: d["params"].update(NSPLIT={"choices": [1], "range": {"low": 1, "high": 2}}), "params.NSPLIT"),
-    (lambda d: d["constraints"].append({"expr": "BLOCK_H <= heads"}), "constraints[1].expr"),
+    (lambda d: d["constraints"].append({"expr": "HEADS_PER_BLOCK <= heads"}), "constraints[1].expr"),
     (lambda d: d["constraints"].append({"expr": "__import__('os')"}), "constraints[1].expr"),
-    (lambda d: d["constraints"].append({"expr": "BLOCK_H <="}), "constraints[1].expr"),
+    (lambda d: d["constraints"].append({"expr": "HEADS_PER_BLOCK <="}), "constraints[1].expr"),
     (lambda d: d.update(backend="cuda"), "backend"),
     (lambda d: d.update(extra=1), "extra"),
 ])

@@ -47,8 +47,8 @@ def test_tiny_deployment_end_to_end(tmp_path):
     """`kvtune sweep --device cpu --export`: every trial recorded with an outcome; the YAML
     validates, loads, covers every tp, and never loses to the measured default."""
     dep = _deployment(tmp_path, backends=["triton", "cuda"])
-    spaces = _space(tmp_path, {"NSPLIT": [1, 2, 4], "BLOCK_N": [32, 64], "BLOCK_H": [1, 2], "num_warps": [4],
-                               "num_stages": [1]}, [NO_EMPTY, {"name": "heads", "expr": "BLOCK_H <= H"}])
+    spaces = _space(tmp_path, {"NSPLIT": [1, 2, 4], "BLOCK_N": [32, 64], "HEADS_PER_BLOCK": [1, 2], "NUM_WARPS": [4],
+                               "STAGES": [1]}, [NO_EMPTY, {"name": "heads", "expr": "HEADS_PER_BLOCK <= H"}])
     out = tmp_path / "results"
     rc = main(["sweep", str(dep), "--device", "cpu", "--out", str(out), "--space-dir", str(spaces),
                "--rounds", "1", "--remeasure-top", "2", "--no-progress", "--export", "--compile-workers", "2"])
@@ -71,7 +71,7 @@ def test_tiny_deployment_end_to_end(tmp_path):
     assert (ok["p10_us"] <= ok["median_us"]).all() and (ok["median_us"] <= ok["p90_us"]).all()
     assert ok["floor_us"].gt(0).all() and ok["pct_floor"].gt(0).all() and ok["gbps"].gt(0).all()
     assert (df["phase"] == "remeasure").any()
-    for col in ("NSPLIT", "BLOCK_N", "BLOCK_H", "num_warps", "num_stages", "device", "arch", "torch", "triton",
+    for col in ("NSPLIT", "BLOCK_N", "HEADS_PER_BLOCK", "NUM_WARPS", "STAGES", "device", "arch", "torch", "triton",
                 "kernel_hash", "date"):
         assert df[col].notna().all(), col
 
@@ -99,20 +99,20 @@ from kvtune.kernels.triton_kernel import TritonBackend
 
 
 class FastWrongTriton(TritonBackend):
-    """BLOCK_N=16 "runs" in no time and writes zeros (wrong); NSPLIT=2, num_warps=2 crashes
+    """BLOCK_N=16 "runs" in no time and writes zeros (wrong); NSPLIT=2, NUM_WARPS=2 crashes
     the process (as a GPU fault kills a context); served with a split table, only
-    num_warps=2 is right, but it is measured slowest without one; everything else is the
+    NUM_WARPS=2 is right, but it is measured slowest without one; everything else is the
     real kernel."""
 
     def launch(self, a, params):
-        if a.split_table is None and params.num_warps == 2:
+        if a.split_table is None and params.NUM_WARPS == 2:
             time.sleep(0.2)
-        if params.BLOCK_N == 16 or (a.split_table is not None and params.num_warps != 2):
+        if params.BLOCK_N == 16 or (a.split_table is not None and params.NUM_WARPS != 2):
             a.out.zero_()
             if a.lse is not None:
                 a.lse.zero_()
             return
-        if params.NSPLIT == 2 and params.num_warps == 2:
+        if params.NSPLIT == 2 and params.NUM_WARPS == 2:
             os._exit(3)
         super().launch(a, params)
 '''
@@ -138,7 +138,7 @@ def test_wrong_variant_rejected_crash_isolated_constraint_pruned(tmp_path, fast_
     from kvtune.kernels.shapes import VerifyProblem
     from kvtune.kernels.triton_kernel import TritonBackend
     default = dataclasses.asdict(TritonBackend().default_params(VerifyProblem(1, 4, 1, 576, 512, torch.device("cpu"))))
-    params = {"NSPLIT": [1, 2], "BLOCK_N": [16, 32], "BLOCK_H": [1], "num_warps": [2, 4], "num_stages": [2]}
+    params = {"NSPLIT": [1, 2], "BLOCK_N": [16, 32], "HEADS_PER_BLOCK": [1], "NUM_WARPS": [2, 4], "STAGES": [2]}
     grid = 1
     for k, v in params.items():  # the study's grid: the choices plus the default's values
         grid *= len(set(v) | {default[k]})
@@ -150,7 +150,7 @@ def test_wrong_variant_rejected_crash_isolated_constraint_pruned(tmp_path, fast_
     df = read_trials(tmp_path / "results" / "wrong" / "trials.csv")
     s = df[df["phase"] == "search"]
     assert len(s) == grid, "the whole grid is recorded, infeasible points as pruned"
-    keys = ("NSPLIT", "BLOCK_N", "BLOCK_H", "num_warps", "num_stages")
+    keys = ("NSPLIT", "BLOCK_N", "HEADS_PER_BLOCK", "NUM_WARPS", "STAGES")
     seen = set()
     for p, outcome, reason, role in zip(s["params"], s["outcome"], s["reason"].fillna(""), s["role"]):
         seen.add(outcome)
@@ -159,7 +159,7 @@ def test_wrong_variant_rejected_crash_isolated_constraint_pruned(tmp_path, fast_
             assert outcome == "pruned" and "no_empty_splits" in reason and "hold no key tile" in reason, p
         elif p["BLOCK_N"] == 16:
             assert outcome == "wrong" and "||o-ref||/||ref||" in reason, (p, outcome, reason)
-        elif p["NSPLIT"] == 2 and p["num_warps"] == 2:
+        elif p["NSPLIT"] == 2 and p["NUM_WARPS"] == 2:
             assert outcome == "failed" and "worker process died" in reason, (p, outcome, reason)
         else:
             assert outcome == "ok", (p, outcome, reason)
@@ -168,14 +168,14 @@ def test_wrong_variant_rejected_crash_isolated_constraint_pruned(tmp_path, fast_
     tuned = export_deployment(sw.dep, out=str(tmp_path / "results"), quiet=True)
     (e,) = tuned.entries
     assert e.params["BLOCK_N"] != 16, "a config rejected by the correctness gate was exported"
-    assert not (e.params["NSPLIT"] == 2 and e.params["num_warps"] == 2)
+    assert not (e.params["NSPLIT"] == 2 and e.params["NUM_WARPS"] == 2)
     assert set(e.params) == set(keys)
     # the serving check (split table) rejected the faster groups; the export skipped them
     serve = df[df["phase"] == "serve"]
     assert (serve["outcome"] == "wrong").any(), "the faster configs failed their serving check"
     for p, outcome in zip(serve["params"], serve["outcome"]):
-        assert outcome == ("ok" if p["num_warps"] == 2 else "wrong"), (p, outcome)
-    assert e.params["num_warps"] == 2, "a config that is wrong when served was exported"
+        assert outcome == ("ok" if p["NUM_WARPS"] == 2 else "wrong"), (p, outcome)
+    assert e.params["NUM_WARPS"] == 2, "a config that is wrong when served was exported"
     ok_serve = [p for p, o in zip(serve["params"], serve["outcome"]) if o == "ok"]
     assert e.params in ok_serve
 
@@ -185,8 +185,8 @@ def test_measure_prunes_before_running(tmp_path):
     from kvtune.tuner.measure import Measurer, MeasureOptions, ProblemSpec
     m = Measurer("cpu")
     spec = ProblemSpec(heads=2, batch=1, context=64, draft_tokens=8)
-    base = {"NSPLIT": 4, "BLOCK_N": 32, "BLOCK_H": 2, "num_warps": 4, "num_stages": 1}
-    r = m.measure("triton", dict(base, BLOCK_H=64), spec, MeasureOptions(timing="eager"), None)
+    base = {"NSPLIT": 4, "BLOCK_N": 32, "HEADS_PER_BLOCK": 2, "NUM_WARPS": 4, "STAGES": 1}
+    r = m.measure("triton", dict(base, HEADS_PER_BLOCK=64), spec, MeasureOptions(timing="eager"), None)
     assert r.outcome == "pruned" and "256" in r.reason
     need = 4 * 4 * 8 * 2 * 513
     r = m.measure("triton", base, spec, MeasureOptions(timing="eager", workspace_budget_bytes=need - 1), None)
@@ -199,8 +199,8 @@ def test_measure_prunes_before_running(tmp_path):
 
 def test_interrupted_sweep_resumes_without_repeating(tmp_path):
     dep = _deployment(tmp_path, name="resume", tp=[8], contexts=[64, 300], trials=3)
-    spaces = _space(tmp_path, {"NSPLIT": [1, 2, 4], "BLOCK_N": [32, 64], "BLOCK_H": [1], "num_warps": [4],
-                               "num_stages": [1, 2]}, [NO_EMPTY])
+    spaces = _space(tmp_path, {"NSPLIT": [1, 2, 4], "BLOCK_N": [32, 64], "HEADS_PER_BLOCK": [1], "NUM_WARPS": [4],
+                               "STAGES": [1, 2]}, [NO_EMPTY])
     kw = dict(device="cpu", out=str(tmp_path / "results"), space_dir=str(spaces), rounds=1, remeasure_top=1,
               progress=False)
     first = run_sweep(dep, SweepOptions(max_measurements=4, **kw))
@@ -237,8 +237,8 @@ def test_ctrl_c_loses_no_finished_trial(tmp_path):
     import time
 
     dep = _deployment(tmp_path, name="sigint", tp=[8], contexts=[64], trials=6)
-    spaces = _space(tmp_path, {"NSPLIT": [1, 2, 4], "BLOCK_N": [32, 64], "BLOCK_H": [1], "num_warps": [4, 8],
-                               "num_stages": [1, 2]}, [NO_EMPTY])
+    spaces = _space(tmp_path, {"NSPLIT": [1, 2, 4], "BLOCK_N": [32, 64], "HEADS_PER_BLOCK": [1], "NUM_WARPS": [4, 8],
+                               "STAGES": [1, 2]}, [NO_EMPTY])
     cmd = [sys.executable, "-m", "kvtune.tuner.cli", "sweep", str(dep), "--device", "cpu", "--out",
            str(tmp_path / "results"), "--space-dir", str(spaces), "--rounds", "1", "--remeasure-top", "1",
            "--no-progress"]
@@ -340,7 +340,7 @@ def test_gate_catches_a_tree_mask_bug_invisible_at_long_prefixes():
         ref = reference_attention(*x.args)[0]
         o = verify_attention(*x.args, backend="triton-all-drafts-visible", params=TritonParams(NSPLIT=4, BLOCK_N=64))
         assert rel_error(o, ref) < 1e-2              # the long-prefix check alone is blind to it
-        base = dataclasses.asdict(TritonParams(NSPLIT=4, BLOCK_N=64, BLOCK_H=1))
+        base = dataclasses.asdict(TritonParams(NSPLIT=4, BLOCK_N=64, HEADS_PER_BLOCK=1))
         r = Measurer("cpu").measure("triton-all-drafts-visible", base, spec,
                                     MeasureOptions(timing="eager", cpu_reps=1, warmup=False), None)
         assert r.outcome == "wrong" and "short prefixes" in r.reason, r

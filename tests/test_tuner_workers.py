@@ -36,9 +36,9 @@ def _deployment(tmp_path, name):
     d = tmp_path / "spaces"
     d.mkdir(exist_ok=True)
     (d / "triton.yaml").write_text(yaml.safe_dump({
-        "backend": "triton", "params": {"NSPLIT": [1, 2, 4], "BLOCK_N": [32, 64], "BLOCK_H": [1, 2],
-                                        "num_warps": [4], "num_stages": [1, 2]},
-        "constraints": [{"name": "heads", "expr": "BLOCK_H <= H"}]}))
+        "backend": "triton", "params": {"NSPLIT": [1, 2, 4], "BLOCK_N": [32, 64], "HEADS_PER_BLOCK": [1, 2],
+                                        "NUM_WARPS": [4], "STAGES": [1, 2]},
+        "constraints": [{"name": "heads", "expr": "HEADS_PER_BLOCK <= H"}]}))
     return p, d
 
 

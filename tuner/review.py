@@ -29,6 +29,7 @@ import pandas as pd
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
+from kvtune.kernels.backends import rename_legacy_params
 from kvtune.kernels.tuned import SchemaError, load_tuned
 
 from .config import REPO_ROOT, ConfigError, load_deployment
@@ -144,7 +145,7 @@ def load_results(target: str | os.PathLike, storage: str | None = None) -> Resul
             res.tuned_path = y
             res.tuned_text = y.read_text()
             try:
-                res.tuned = load_tuned(y)
+                res.tuned = load_tuned(y, legacy_names=True)  # committed evidence may predate a rename
             except SchemaError as e:
                 res.tuned_error = str(e)
             break
@@ -364,7 +365,7 @@ def _load_optuna_trials(res: Results) -> pd.DataFrame | None:
                     continue
                 rows.append({**keys, "study": summ.study_name, "trial": t.number, "value": t.value,
                              "state": t.state.name, "outcome": ua.get("outcome", ""), "role": ua.get("role", ""),
-                             "params": dict(t.params)})
+                             "params": rename_legacy_params(keys["backend"], dict(t.params))})
         out = pd.DataFrame(rows)
     res._cache["optuna"] = out
     return out
@@ -441,6 +442,7 @@ def importance_frame(res: Results) -> tuple[pd.DataFrame, str]:
             except Exception:  # noqa: BLE001 - a degenerate study (one distinct value...) has none
                 continue
             keys = {k: g[k].iloc[0] for k in STUDY_KEYS}
+            imp = rename_legacy_params(keys["backend"], imp)  # a study from before a rename
             rows += [{**keys, "param": p, "importance": float(v)} for p, v in imp.items()]
         source = f"optuna.importance ({name}) on the studies in {_storage_name(res)}"
         if rows:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from kvtune.kernels.backends import renamed_hint
+
 from .config import REPO_ROOT, ConfigError, check_keys, read_yaml
 
 SPACE_DIR = REPO_ROOT / "search_spaces"
@@ -189,7 +191,7 @@ def parse_space(d: Any, src: str, backend: str, fields: list[str]) -> SearchSpac
     unknown = sorted(set(params) - set(fields))
     if unknown:
         raise ConfigError(f"{src}: params.{unknown[0]}: unknown parameter(s) {unknown} for backend {backend!r}; "
-                          f"its parameters are {fields}")
+                          f"its parameters are {fields}{renamed_hint(unknown, fields)}")
     missing = [f for f in fields if f not in params]
     if missing:
         raise ConfigError(f"{src}: params: missing parameter(s) {missing} for backend {backend!r} "

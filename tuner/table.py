@@ -4,7 +4,9 @@ Rows are appended and flushed to disk as each trial finishes, so an interrupted 
 loses nothing it finished. The Optuna study is the source of truth (every finished
 trial carries its row as a user attribute); at start-up rows the table lacks are written
 back from the studies. Parameters get one column each (the dataclass field names, the
-union over the backends); `params` holds them as JSON too.
+union over the backends); `params` holds them as JSON too. Tables written before a
+parameter was renamed (`kernels.backends.RENAMED_PARAMS`) keep their old columns on disk;
+`read_trials` gives them the current names.
 
 Several worker processes of one sweep (`shared=True`) append to one table: each append
 holds a file lock (`trials.csv.lock`), first reads the rows the others appended since,
@@ -19,6 +21,8 @@ import json
 import os
 from contextlib import nullcontext
 from pathlib import Path
+
+from kvtune.kernels.backends import RENAMED_PARAMS, rename_legacy_params
 
 LEAD = ["deployment", "study", "phase", "round", "backend", "tp", "heads", "bs", "ctx", "T", "tree", "trial", "role"]
 RESULT = ["params", "outcome", "reason", "median_us", "p10_us", "p90_us", "rel_err", "gbps", "tflops", "floor_us",
@@ -148,4 +152,25 @@ def read_trials(path: str | os.PathLike):
                                   "kernel_hash": "string", "torch": "string", "triton": "string",
                                   "kvtune": "string", "round": "string"}, keep_default_na=True)
     df["params"] = [json.loads(p) if isinstance(p, str) and p else {} for p in df["params"]]
+    return current_param_names(df)
+
+
+def current_param_names(df):
+    """`df` with the parameters a backend has renamed under their current names: for that
+    backend's rows an old column's values move into the current column (created in the old
+    one's place if missing; a value already there wins), the old column goes once no other
+    backend's row uses it, and the `params` dicts are renamed alike."""
+    for backend, renamed in RENAMED_PARAMS.items():
+        rows = df["backend"] == backend
+        for old, new in renamed.items():
+            if old not in df.columns:
+                continue
+            moved = df[old].where(rows)
+            if new in df.columns:
+                df[new] = df[new].fillna(moved)
+            else:
+                df.insert(df.columns.get_loc(old), new, moved)
+            if df[old].where(~rows).isna().all():
+                df = df.drop(columns=old)
+    df["params"] = [rename_legacy_params(b, p) for b, p in zip(df["backend"], df["params"])]
     return df
