@@ -194,6 +194,35 @@ def test_exported_yaml_agrees_with_the_trials_it_came_from():
     assert (ex["yaml default µs"].round(2) == ex["trials default µs"].round(2)).all()
 
 
+def test_evidence_from_before_the_triton_rename_reads_with_the_current_names(tmp_path):
+    """Committed tables and exports predate Triton's BLOCK_H/num_warps/num_stages becoming
+    HEADS_PER_BLOCK/NUM_WARPS/STAGES; they stay as written and are read with the new names:
+    an old column's triton values move into the new column (beside CUDA's values there, and
+    under triton values a resumed sweep wrote there already), and the params dicts alike."""
+    from kvtune.tuner.table import columns, read_trials
+    res = rv.load_results(CPU_TINY)
+    assert {"HEADS_PER_BLOCK", "NUM_WARPS", "STAGES"} <= set(res.param_names)
+    assert not {"BLOCK_H", "num_warps", "num_stages"} & set(res.param_names)
+    assert res.tuned_error is None and all("HEADS_PER_BLOCK" in e.params for e in res.tuned.entries)
+
+    old, new = ["BLOCK_H", "num_warps", "num_stages"], ["HEADS_PER_BLOCK", "NUM_WARPS", "STAGES"]
+    path = tmp_path / "trials.csv"
+    rows = [("triton", {"BLOCK_H": 2, "num_warps": 4, "num_stages": 1}),
+            ("cuda", {"HEADS_PER_BLOCK": 8, "NUM_WARPS": 16, "STAGES": 2}),
+            ("triton", {"HEADS_PER_BLOCK": 4, "NUM_WARPS": 8, "STAGES": 3})]
+    import csv
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns(["NSPLIT", *old, *new]), restval="")
+        w.writeheader()
+        for i, (be, p) in enumerate(rows):
+            w.writerow({"study": "s", "phase": "search", "trial": i, "backend": be, "NSPLIT": 4, **p,
+                        "params": json.dumps({"NSPLIT": 4, **p})})
+    df = read_trials(path)
+    assert not set(old) & set(df.columns)
+    assert df[new].astype(int).values.tolist() == [[2, 4, 1], [8, 16, 2], [4, 8, 3]]
+    assert [sorted(p) for p in df["params"]] == [sorted(["NSPLIT", *new])] * 3
+
+
 def test_two_backends_draw_the_cuda_vs_triton_panel(cpu_tiny_no_db, tmp_path):
     """Code path of a sweep with both backends (the CPU cannot run the CUDA backend): the
     committed triton rows relabelled as a second backend, 2x faster. Only the plotting is
