@@ -1,6 +1,6 @@
 #!/bin/bash
-# One GPU session for the CUDA backend (issue 3): environment, a smoke check, compute-sanitizer
-# the benchmark, a gather diagnosis, the GPU tests, then racecheck/memcheck on small shapes. Run from the repo
+# One GPU session for the CUDA backend (issue 3): environment, a smoke check, the mma.sync /
+# ldmatrix ceilings, the benchmark, a gather diagnosis (DIAG_S=0 skips it), the GPU tests, then racecheck/memcheck on small shapes. Run from the repo
 # root; everything lands in $1 (default $OUT).
 set -u
 OUT=${1:-$OUT}
@@ -27,6 +27,8 @@ for (B, T, H, prefix, tree) in [(1, 9, 8, [54], "chain"), (2, 9, 8, [300, 7], "r
 PYEOF
 timeout 120 $PY /tmp/smoke.py > "$OUT/smoke.log" 2>&1
 echo "smoke rc=$?" >> "$OUT/smoke.log"
+# the ceilings of mma.sync / ldmatrix (the only tensor-core path the one source may use)
+timeout 60 $PY scripts/mma_ceiling.py --out "$OUT" > "$OUT/ceilings.log" 2>&1; echo "ceilings rc=$?" >> "$OUT/ceilings.log"
 timeout ${BENCH_S:-200} $PY scripts/bench_verify.py --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/bench.log"
 
 # -- diagnosis: random-row gather bandwidth (torch) and the kernel on random vs sorted slots
@@ -61,7 +63,7 @@ for H in (8, 64):
         us = t_us(lambda: verify_attention(*x.args, backend="cuda", params=p, out=out, check_values_=False))
         print(f"cuda default H={H} prefix 131072 slots {order}: {us:.1f} us  ({p})")
 PYEOF
-timeout 90 $PY /tmp/diag.py > "$OUT/diag.log" 2>&1; echo "diag rc=$?" >> "$OUT/diag.log"
+[ "${DIAG_S:-90}" != 0 ] && { timeout ${DIAG_S:-90} $PY /tmp/diag.py > "$OUT/diag.log" 2>&1; echo "diag rc=$?" >> "$OUT/diag.log"; }
 
 timeout ${PYTEST_S:-150} $PY -m pytest -q -p no:cacheprovider tests/test_cuda_gpu.py tests/test_contract.py \
   -k "test_cuda_gpu or cuda" -o addopts="" > "$OUT/pytest.log" 2>&1

@@ -51,11 +51,22 @@ def test_ragged_batch(T, H, tree):
 
 
 @pytest.mark.parametrize("over", [dict(BLOCK_N=16, NSPLIT=64), dict(BLOCK_N=64, NUM_WARPS=16, HEADS_PER_BLOCK=2),
-                                  dict(VEC=4, STAGES=3), dict(VEC=2, NUM_WARPS=8, HEADS_PER_BLOCK=4),
+                                  dict(VEC=4, STAGES=3, HEADS_PER_BLOCK=4), dict(VEC=2, NUM_WARPS=16, HEADS_PER_BLOCK=4),
                                   dict(HEADS_PER_BLOCK=3, NSPLIT=5), dict(STAGES=4, BLOCK_N=16, NSPLIT=2),
                                   dict(NUM_WARPS=32, NSPLIT=1)])
 def test_configs_and_more_splits_than_tiles(over):
     x = make_inputs(2, 9, 8, [97, 7], tree="random", device="cuda")
+    _check(x, params=_cuda_params(x, **over))
+
+
+@pytest.mark.parametrize("over", [dict(NSPLIT=1), dict(NSPLIT=4, BLOCK_N=16, STAGES=3)])
+@pytest.mark.parametrize("grow", [4.0, 40.0])
+def test_growing_max_rescales(over, grow):
+    # the kernel keeps a row's max in use until a tile beats it by more than 2^8: scale the
+    # later keys up so their scores pass it mid-split, and check the rescaled partials
+    x = make_inputs(1, 9, 8, 3000, tree="random", device="cuda", seed=11)
+    late = x.kv_indices[1000:].long()
+    x.kv_cache[late] = (x.kv_cache[late].float() * grow).to(torch.bfloat16)
     _check(x, params=_cuda_params(x, **over))
 
 

@@ -68,7 +68,7 @@ class CudaParams:
     NSPLIT: int = 64
     VEC: int = 8
     BLOCK_N: int = 32
-    NUM_WARPS: int = 16
+    NUM_WARPS: int = 8
     HEADS_PER_BLOCK: int = 8
     STAGES: int = 2
 
@@ -93,6 +93,37 @@ class CudaParams:
         return self.NUM_WARPS * 32
 
 
+def qk_tiling(p: CudaParams, T: int) -> tuple[int, int, int]:
+    """How the warps tile S^T = K Q^T (the kernel's QMT, QRG, QKS template values): QMT key
+    m16 tiles per warp, QRG groups of the row n8 tiles, QKS slices of the 576-wide reduction.
+
+    Every warp busy first (an idle warp leaves a tensor unit of its SM sub-partition idle),
+    then the least shared-memory traffic per key: K is re-read once per row group, Q once
+    per key group, and each slice writes and the softmax reads one fp32 S partial. The S
+    accumulators must fit beside the O accumulator (QMT x row tiles per group x 4 registers)."""
+    rows_pad = cdiv(p.HEADS_PER_BLOCK * T, 8) * 8
+    nt, kt = rows_pad // 8, p.BLOCK_N // 16
+    cap = 255 if p.threads <= 256 else 65536 // p.threads // 8 * 8
+    budget = max(8, cap - (DV // 16 // p.NUM_WARPS) * nt * 4 - 52)
+    best = None
+    for qmt in (1, 2, 4):
+        if kt % qmt:
+            continue
+        for qrg in range(1, nt + 1):
+            s_nt = cdiv(nt, qrg)
+            if cdiv(nt, s_nt) != qrg or qmt * s_nt * 4 > budget:
+                continue
+            for qks in (1, 2, 3, 4, 6, 9, 12, 18, 36):
+                warps = (kt // qmt) * qrg * qks
+                if warps > p.NUM_WARPS:
+                    continue
+                traffic = 2 * DK * qrg + 2 * DK * rows_pad // (16 * qmt) + 8 * rows_pad * qks
+                key = (-warps, traffic, qmt * s_nt)
+                if best is None or key < best[0]:
+                    best = (key, (qmt, qrg, qks))
+    return best[1] if best else (1, nt, 1)
+
+
 @dataclass(frozen=True)
 class KernelGeometry:
     """Derived compile-time constants (mirror of `Config` in verify.cu)."""
@@ -101,6 +132,7 @@ class KernelGeometry:
     row_tiles: int
     acc_regs: int
     smem_bytes: int
+    qk: tuple[int, int, int]   # (QMT, QRG, QKS), see qk_tiling
 
     @staticmethod
     def of(p: CudaParams, T: int) -> "KernelGeometry":
@@ -108,17 +140,17 @@ class KernelGeometry:
         nt = cdiv(rows, 8)
         rows_pad = nt * 8
         kpitch, ppitch, spitch = DK + 8, p.BLOCK_N + 8, p.BLOCK_N + 4
-        kt = p.BLOCK_N // 16
-        ws_k = min(p.NUM_WARPS, kt)
-        rem = p.NUM_WARPS // ws_k
-        s_ks = 2 if rem >= 4 and cdiv(nt, rem // 2) <= 2 else 1   # halves of the QK^T reduction (Config::S_KS)
-        smem = (rows_pad * kpitch * 2 + p.STAGES * p.BLOCK_N * kpitch * 2 + s_ks * rows_pad * spitch * 4
+        qk = qk_tiling(p, T)
+        smem = (rows_pad * kpitch * 2 + p.STAGES * p.BLOCK_N * kpitch * 2 + qk[2] * rows_pad * spitch * 4
                 + rows_pad * ppitch * 2 + 2 * rows_pad * 4 + 2 * p.threads * 4)
-        return KernelGeometry(rows=rows, row_tiles=nt, acc_regs=(DV // 16 // p.NUM_WARPS) * nt * 4, smem_bytes=smem)
+        return KernelGeometry(rows=rows, row_tiles=nt, acc_regs=(DV // 16 // p.NUM_WARPS) * nt * 4, smem_bytes=smem,
+                              qk=qk)
 
 
 def split_expr(p: CudaParams, T: int) -> str:
-    return f"kvtune::verify_split_kernel<{p.VEC},{p.BLOCK_N},{p.NUM_WARPS},{p.HEADS_PER_BLOCK},{p.STAGES},{T}>"
+    qmt, qrg, qks = qk_tiling(p, T)
+    return (f"kvtune::verify_split_kernel<{p.VEC},{p.BLOCK_N},{p.NUM_WARPS},{p.HEADS_PER_BLOCK},{p.STAGES},{T},"
+            f"{qmt},{qrg},{qks}>")
 
 
 MERGE_EXPR = f"kvtune::verify_merge_kernel<{MERGE_SPLIT_GROUPS}>"
@@ -126,8 +158,9 @@ MERGE_EXPR = f"kvtune::verify_merge_kernel<{MERGE_SPLIT_GROUPS}>"
 
 def module_name(p: CudaParams, T: int) -> str:
     """Readable cache name from every template value (NSPLIT is not one)."""
+    qmt, qrg, qks = qk_tiling(p, T)
     return (f"verify_T{T}_VEC{p.VEC}_BN{p.BLOCK_N}_W{p.NUM_WARPS}_HPB{p.HEADS_PER_BLOCK}_S{p.STAGES}"
-            f"_MSG{MERGE_SPLIT_GROUPS}")
+            f"_QK{qmt}x{qrg}x{qks}_MSG{MERGE_SPLIT_GROUPS}")
 
 
 def compile_params(p: CudaParams, T: int, arch: str):
@@ -191,8 +224,10 @@ class CudaBackend(Backend):
         return kernel_source_hash()
 
     def default_params(self, problem: VerifyProblem) -> CudaParams:
-        # 72 query rows per CTA (8 heads at T=9): one key read feeds 9 row tiles; 16 warps keep
-        # the 512-wide accumulator at 128 registers. NSPLIT: about one CTA per SM at batch 1.
+        # 72 query rows per CTA (8 heads at T=9): one key read feeds 9 row tiles. 8 warps hold
+        # the 512 x 72 O accumulator in 144 registers each and leave room for 2-key-tile QK^T
+        # warp tiles (half the shared-memory traffic per key of 16 warps; qk_tiling).
+        # NSPLIT: about one CTA per SM at batch 1.
         hpb = max(1, min(problem.H, 72 // problem.T))
         sms = 132
         if problem.is_cuda and torch.cuda.is_available():
@@ -314,7 +349,7 @@ def default_for_arch(T: int, heads_per_block: int, arch: str) -> CudaParams:
     """The default template values for `arch`: the sm_90 shape (32-key tiles, 2 stages),
     shrunk (16-key tiles, then fewer heads per CTA) until its shared memory fits the arch."""
     limit = ARCH_LIMITS[arch].smem_per_block if arch in ARCH_LIMITS else ARCH_LIMITS["sm_120"].smem_per_block
-    p = CudaParams(VEC=8, BLOCK_N=32, NUM_WARPS=16, HEADS_PER_BLOCK=heads_per_block, STAGES=2)
+    p = CudaParams(VEC=8, BLOCK_N=32, NUM_WARPS=8, HEADS_PER_BLOCK=heads_per_block, STAGES=2)
     if KernelGeometry.of(p, T).smem_bytes > limit:
         p = replace(p, BLOCK_N=16)
     while KernelGeometry.of(p, T).smem_bytes > limit and p.HEADS_PER_BLOCK > 1:

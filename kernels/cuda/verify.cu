@@ -25,6 +25,7 @@ typedef unsigned long long u64;
 constexpr int DK = 576;   // kv_lora_rank + qk_rope_head_dim
 constexpr int DV = 512;   // kv_lora_rank: V is the first DV columns of a cached row
 constexpr float LN2 = 0.6931471805599453f;
+constexpr float RESCALE_SLACK = 8.f;  // log2 units: see the softmax step
 
 // ---------------------------------------------------------------- PTX helpers (sm_80 class)
 
@@ -96,7 +97,7 @@ __device__ __forceinline__ int num_splits(int L, const int* max_keys, const int*
 
 // ---------------------------------------------------------------- configuration
 
-template <int VEC, int BLOCK_N, int NUM_WARPS, int HPB, int STAGES, int T>
+template <int VEC, int BLOCK_N, int NUM_WARPS, int HPB, int STAGES, int T, int QMT, int QRG, int QKS>
 struct Config {
   static_assert(VEC == 2 || VEC == 4 || VEC == 8, "VEC must be 2, 4 or 8 bf16 (4/8/16-byte copies)");
   static_assert(BLOCK_N == 16 || BLOCK_N == 32 || BLOCK_N == 64 || BLOCK_N == 128, "BLOCK_N in {16,32,64,128}");
@@ -116,16 +117,22 @@ struct Config {
   static constexpr int PPITCH = BLOCK_N + 8;    // bf16 per P row
   static constexpr int SPITCH = BLOCK_N + 4;    // fp32 per S row: fragment stores conflict-free
 
-  // S^T = K Q^T: warps tile (key m16 tiles) x (row n8 tiles) x (halves of the 576-wide
-  // reduction when there are warps to spare and each warp keeps <= 2 row tiles: two 18-deep
-  // accumulation chains instead of one 36-deep chain; the softmax step sums the halves)
-  static constexpr int WS_K = NUM_WARPS <= KT ? NUM_WARPS : KT;
-  static constexpr int S_KS =
-      (NUM_WARPS / WS_K >= 4 && (NT + NUM_WARPS / WS_K / 2 - 1) / (NUM_WARPS / WS_K / 2) <= 2) ? 2 : 1;
-  static constexpr int S_MT = KT / WS_K;
-  static constexpr int WS_R = NUM_WARPS / WS_K / S_KS;
-  static constexpr int S_NT = (NT + WS_R - 1) / WS_R;
-  static constexpr int S_KSTEPS = DK / 16 / S_KS;
+  // S^T = K Q^T: warps tile (KT / QMT key groups of QMT m16 tiles) x (QRG row groups of S_NT
+  // n8 tiles) x (QKS slices of the 576-wide reduction, summed by the softmax step). The
+  // launcher picks the tiling (backend.qk_tiling): every warp busy, then the least shared-
+  // memory traffic per key (K re-read once per row group, Q once per key group, S partials).
+  static_assert(QMT >= 1 && KT % QMT == 0, "QMT must divide BLOCK_N / 16");
+  static_assert(QRG >= 1 && QRG <= NT, "QRG in [1, row tiles]");
+  static_assert(QKS >= 1 && (DK / 16) % QKS == 0, "QKS must divide the 36 k16 steps of DK");
+  static constexpr int WS_K = KT / QMT;
+  static constexpr int S_KS = QKS;
+  static constexpr int S_MT = QMT;
+  static constexpr int WS_R = QRG;
+  static constexpr int S_NT = (NT + QRG - 1) / QRG;
+  static_assert((NT + S_NT - 1) / S_NT == QRG, "QRG row groups must all be non-empty");
+  static constexpr int S_KSTEPS = DK / 16 / QKS;
+  static constexpr int QK_WARPS = WS_K * WS_R * S_KS;
+  static_assert(QK_WARPS <= NUM_WARPS, "the QK^T tiling needs more warps than the block has");
   // O^T = V^T P^T: each warp owns DV / NUM_WARPS value columns for every query row
   static constexpr int PV_MT = (DV / 16) / NUM_WARPS;
   static_assert(PV_MT >= 1, "NUM_WARPS <= DV / 16");
@@ -175,9 +182,9 @@ static_assert(sizeof(SplitArgs) == 128, "SplitArgs must match backend._SplitArgs
 
 // ---------------------------------------------------------------- split kernel
 // grid (B * ceil(H / HPB), NSPLIT); block NUM_WARPS * 32; dynamic smem Config::SMEM_BYTES.
-template <int VEC, int BLOCK_N, int NUM_WARPS, int HPB, int STAGES, int T>
+template <int VEC, int BLOCK_N, int NUM_WARPS, int HPB, int STAGES, int T, int QMT, int QRG, int QKS>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const SplitArgs a) {
-  using C = Config<VEC, BLOCK_N, NUM_WARPS, HPB, STAGES, T>;
+  using C = Config<VEC, BLOCK_N, NUM_WARPS, HPB, STAGES, T, QMT, QRG, QKS>;
   extern __shared__ __align__(128) unsigned char smem[];
   u16* Qs = reinterpret_cast<u16*>(smem + C::Q_OFF);
   u16* Ks = reinterpret_cast<u16*>(smem + C::K_OFF);
@@ -318,7 +325,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
     const u32 kst = ks_base + (it % STAGES) * C::K_STAGE;
 
     // -- S^T = K Q^T over the 576-wide reduction
-    {
+    if (C::QK_WARPS == NUM_WARPS || warp < C::QK_WARPS) {
       float sacc[C::S_MT][C::S_NT][4];
 #pragma unroll
       for (int mt = 0; mt < C::S_MT; ++mt)
@@ -328,7 +335,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
           for (int e = 0; e < 4; ++e) sacc[mt][nt][e] = 0.f;
       const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_col = (lane >> 4) * 8;
       const int b_row = (lane & 7) + (lane >> 4) * 8, b_col = ((lane >> 3) & 1) * 8;
-#pragma unroll 2
+#pragma unroll (C::S_KSTEPS <= 12 ? C::S_KSTEPS : 2)
       for (int kk = 0; kk < C::S_KSTEPS; ++kk) {
         const int ks = wks * C::S_KSTEPS + kk;
         u32 af[C::S_MT][4];
@@ -375,37 +382,60 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
     }
     __syncthreads();
 
-    // -- online softmax (base 2): tree mask on draft keys, update m and l, P to smem as bf16
+    // -- online softmax (base 2): tree mask on draft keys, update m and l, P to smem as bf16.
+    // The max in use only moves when a row's tile max exceeds it by more than RESCALE_SLACK
+    // (then P <= 2^RESCALE_SLACK, harmless in fp32 sums and bf16 P): most tiles rescale no
+    // row, and the barrier's OR tells every warp to skip the O^T rescale.
+    int grew = 0;
     {
       const int n0 = lo + it * BLOCK_N + sub8 * C::CPL;
+      // every key of the tile a prefix key inside the split: no per-key visibility test
+      const bool all_visible = lo + (it + 1) * BLOCK_N <= min(hi, P);
 #pragma unroll
       for (int p = 0; p < C::PASSES; ++p) {
         const int r = p * C::GROUPS + grp;
         const bool row_ok = r < C::ROWS;
         float s[C::CPL];
+        // sum the QKS partials of this row's CPL keys (rows past ROWS_PAD lie outside S)
+        if (row_ok) {
+          const float* src = Ss + r * C::SPITCH + sub8 * C::CPL;
+          if constexpr (C::CPL % 4 == 0) {
+#pragma unroll
+            for (int j = 0; j < C::CPL; j += 4) {
+              float4 v = *reinterpret_cast<const float4*>(src + j);
+#pragma unroll
+              for (int h = 1; h < C::S_KS; ++h) {
+                const float4 w = *reinterpret_cast<const float4*>(src + h * C::ROWS_PAD * C::SPITCH + j);
+                v.x += w.x; v.y += w.y; v.z += w.z; v.w += w.w;
+              }
+              s[j] = v.x; s[j + 1] = v.y; s[j + 2] = v.z; s[j + 3] = v.w;
+            }
+          } else {
+#pragma unroll
+            for (int j = 0; j < C::CPL; ++j) {
+              float v = src[j];
+#pragma unroll
+              for (int h = 1; h < C::S_KS; ++h) v += src[h * C::ROWS_PAD * C::SPITCH + j];
+              s[j] = v;
+            }
+          }
+        }
         float mx = -__int_as_float(0x7f800000);
 #pragma unroll
         for (int j = 0; j < C::CPL; ++j) {
-          const int n = n0 + j;
-          const int d = n - P;
-          const bool vis = row_ok && n < hi && (d < 0 || ((bits[p] >> d) & 1));
-          // read S only for visible keys: rows past ROWS_PAD lie outside the S buffer
-          float v = -__int_as_float(0x7f800000);
-          if (vis) {
-            v = 0.f;
-#pragma unroll
-            for (int h = 0; h < C::S_KS; ++h) v += Ss[h * C::ROWS_PAD * C::SPITCH + r * C::SPITCH + sub8 * C::CPL + j];
-            v *= a.qk_scale;
-          }
-          s[j] = v;
+          const int d = n0 + j - P;
+          const bool vis = row_ok && (all_visible || (n0 + j < hi && (d < 0 || ((bits[p] >> d) & 1))));
+          s[j] = vis ? s[j] * a.qk_scale : -__int_as_float(0x7f800000);
           mx = fmaxf(mx, s[j]);
         }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-        const float m_new = fmaxf(m_run[p], mx);
+        const bool grow = mx > m_run[p] + RESCALE_SLACK;   // false while both are -inf
+        const float m_new = grow ? mx : m_run[p];
         const float m_safe = m_new == -__int_as_float(0x7f800000) ? 0.f : m_new;
-        const float alpha = fast_exp2(m_run[p] - m_safe);
+        const float alpha = grow ? fast_exp2(m_run[p] - m_new) : 1.f;
+        grew |= grow && row_ok;
         float psum = 0.f;
         if (row_ok) {
 #pragma unroll
@@ -421,19 +451,21 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
         m_run[p] = m_new;
       }
     }
-    __syncthreads();
+    const int any_grew = __syncthreads_or(grew);
 
     // -- O^T = alpha * O^T + V^T P^T; V is the first DV columns of the key rows already in smem
     {
+      if (any_grew) {  // some row's max in use moved: rescale its O^T columns
 #pragma unroll
-      for (int nt = 0; nt < C::NT; ++nt) {
-        const float a0 = alpha_s[nt * 8 + 2 * t4], a1 = alpha_s[nt * 8 + 2 * t4 + 1];
+        for (int nt = 0; nt < C::NT; ++nt) {
+          const float a0 = alpha_s[nt * 8 + 2 * t4], a1 = alpha_s[nt * 8 + 2 * t4 + 1];
 #pragma unroll
-        for (int mt = 0; mt < C::PV_MT; ++mt) {
-          acc[mt][nt][0] *= a0;
-          acc[mt][nt][1] *= a1;
-          acc[mt][nt][2] *= a0;
-          acc[mt][nt][3] *= a1;
+          for (int mt = 0; mt < C::PV_MT; ++mt) {
+            acc[mt][nt][0] *= a0;
+            acc[mt][nt][1] *= a1;
+            acc[mt][nt][2] *= a0;
+            acc[mt][nt][3] *= a1;
+          }
         }
       }
       const int b_row = (lane & 7) + (lane >> 4) * 8, b_col = ((lane >> 3) & 1) * 8;
