@@ -1,8 +1,9 @@
+#!/usr/bin/env python3
 """Drive the CUDA split kernel for ncu: H=8, T=9, bs=1, given prefix, default config."""
 import sys, torch
 from kvtune.kernels import make_inputs, verify_attention
 from kvtune.kernels.api import describe_problem
-from kvtune.kernels.cuda.backend import CudaBackend, CudaParams
+from kvtune.kernels.cuda.backend import CudaBackend
 from dataclasses import replace
 prefix = int(sys.argv[1]) if len(sys.argv) > 1 else 131072
 over = dict(kv.split("=") for kv in sys.argv[2].split(",")) if len(sys.argv) > 2 and sys.argv[2] else {}

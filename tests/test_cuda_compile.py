@@ -124,3 +124,33 @@ def test_parse_ptxas_log():
            "ptxas info    : Used 200 registers, used 1 barriers, 1024 bytes smem, 400 bytes cmem[0]\n")
     r = nvrtc.parse_ptxas_log(log)["_Z3foov"]
     assert (r.registers, r.spill_stores, r.spill_loads, r.stack, r.static_smem) == (200, 4, 12, 8, 1024)
+
+
+@pytest.mark.parametrize("T", [1, 2, 9, 16])
+def test_qk_tiling_meets_the_kernels_static_asserts(T):
+    # the Python side picks the QK^T warp tiling (template values QMT, QRG, QKS); it must
+    # satisfy Config's static_asserts for every config the search space can produce
+    from kvtune.kernels.cuda.backend import qk_tiling
+    from kvtune.kernels.shapes import cdiv
+    for w in (4, 8, 16, 32):
+        for bn in (16, 32, 64, 128):
+            for hpb in (1, 2, 4, 8):
+                if w * 32 < bn or hpb * T > 256:
+                    continue
+                p = CudaParams(BLOCK_N=bn, NUM_WARPS=w, HEADS_PER_BLOCK=hpb)
+                qmt, qrg, qks = qk_tiling(p, T)
+                nt, kt = cdiv(hpb * T, 8), bn // 16
+                s_nt = cdiv(nt, qrg)
+                assert kt % qmt == 0 and 1 <= qrg <= nt and cdiv(nt, s_nt) == qrg and 36 % qks == 0, (p, T)
+                assert (kt // qmt) * qrg * qks <= w, (p, T)
+
+
+def test_qk_tiling_of_the_default_keeps_every_warp_busy():
+    from kvtune.kernels.cuda.backend import qk_tiling
+    p = default_for_arch(9, 8, "sm_90")
+    qmt, qrg, qks = qk_tiling(p, 9)
+    assert (p.BLOCK_N // 16 // qmt) * qrg * qks == p.NUM_WARPS
+    # and the shared memory the launcher reserves counts the QKS S partials of that tiling
+    g = KernelGeometry.of(p, 9)
+    smaller = KernelGeometry.of(p, 9).smem_bytes - (qks - 1) * 72 * (p.BLOCK_N + 4) * 4
+    assert g.qk == (qmt, qrg, qks) and smaller < g.smem_bytes
