@@ -2,7 +2,8 @@
 
 Per study: the backend's default config is trial 0 (the baseline); the neighbouring
 buckets' best configs are enqueued as warm starts; a space no larger than the trial budget
-is swept as a grid, a larger one with TPE. A config breaking a search-space constraint is
+is swept as a grid, a larger one with TPE and steps to the best config's neighbours
+(`tuner/strategy.py`). A config breaking a search-space constraint is
 pruned without touching the device; everything else goes to the measurement helper
 (`tuner.measure`) in a worker process. Studies live in Optuna's RDB storage (SQLite under
 `results/<deployment>/` by default, created with load_if_exists): re-running resumes, and
@@ -40,6 +41,8 @@ from pathlib import Path
 
 from .config import ConfigError, Deployment, load_deployment
 from .space import SearchSpace, load_space, problem_env
+from .strategy import DEFAULT as DEFAULT_STRATEGY
+from .strategy import SearchStrategy, local_proposal, params_key
 from .table import TrialsTable
 from .worker import Prefetcher, WorkerError, make_executor
 
@@ -48,10 +51,6 @@ STUDY_SEP = "|"
 
 def study_name(dep: str, backend: str, tp: int, bs: int, ctx: int) -> str:
     return STUDY_SEP.join((dep, backend, f"tp{tp}", f"bs{bs}", f"ctx{ctx}"))
-
-
-def params_key(params: dict) -> str:
-    return json.dumps(params, sort_keys=True)
 
 
 def compile_key(params: dict) -> str:
@@ -83,6 +82,7 @@ class SweepOptions:
     grid: bool = False                    # sweep every feasible config (exhaustive; for checking TPE)
     compile_workers: int | None = None    # processes compiling configs ahead (default: 0 on CPU, ~cores/2 on GPU)
     measure_overrides: dict = field(default_factory=dict)
+    strategy: SearchStrategy = DEFAULT_STRATEGY   # how a study picks configs (tuner/strategy.py)
 
 
 class _Stop(Exception):
@@ -233,8 +233,7 @@ class Sweep:
     def _open_study(self, backend, tp, bs, ctx):
         name = study_name(self.dep.name, backend, tp, bs, ctx)
         seed = self.o.seed + int(hashlib.sha256(name.encode()).hexdigest()[:6], 16)
-        sampler = self.optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(2, min(6, self.trials // 3)),
-                                                  multivariate=True, constant_liar=True)
+        sampler = self.o.strategy.sampler(self.optuna, seed, self.trials)
         study = self.optuna.create_study(study_name=name, storage=self.storage, sampler=sampler,
                                          direction="minimize", load_if_exists=True)
         self._reclaim(study)
@@ -302,8 +301,8 @@ class Sweep:
         self._check_dists(study, name, space, backend, dists, spec)
         self._reconcile(study, name)
         measured = {params_key(t.params): t for t in self._finished(study)}
-        counted = sum(1 for t in measured.values() if t.user_attrs.get("role", "search") != "cross"
-                      and not t.user_attrs.get("constraint"))
+        strategy = self.o.strategy
+        counted = sum(1 for t in measured.values() if strategy.counts(t.user_attrs))
         rng = random.Random(seed)
         waiting = {params_key(t.params) for t in study.get_trials(deepcopy=False, states=(TS.WAITING,))}
 
@@ -338,9 +337,12 @@ class Sweep:
                 note = "search space exhausted (the sampler kept proposing measured configs)"
                 break
             batch = []
-            # one config per compile worker, but at least two rounds per study so TPE sees results
-            width = min(max(1, self.prefetch.workers), max(2, -(-self.trials // 2)))
+            # one config per compile worker, in batches small enough that TPE sees results (strategy.rounds)
+            width = strategy.width(self.prefetch.workers, self.trials)
             for _ in range(min(owed, width, cap - asks)):
+                if grid is None:
+                    self._steer(study, strategy, counted + len(batch), measured, batch, dists,
+                                lambda q: not space.violation(q, env), rng)
                 trial = study.ask()
                 asks += 1
                 params = {n: trial.suggest_categorical(n, dists[n]) for n in dists}
@@ -389,9 +391,25 @@ class Sweep:
                 self._tell(study, trial, m, row)
                 measured[k] = study._storage.get_trial(trial._trial_id)
                 if not why:
-                    counted += 1
+                    counted += strategy.counts(measured[k].user_attrs)
                     self._progress(m)
         return self._study_result(backend, tp, bs, ctx, name, study, note)
+
+    def _steer(self, study, strategy, n_search, measured, batch, dists, feasible, rng, busy=()):
+        """Queue the next config when the strategy picks it rather than TPE (a neighbour of the
+        best so far), unless configs are queued already."""
+        TS = self.optuna.trial.TrialState
+        if not strategy.is_local(n_search, self.trials):
+            return
+        queued = study.get_trials(deepcopy=False, states=(TS.WAITING,))
+        if queued:
+            return
+        ranked = [dict(t.params) for t in sorted((t for t in measured.values() if t.state == TS.COMPLETE),
+                                                 key=lambda t: t.value)]
+        taken = set(measured) | set(busy) | {params_key(p) for _, p, _ in batch}
+        q = local_proposal(ranked, dists, taken, feasible, rng)
+        if q is not None:
+            study.enqueue_trial(q, user_attrs={"role": "search", "via": "local"})
 
     def _study_result(self, backend, tp, bs, ctx, name, study, note=""):
         fin = self._finished(study)

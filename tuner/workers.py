@@ -282,9 +282,7 @@ class SharedSweep(Sweep):
         optuna = self.optuna
         name = study_name(self.dep.name, backend, tp, bs, ctx)
         seed = self.o.seed + int(hashlib.sha256(name.encode()).hexdigest()[:6], 16)
-        sampler = optuna.samplers.TPESampler(seed=seed + 7919 * self.index,
-                                             n_startup_trials=max(2, min(6, self.trials // 3)),
-                                             multivariate=True, constant_liar=True)
+        sampler = self.o.strategy.sampler(optuna, seed + 7919 * self.index, self.trials)
         try:   # whoever creates the study initialises it (baseline, warm starts, grid), once
             study = optuna.create_study(study_name=name, storage=self.storage, sampler=sampler,
                                         direction="minimize", load_if_exists=False)
@@ -425,8 +423,7 @@ class SharedSweep(Sweep):
             if grid is not None:
                 owed = len(waiting)
             else:
-                counted = sum(1 for t in measured.values() if t.user_attrs.get("role", "search") != "cross"
-                              and not t.user_attrs.get("constraint"))
+                counted = sum(1 for t in measured.values() if self.o.strategy.counts(t.user_attrs))
                 owed = self.trials - counted - sum(1 for t in running if t.user_attrs.get("role") != "cross")
             if owed <= 0:
                 return not running, worked
@@ -435,9 +432,12 @@ class SharedSweep(Sweep):
                       file=sys.stderr)
                 return not running, worked
             busy = {params_key(t.params): t.number for t in running if t.params}
-            width = min(max(1, self.prefetch.workers), max(2, -(-self.trials // 2)), owed)
+            width = min(self.o.strategy.width(self.prefetch.workers, self.trials), owed)
             batch = []
             for _ in range(width):
+                if grid is None:
+                    self._steer(study, self.o.strategy, self.trials - owed + len(batch), measured, batch, dists,
+                                lambda q: not space.violation(q, env), rng, busy)
                 trial = study.ask()
                 self._asks[key] = self._asks.get(key, 0) + 1
                 self._hold(trial)
