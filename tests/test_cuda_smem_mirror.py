@@ -7,9 +7,8 @@ reserves exactly that much dynamic shared memory and the kernel traps when it ge
 import itertools
 
 import cuda.bindings.nvrtc  # noqa: F401  (a hard dependency, as in test_cuda_compile)
-
-from kvtune.kernels.cuda import nvrtc  # noqa: E402
-from kvtune.kernels.cuda.backend import CudaParams, KernelGeometry, check_static  # noqa: E402
+from kvtune.kernels.cuda import nvrtc
+from kvtune.kernels.cuda.backend import CudaParams, KernelGeometry, check_static
 
 # odd and even shapes: T = 1, 2, 9, 16; heads per CTA 1..64 (3 and 7: ragged row tiles);
 # every tile size, warp count and pipeline depth the kernel accepts
