@@ -82,3 +82,22 @@ def test_replay_triton_within_3pct_of_the_grid_best():
     assert (at12[at12["ctx"] == 65536]["gap_pct"] <= 3).all()
     old = _replay(BEFORE, seeds, 24, ["triton"])
     assert (old["gap_pct"] > 3).any()
+
+
+def test_a_study_whose_search_found_nothing_is_a_miss(monkeypatch):
+    """A seed whose search measured no correct config in a study is a row (gap None) that
+    counts against the within-tolerance fraction; it used to be dropped, which overstated it."""
+    from kvtune.tuner import replay as rp
+    real = rp.GridTable.measure
+
+    def measure(self, backend, params, spec):
+        if spec["context"] == 4096:
+            return {"outcome": "failed", "reason": "test: every config fails at 4k", "timing": "replay"}
+        return real(self, backend, params, spec)
+
+    monkeypatch.setattr(rp.GridTable, "measure", measure)
+    df = _replay(DEFAULT, [0], 6, ["triton"])
+    assert sorted(df["ctx"]) == [4096, 65536], df
+    s = rp.summarize(df).set_index("ctx")
+    assert s.loc[4096, "seeds"] == 1 and s.loc[4096, "within_3pct"] == 0
+    assert s.loc[65536, "within_3pct"] == 1

@@ -179,16 +179,21 @@ def replay(deployment, grid_csv, space_dir, seeds, trials=None, opts: SweepOptio
             search = df[df["phase"] == "search"]
             n = search.groupby(KEYS).size()
             gpu = search[search["outcome"] != "pruned"].groupby(KEYS).size()
-            for key, us in found.items():
-                g = gbest.get(key)
+            # every study the sweep searched: one whose search found no correct config is a
+            # row too (best_us and gap_pct None), a miss for summarize, not a dropped seed
+            for key in n.index:
+                us, g = found.get(key), gbest.get(key)
                 rows.append(dict(zip(KEYS, key), seed=seed, trials=sw.trials, best_us=us, grid_us=g,
-                                 gap_pct=100 * (us / g - 1) if g else None, configs=int(n.get(key, 0)),
-                                 measured=int(gpu.get(key, 0))))
+                                 gap_pct=100 * (us / g - 1) if us is not None and g else None,
+                                 configs=int(n.get(key, 0)), measured=int(gpu.get(key, 0))))
     return pd.DataFrame(rows)
 
 
 def summarize(df, tolerance_pct: float = 3.0):
-    """Per (study, budget): mean / median / p90 / worst gap and the fraction of seeds within tolerance."""
+    """Per (study, budget): mean / median / p90 / worst gap over the seeds that found a correct
+    config, and the fraction of all seeds within tolerance (a seed that found none is a miss)."""
+    import pandas as pd
+    df = df.assign(gap_pct=pd.to_numeric(df["gap_pct"]))   # None (found nothing) -> NaN, never <= tolerance
     g = df.groupby(KEYS + ["trials"])["gap_pct"]
     out = g.agg(seeds="size", mean="mean", median="median", p90=lambda x: x.quantile(0.9), worst="max")
     out[f"within_{tolerance_pct:g}pct"] = g.apply(lambda x: float((x <= tolerance_pct).mean()))
