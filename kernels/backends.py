@@ -133,8 +133,11 @@ def renamed_hint(unknown, known) -> str:
     return "; " + ", ".join(hits) if hits else ""
 
 
-def params_from_dict(params_type: type, values: dict, where: str = "params") -> Any:
-    """Build a parameter dataclass from a mapping, naming unknown or missing keys."""
+def params_from_dict(params_type: type, values: dict, where: str = "params", complete: bool = False) -> Any:
+    """Build a parameter dataclass from a mapping, naming unknown or missing keys.
+
+    complete=True requires every field, defaults included: a tuned YAML must say what was
+    measured, since a backend's defaults may change between versions."""
     if not isinstance(values, dict):
         raise ValueError(f"{where}: expected a mapping of parameter names to values, got {type(values).__name__}")
     fields = {f.name: f for f in dataclasses.fields(params_type)}
@@ -142,10 +145,11 @@ def params_from_dict(params_type: type, values: dict, where: str = "params") -> 
     if unknown:
         raise ValueError(f"{where}: unknown parameter(s) {unknown} for {params_type.__name__}; "
                          f"known: {sorted(fields)}{renamed_hint(unknown, fields)}")
-    missing = sorted(n for n, f in fields.items() if n not in values
-                     and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    missing = sorted(n for n, f in fields.items() if n not in values and (
+        complete or (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)))
     if missing:
-        raise ValueError(f"{where}: missing parameter(s) {missing} for {params_type.__name__}")
+        why = " (a tuned file names every parameter: defaults change between versions)" if complete else ""
+        raise ValueError(f"{where}: missing parameter(s) {missing} for {params_type.__name__}{why}")
     return params_type(**values)
 
 

@@ -577,7 +577,7 @@ def _plan_from_entry(e: TunedEntry, forced: str | None, fallback: str, allow_mis
         _warn_once(f"fallback:{source}:{fallback}", f"kvtune: {why}: running {be.name} with its default "
                    f"parameters {params}")
         return Plan(e.max_batch, be, params, None, None, f"{source}, replaced by {be.name} defaults")
-    params = params_from_dict(be.params_type, dict(e.params), where=f"{source}: params") \
+    params = params_from_dict(be.params_type, dict(e.params), where=f"{source}: params", complete=True) \
         if be.params_type is not None else None
     table = None
     grid = getattr(params, "NSPLIT", None)

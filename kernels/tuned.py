@@ -197,7 +197,8 @@ def parse_tuned(data: Any, source: str = "<memory>", check_params: bool = True,
         if check_params and e["backend"] != "reference":
             from .backends import get_backend, params_from_dict
             try:
-                params_from_dict(get_backend(e["backend"]).params_type, params, where=f"{src}: {key}.params")
+                params_from_dict(get_backend(e["backend"]).params_type, params, where=f"{src}: {key}.params",
+                                 complete=True)
             except ValueError as exc:
                 raise SchemaError(str(exc) if str(exc).startswith(src) else f"{src}: {key}.params: {exc}") from None
         braw = e["buckets"]

@@ -150,7 +150,5 @@ def test_qk_tiling_of_the_default_keeps_every_warp_busy():
     p = default_for_arch(9, 8, "sm_90")
     qmt, qrg, qks = qk_tiling(p, 9)
     assert (p.BLOCK_N // 16 // qmt) * qrg * qks == p.NUM_WARPS
-    # and the shared memory the launcher reserves counts the QKS S partials of that tiling
-    g = KernelGeometry.of(p, 9)
-    smaller = KernelGeometry.of(p, 9).smem_bytes - (qks - 1) * 72 * (p.BLOCK_N + 4) * 4
-    assert g.qk == (qmt, qrg, qks) and smaller < g.smem_bytes
+    # with S accumulators of at most 40 registers (beside the 144 of O) and the least traffic
+    assert qmt * -(-9 // qrg) * 4 <= 40 and (qmt, qrg, qks) == (2, 2, 4)
