@@ -6,6 +6,7 @@ and in the trials table exactly once, and the export is valid."""
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import os
 import shutil
@@ -317,3 +318,67 @@ def test_ctrl_c_of_workers_resumes(tmp_path):
                 assert (study, t.number) not in counted
                 assert sum(t.number in r.system_attrs.get("retry_history", ()) for r in ts) == 1, t.number
     _check_export(out, dep, name)
+
+
+# --------------------------------------------------------------------------- search strategy
+@pytest.mark.parametrize("workers", [2, None])
+def test_tpe_steps_to_neighbours_of_the_best(tmp_path, workers):
+    """A space larger than the budget (64 configs, budget 8): TPE's random start, then every
+    second config an untried one-step neighbour of the best so far (`tuner/strategy.py`),
+    under `--workers 2` as in the single-process sweep: each study measures exactly its budget
+    on the device, no config twice, and its neighbour steps (user attr via=local, set by both
+    paths) are neighbours of what was measured before they were asked, at least one of the
+    best so far then."""
+    import optuna
+
+    from kvtune.tuner.strategy import DEFAULT, neighbours, params_key
+    from kvtune.tuner.sweep import open_storage
+    TS = optuna.trial.TrialState
+    name, budget = "nb", 8
+    doc = {"name": name, "model": {"name": "tiny-mla", "num_heads": 8, "draft_tokens": 4, "tree": "random"},
+           "device": "cpu", "tp": [4], "contexts": [64, 128], "batches": [1], "backends": ["triton"],
+           "trials": budget, "timing": "eager"}
+    dep = tmp_path / f"{name}.yaml"
+    dep.write_text(yaml.safe_dump(doc))
+    spaces = tmp_path / "spaces"
+    spaces.mkdir()
+    (spaces / "triton.yaml").write_text(yaml.safe_dump({
+        "backend": "triton", "params": {"NSPLIT": [1, 2, 4], "BLOCK_N": [32, 64], "HEADS_PER_BLOCK": [1, 2],
+                                        "NUM_WARPS": [4, 8], "STAGES": [1, 2]}, "constraints": []}))
+    out = tmp_path / "results"
+    journal = out / name / "studies.journal"
+    cmd = _cli("sweep", dep, "--device", "cpu", "--out", out, "--space-dir", spaces, "--storage", f"journal:{journal}",
+               "--rounds", 0, "--remeasure-top", 0, "--no-progress")
+    if workers:
+        cmd += list(map(str, ["--workers", workers, "--heartbeat", HEARTBEAT, "--grace", 60]))
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    storage, _ = open_storage(f"journal:{journal}", out / name)
+    trials = _all_trials(storage)
+    assert len(trials) == 2
+    n_local = 0
+    for study, ts in trials.items():
+        dists = storage.get_study_user_attrs(next(s._study_id for s in storage.get_all_studies()
+                                                  if s.study_name == study))["dists"]
+        assert len(list(itertools.product(*dists.values()))) > budget, "the space must not be swept as a grid"
+        retried = {n for t in ts for n in t.system_attrs.get("retry_history", ())}
+        measured = [t for t in ts if t.state.is_finished() and "outcome" in t.user_attrs
+                    and "duplicate_of" not in t.user_attrs and t.number not in retried]
+        search = [t for t in measured if t.user_attrs.get("role") != "cross" and not t.user_attrs.get("constraint")]
+        on_device = [t for t in search if DEFAULT.counts(t.user_attrs)]
+        assert len(on_device) == budget, f"{study}: {len(on_device)} configs measured on the device, budget {budget}"
+        keys = [params_key(t.params) for t in measured]
+        assert len(keys) == len(set(keys)), f"{study}: a config was measured twice"
+        local = [t for t in search if t.user_attrs.get("via") == "local"]
+        assert local, f"{study}: no neighbour step after TPE's random start"
+        at_best = 0
+        for t in local:
+            before = [s for s in measured if s.state == TS.COMPLETE and s.datetime_complete is not None
+                      and s.datetime_complete <= t.datetime_start]
+            near = [s for s in before if t.params in neighbours(s.params, dists)]
+            assert near, f"{study} trial {t.number}: a neighbour step next to nothing measured before it"
+            best = min(before, key=lambda s: s.value)
+            at_best += t.params in neighbours(best.params, dists)
+        assert at_best, f"{study}: no neighbour step is next to the best config measured before it"
+        n_local += len(local)
+    assert n_local >= 2

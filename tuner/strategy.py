@@ -21,7 +21,7 @@ class SearchStrategy:
     n_ei_candidates: int = 24
     local_every: int = 2             # after start-up, every k-th config: a neighbour of the incumbent (0: never)
     count_pruned: bool = False       # configs pruned before measuring (compile, spills, smem) count against the budget
-    rounds: int = 6                  # ask in batches small enough for this many rounds per budget
+    rounds: int = 6                  # batches of at most max(2, ceil(budget / rounds)) configs (see width)
 
     def n_startup(self, trials: int) -> int:
         return self.startup if self.startup is not None else max(2, min(6, trials // 3))
@@ -33,7 +33,10 @@ class SearchStrategy:
                                           constant_liar=True)
 
     def width(self, workers: int, trials: int) -> int:
-        """Configs asked at once (compiled ahead in parallel, told to TPE only when measured)."""
+        """Configs asked at once (compiled ahead in parallel, told to TPE only when measured):
+        min(max(1, workers), max(2, ceil(trials / rounds))); never under 2 when there are 2
+        compile workers or more, so with budgets under 2 * rounds (12 by default) a batch holds
+        more than budget / rounds configs."""
         return min(max(1, workers), max(2, -(-trials // self.rounds)))
 
     def counts(self, attrs: dict) -> bool:

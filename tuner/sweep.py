@@ -18,9 +18,10 @@ config export would pick is checked the way serving runs it (params.NSPLIT = the
 bucket NSPLIT, a SplitTable picking each bucket's NSPLIT on the device); one that fails is
 recorded and the next best is checked.
 
-Compiling overlaps measuring: TPE is asked for a few configs at once (constant liar), a
-pool of processes compiles them into the backends' on-disk caches, and the worker measures
-them in order. Trials table columns: `tuner/table.py`; measurement: `tuner/measure.py`.
+Compiling overlaps measuring: TPE is asked for several configs at once (constant liar;
+min(max(1, compile workers), max(2, ceil(budget / 6))), `SearchStrategy.width`), a pool of
+processes compiles them into the backends' on-disk caches, and the worker measures them in
+order. Trials table columns: `tuner/table.py`; measurement: `tuner/measure.py`.
 
 `--workers N` runs the search in N worker processes (one per visible GPU) sharing the
 studies through a journal file or PostgreSQL, with heartbeats; the phases after the search
@@ -337,7 +338,7 @@ class Sweep:
                 note = "search space exhausted (the sampler kept proposing measured configs)"
                 break
             batch = []
-            # one config per compile worker, in batches small enough that TPE sees results (strategy.rounds)
+            # one config per compile worker, at most max(2, ceil(trials / strategy.rounds)) at once
             width = strategy.width(self.prefetch.workers, self.trials)
             for _ in range(min(owed, width, cap - asks)):
                 if grid is None:
