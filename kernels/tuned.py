@@ -131,13 +131,19 @@ def _mapping(src, key, v) -> dict:
     return v
 
 
-def _only(src, key, d: dict, allowed, required=()) -> None:
+def check_keys(src, key, d, allowed, required=(), error: type[ValueError] = SchemaError) -> dict:
+    """`d` itself, once it is a mapping with keys only from `allowed` and every key of
+    `required`; else `error("<src>: <key>: ...")`. Shared with the tuner's config files
+    (which pass their ConfigError)."""
+    if not isinstance(d, dict):
+        raise error(f"{src}: {key}: expected a mapping, got {type(d).__name__}")
     unknown = sorted(set(d) - set(allowed))
     if unknown:
-        raise _err(src, key, f"unknown key(s) {unknown}; allowed: {list(allowed)}")
+        raise error(f"{src}: {key}: unknown key(s) {unknown}; allowed: {list(allowed)}")
     missing = [k for k in required if k not in d]
     if missing:
-        raise _err(src, key, f"missing key(s) {missing}")
+        raise error(f"{src}: {key}: missing key(s) {missing}")
+    return d
 
 
 def parse_tuned(data: Any, source: str = "<memory>", check_params: bool = True,
@@ -151,21 +157,18 @@ def parse_tuned(data: Any, source: str = "<memory>", check_params: bool = True,
         the current one.
     """
     src = source
-    d = _mapping(src, "<top>", data)
-    _only(src, "<top>", d, ("schema_version", "deployment", "model", "provenance", "entries"),
+    d = check_keys(src, "<top>", data, ("schema_version", "deployment", "model", "provenance", "entries"),
           ("schema_version", "deployment", "model", "provenance", "entries"))
     if d["schema_version"] != SCHEMA_VERSION:
         raise _err(src, "schema_version", f"expected {SCHEMA_VERSION}, got {d['schema_version']!r}")
     if not isinstance(d["deployment"], str) or not d["deployment"]:
         raise _err(src, "deployment", f"expected a non-empty string, got {d['deployment']!r}")
-    model = _mapping(src, "model", d["model"])
-    _only(src, "model", model, MODEL_KEYS, MODEL_KEYS[1:])
+    model = check_keys(src, "model", d["model"], MODEL_KEYS, MODEL_KEYS[1:])
     for k in ("num_heads", "kv_lora_rank", "qk_rope_head_dim", "draft_tokens"):
         _int(src, f"model.{k}", model[k])
     if _opt_float(src, "model.sm_scale", model["sm_scale"]) is None or model["sm_scale"] <= 0:
         raise _err(src, "model.sm_scale", f"expected a positive number, got {model['sm_scale']!r}")
-    prov = _mapping(src, "provenance", d["provenance"])
-    _only(src, "provenance", prov, PROVENANCE_KEYS, ("device_name", "arch", "kernel_hash", "date"))
+    prov = check_keys(src, "provenance", d["provenance"], PROVENANCE_KEYS, ("device_name", "arch", "kernel_hash", "date"))
     if not isinstance(prov["arch"], str) or not (prov["arch"].startswith("sm_") or prov["arch"] == "cpu"):
         raise _err(src, "provenance.arch", f"expected e.g. 'sm_90' (or 'cpu'), got {prov['arch']!r}")
     _mapping(src, "provenance.kernel_hash", prov["kernel_hash"])
@@ -176,8 +179,7 @@ def parse_tuned(data: Any, source: str = "<memory>", check_params: bool = True,
     seen = set()
     for i, e in enumerate(entries_raw):
         key = f"entries[{i}]"
-        e = _mapping(src, key, e)
-        _only(src, key, e, ("tp", "heads_per_rank", "max_batch", "backend", "params", "buckets"),
+        e = check_keys(src, key, e, ("tp", "heads_per_rank", "max_batch", "backend", "params", "buckets"),
               ("tp", "heads_per_rank", "max_batch", "backend", "params", "buckets"))
         tp = _int(src, f"{key}.tp", e["tp"])
         hpr = _int(src, f"{key}.heads_per_rank", e["heads_per_rank"])
@@ -208,8 +210,7 @@ def parse_tuned(data: Any, source: str = "<memory>", check_params: bool = True,
         prev = 0
         for j, b in enumerate(braw):
             bkey = f"{key}.buckets[{j}]"
-            b = _mapping(src, bkey, b)
-            _only(src, bkey, b, ("max_context", "NSPLIT", "latency_us", "default_latency_us", "floor_us"),
+            b = check_keys(src, bkey, b, ("max_context", "NSPLIT", "latency_us", "default_latency_us", "floor_us"),
                   ("max_context", "NSPLIT"))
             mc = _int(src, f"{bkey}.max_context", b["max_context"])
             if mc <= prev:

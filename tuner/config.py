@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
+from kvtune.kernels import tuned
 from kvtune.kernels.shapes import MAX_DRAFT_TOKENS, ModelShape
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -45,15 +45,7 @@ def read_yaml(path: Path) -> Any:
 
 
 def check_keys(src, key, d, allowed, required=()) -> dict:
-    if not isinstance(d, dict):
-        raise _err(src, key, f"expected a mapping, got {type(d).__name__}")
-    unknown = sorted(set(d) - set(allowed))
-    if unknown:
-        raise _err(src, key, f"unknown key(s) {unknown}; allowed: {sorted(allowed)}")
-    missing = [k for k in required if k not in d]
-    if missing:
-        raise _err(src, key, f"missing key(s) {missing}")
-    return d
+    return tuned.check_keys(src, key, d, allowed, required, error=ConfigError)
 
 
 def pos_int(src, key, v) -> int:
