@@ -37,6 +37,7 @@ import random
 import sys
 import time
 import warnings
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -350,8 +351,7 @@ class Sweep:
                 role = trial.user_attrs.get("role", "search")
                 trial.set_user_attr("role", role)
                 batch.append((trial, params, role))
-                if params_key(params) not in measured and (role in ("baseline", "cross")
-                                                           or not space.violation(params, env)):
+                if params_key(params) not in measured and not self._violation(role, space, params, env):
                     self.prefetch.submit(backend, params, sd)   # compile ahead while earlier ones measure
             # -- measure the batch in order
             def repair():
@@ -374,15 +374,8 @@ class Sweep:
                         study.tell(trial, state=src.state)
                     continue
                 waiting.discard(k)
-                why = None if role in ("baseline", "cross") else space.violation(params, env)
                 try:
-                    if why:
-                        m = {"outcome": "pruned", "reason": why, "timing": self.timing}
-                        trial.set_user_attr("constraint", True)
-                        repair()
-                    else:
-                        self.prefetch.wait(backend, params, sd)
-                        m = self._measure(backend, params, spec, seed + trial.number)
+                    m, why = self._run_one(backend, trial, params, role, space, env, spec, sd, seed, repair)
                 except BaseException:
                     for t, _, _ in batch[i:]:  # not finished: failed as interrupted, not counted
                         study._storage.set_trial_user_attr(t._trial_id, "interrupted", True)
@@ -395,6 +388,25 @@ class Sweep:
                     counted += strategy.counts(measured[k].user_attrs)
                     self._progress(m)
         return self._study_result(backend, tp, bs, ctx, name, study, note)
+
+    @staticmethod
+    def _violation(role, space, params, env):
+        """The search-space constraint `params` break, or None; the baseline and cross-bucket
+        configs are measured whatever the constraints say."""
+        return None if role in ("baseline", "cross") else space.violation(params, env)
+
+    def _run_one(self, backend, trial, params, role, space, env, spec, sd, seed, repair, guard=nullcontext):
+        """One batch member's outcome and the constraint that pruned it (or None): pruned
+        without GPU time, else measured once its ahead-of-time compile is done (inside
+        `guard`). Shared by the single-process sweep and the workers."""
+        why = self._violation(role, space, params, env)
+        if why:
+            trial.set_user_attr("constraint", True)
+            repair()
+            return {"outcome": "pruned", "reason": why, "timing": self.timing}, why
+        with guard():
+            self.prefetch.wait(backend, params, sd)
+            return self._measure(backend, params, spec, seed + trial.number), None
 
     def _steer(self, study, strategy, n_search, measured, batch, dists, feasible, rng, busy=()):
         """Queue the next config when the strategy picks it rather than TPE (a neighbour of the

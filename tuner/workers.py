@@ -445,8 +445,7 @@ class SharedSweep(Sweep):
                 role = trial.user_attrs.get("role", "search")
                 trial.set_user_attr("role", role)
                 batch.append((trial, params, role))
-                if params_key(params) not in measured and (role in ("baseline", "cross")
-                                                           or not space.violation(params, env)):
+                if params_key(params) not in measured and not self._violation(role, space, params, env):
                     self.prefetch.submit(backend, params, sd)
 
             def repair():
@@ -475,16 +474,9 @@ class SharedSweep(Sweep):
                         pass
                     self.beats.release(trial._trial_id)
                     continue
-                why = None if role in ("baseline", "cross") else space.violation(params, env)
                 try:
-                    if why:
-                        m = {"outcome": "pruned", "reason": why, "timing": self.timing}
-                        trial.set_user_attr("constraint", True)
-                        repair()
-                    else:
-                        with self.intr.interruptible():
-                            self.prefetch.wait(backend, params, sd)
-                            m = self._measure(backend, params, spec, seed + trial.number)
+                    m, _ = self._run_one(backend, trial, params, role, space, env, spec, sd, seed, repair,
+                                         guard=self.intr.interruptible)
                 except BaseException as e:
                     if isinstance(e, KeyboardInterrupt):   # a second Ctrl-C must not cut the clean-up short
                         signal.signal(signal.SIGINT, signal.SIG_IGN)
