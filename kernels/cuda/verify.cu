@@ -64,8 +64,9 @@ __device__ __forceinline__ void ldmatrix_x2(u32 addr, u32& r0, u32& r1) {
 }
 
 // c[16x8] += a[16x16] * b[16x8], bf16 operands, fp32 accumulators.
+// Not volatile: a pure register operation, free to be scheduled among the ldmatrix loads.
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -116,6 +117,8 @@ struct Config {
   static constexpr int KPITCH = DK + 8;         // bf16 per K / Q row (1168 bytes = 73 x 16)
   static constexpr int PPITCH = BLOCK_N + 8;    // bf16 per P row
   static constexpr int SPITCH = BLOCK_N + 4;    // fp32 per S row: fragment stores conflict-free
+  static constexpr int OPITCH = DV + 8;         // bf16 per staged o row (1040 bytes = 65 x 16), over Q
+  static_assert(OPITCH <= KPITCH, "the o staging rows must fit in the Q rows they reuse");
 
   // S^T = K Q^T: warps tile (KT / QMT key groups of QMT m16 tiles) x (QRG row groups of S_NT
   // n8 tiles) x (QKS slices of the 576-wide reduction, summed by the softmax step). The
@@ -260,18 +263,31 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
   // -- gathered key tiles: thread `tid` copies row tid / TPR of each tile, chunks sub + TPR*i
   const int my_row = tid / C::TPR, my_sub = tid % C::TPR;
   const u32 ks_base = smem_u32(Ks);
-  auto issue_tile = [&](int tile) {
-    if (tile >= n_tiles) return;
+  // A tile's copy is set up once (slot lookup, addresses) and its CPT chunks issued separately:
+  // inside the main loop they are spread over the QK^T k-steps, because a burst of CPT
+  // cp.async per thread fills the load queue and the next write to an address register
+  // waits for the queue to drain (about 6% of the kernel's time when issued in one burst).
+  struct TileCopy {
+    const u16* src;
+    u32 dst;
+    int bytes;  // 16-byte copies: VEC * 2; 0 zero-fills (rows past the split's end); -1 no tile
+  };
+  auto tile_copy = [&](int tile) -> TileCopy {
+    if (tile >= n_tiles) return {a.kv, 0u, -1};
     const u32 slot = slot_s[((tile / C::TPC) & 1) * C::THREADS + (tile % C::TPC) * BLOCK_N + my_row];
-    const u32 dst = ks_base + (tile % STAGES) * C::K_STAGE + my_row * C::KPITCH * 2;
     const bool ok = slot != ~0u;
-    const u16* src = ok ? a.kv + (i64)slot * a.kv_stride : a.kv;
-    const int bytes = ok ? VEC * 2 : 0;   // rows past the split's end are zero-filled
+    return {ok ? a.kv + (i64)slot * a.kv_stride : a.kv,
+            ks_base + (tile % STAGES) * C::K_STAGE + my_row * C::KPITCH * 2, ok ? VEC * 2 : 0};
+  };
+  auto copy_chunk = [&](const TileCopy& t, int i) {
+    const int c = my_sub + i * C::TPR;
+    if (t.bytes >= 0 && (C::CPR % C::TPR == 0 || c < C::CPR))
+      cp_async<VEC * 2>(t.dst + c * VEC * 2, t.src + c * VEC, t.bytes);
+  };
+  auto issue_tile = [&](int tile) {
+    const TileCopy t = tile_copy(tile);
 #pragma unroll
-    for (int i = 0; i < C::CPT; ++i) {
-      const int c = my_sub + i * C::TPR;
-      if (C::CPR % C::TPR == 0 || c < C::CPR) cp_async<VEC * 2>(dst + c * VEC * 2, src + c * VEC, bytes);
-    }
+    for (int i = 0; i < C::CPT; ++i) copy_chunk(t, i);
   };
   // stage chunk `c` (slots of keys lo + c*THREADS ..) from the prefetched register into its buffer
   u32 pending = fetch_slot(1);
@@ -319,8 +335,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
   for (int it = 0; it < n_tiles; ++it) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // tile `it` visible to all; every warp is done with tile it-1's stage
-    issue_tile(it + STAGES - 1);
-    cp_async_commit();
+    const TileCopy next = tile_copy(it + STAGES - 1);  // issued below, committed after QK^T
     if ((it + STAGES) % C::TPC == 0) stage_chunk((it + STAGES) / C::TPC);  // read after the next barrier
     const u32 kst = ks_base + (it % STAGES) * C::K_STAGE;
 
@@ -333,36 +348,40 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
         for (int nt = 0; nt < C::S_NT; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) sacc[mt][nt][e] = 0.f;
+      // Branch-free so that ptxas can hoist the next k-step's ldmatrix above this step's MMAs:
+      // the last row group may be short (9 row tiles in groups of 5); its missing tiles re-read
+      // the last real one, and their S is never stored.
       const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_col = (lane >> 4) * 8;
-      const int b_row = (lane & 7) + (lane >> 4) * 8, b_col = ((lane >> 3) & 1) * 8;
-#pragma unroll (C::S_KSTEPS <= 12 ? C::S_KSTEPS : 2)
+      const u32 a_base = kst + ((wk * C::S_MT * 16 + a_row) * C::KPITCH + wks * C::S_KSTEPS * 16 + a_col) * 2;
+      constexpr int NBP = (C::S_NT + 1) / 2;  // ldmatrix loads of Q per k-step: pairs of row tiles
+      u32 b_base[NBP];
+#pragma unroll
+      for (int np = 0; np < NBP; ++np) {
+        const int tile = min(wr * C::S_NT + 2 * np + (lane >> 4), C::NT - 1);
+        b_base[np] = qs_base + ((tile * 8 + (lane & 7)) * C::KPITCH + wks * C::S_KSTEPS * 16 + ((lane >> 3) & 1) * 8) * 2;
+      }
+#pragma unroll
       for (int kk = 0; kk < C::S_KSTEPS; ++kk) {
-        const int ks = wks * C::S_KSTEPS + kk;
-        u32 af[C::S_MT][4];
+        u32 af[C::S_MT][4], bq[NBP][4];
 #pragma unroll
-        for (int mt = 0; mt < C::S_MT; ++mt) {
-          const int key = (wk * C::S_MT + mt) * 16 + a_row;
-          ldmatrix_x4(kst + (key * C::KPITCH + ks * 16 + a_col) * 2, af[mt][0], af[mt][1], af[mt][2], af[mt][3]);
-        }
+        for (int mt = 0; mt < C::S_MT; ++mt)
+          ldmatrix_x4(a_base + (mt * 16 * C::KPITCH + kk * 16) * 2, af[mt][0], af[mt][1], af[mt][2], af[mt][3]);
 #pragma unroll
-        for (int np = 0; np < (C::S_NT + 1) / 2; ++np) {
-          const int nt0 = wr * C::S_NT + 2 * np;
-          u32 b0, b1, b2 = 0, b3 = 0;
-          const bool two = 2 * np + 1 < C::S_NT && nt0 + 1 < C::NT;
-          if (two) {
-            ldmatrix_x4(qs_base + ((nt0 * 8 + b_row) * C::KPITCH + ks * 16 + b_col) * 2, b0, b1, b2, b3);
-          } else if (nt0 < C::NT) {
-            ldmatrix_x2(qs_base + ((nt0 * 8 + (lane & 7)) * C::KPITCH + ks * 16 + b_col) * 2, b0, b1);
-          }
-          if (nt0 < C::NT) {
-#pragma unroll
-            for (int mt = 0; mt < C::S_MT; ++mt) mma_bf16(sacc[mt][2 * np], af[mt], b0, b1);
-          }
-          if (2 * np + 1 < C::S_NT && two) {
-#pragma unroll
-            for (int mt = 0; mt < C::S_MT; ++mt) mma_bf16(sacc[mt][2 * np + 1], af[mt], b2, b3);
+        for (int np = 0; np < NBP; ++np) {
+          if (2 * np + 1 < C::S_NT) {
+            ldmatrix_x4(b_base[np] + kk * 32, bq[np][0], bq[np][1], bq[np][2], bq[np][3]);
+          } else {
+            ldmatrix_x2(b_base[np] + kk * 32, bq[np][0], bq[np][1]);
           }
         }
+#pragma unroll
+        for (int nt = 0; nt < C::S_NT; ++nt)
+#pragma unroll
+          for (int mt = 0; mt < C::S_MT; ++mt)
+            mma_bf16(sacc[mt][nt], af[mt], bq[nt / 2][(nt % 2) * 2], bq[nt / 2][(nt % 2) * 2 + 1]);
+#pragma unroll
+        for (int i = 0; i < C::CPT; ++i)
+          if (i * C::S_KSTEPS / C::CPT == kk) copy_chunk(next, i);  // each chunk at exactly one k-step
       }
       // c0: (key g, row 2t), c1: (key g, row 2t+1), c2/c3: key g+8
 #pragma unroll
@@ -379,7 +398,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
             Sk[(row + 1) * C::SPITCH + key + 8] = sacc[mt][nt][3];
           }
         }
+    } else {
+#pragma unroll
+      for (int i = 0; i < C::CPT; ++i) copy_chunk(next, i);
     }
+    cp_async_commit();  // one group per iteration, empty past the last tile
     __syncthreads();
 
     // -- online softmax (base 2): tree mask on draft keys, update m and l, P to smem as bf16.
@@ -391,42 +414,48 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
       const int n0 = lo + it * BLOCK_N + sub8 * C::CPL;
       // every key of the tile a prefix key inside the split: no per-key visibility test
       const bool all_visible = lo + (it + 1) * BLOCK_N <= min(hi, P);
+      // Every pass's S loads first: the P stores below could alias them as far as the
+      // compiler knows, so loads written after a store would wait for it, and the passes'
+      // load -> shuffle -> exp chains would run one after another instead of interleaved.
+      // Rows past ROWS read the last real row (rows past ROWS_PAD lie outside S) and are
+      // masked below, with no branch.
+      float s[C::PASSES][C::CPL];
+#pragma unroll
+      for (int p = 0; p < C::PASSES; ++p) {
+        const float* src = Ss + min(p * C::GROUPS + grp, C::ROWS - 1) * C::SPITCH + sub8 * C::CPL;
+        // sum the QKS partials of this row's CPL keys
+        if constexpr (C::CPL % 4 == 0) {
+#pragma unroll
+          for (int j = 0; j < C::CPL; j += 4) {
+            float4 v = *reinterpret_cast<const float4*>(src + j);
+#pragma unroll
+            for (int h = 1; h < C::S_KS; ++h) {
+              const float4 w = *reinterpret_cast<const float4*>(src + h * C::ROWS_PAD * C::SPITCH + j);
+              v.x += w.x; v.y += w.y; v.z += w.z; v.w += w.w;
+            }
+            s[p][j] = v.x; s[p][j + 1] = v.y; s[p][j + 2] = v.z; s[p][j + 3] = v.w;
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < C::CPL; ++j) {
+            float v = src[j];
+#pragma unroll
+            for (int h = 1; h < C::S_KS; ++h) v += src[h * C::ROWS_PAD * C::SPITCH + j];
+            s[p][j] = v;
+          }
+        }
+      }
 #pragma unroll
       for (int p = 0; p < C::PASSES; ++p) {
         const int r = p * C::GROUPS + grp;
         const bool row_ok = r < C::ROWS;
-        float s[C::CPL];
-        // sum the QKS partials of this row's CPL keys (rows past ROWS_PAD lie outside S)
-        if (row_ok) {
-          const float* src = Ss + r * C::SPITCH + sub8 * C::CPL;
-          if constexpr (C::CPL % 4 == 0) {
-#pragma unroll
-            for (int j = 0; j < C::CPL; j += 4) {
-              float4 v = *reinterpret_cast<const float4*>(src + j);
-#pragma unroll
-              for (int h = 1; h < C::S_KS; ++h) {
-                const float4 w = *reinterpret_cast<const float4*>(src + h * C::ROWS_PAD * C::SPITCH + j);
-                v.x += w.x; v.y += w.y; v.z += w.z; v.w += w.w;
-              }
-              s[j] = v.x; s[j + 1] = v.y; s[j + 2] = v.z; s[j + 3] = v.w;
-            }
-          } else {
-#pragma unroll
-            for (int j = 0; j < C::CPL; ++j) {
-              float v = src[j];
-#pragma unroll
-              for (int h = 1; h < C::S_KS; ++h) v += src[h * C::ROWS_PAD * C::SPITCH + j];
-              s[j] = v;
-            }
-          }
-        }
         float mx = -__int_as_float(0x7f800000);
 #pragma unroll
         for (int j = 0; j < C::CPL; ++j) {
           const int d = n0 + j - P;
           const bool vis = row_ok && (all_visible || (n0 + j < hi && (d < 0 || ((bits[p] >> d) & 1))));
-          s[j] = vis ? s[j] * a.qk_scale : -__int_as_float(0x7f800000);
-          mx = fmaxf(mx, s[j]);
+          s[p][j] = vis ? s[p][j] * a.qk_scale : -__int_as_float(0x7f800000);
+          mx = fmaxf(mx, s[p][j]);
         }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
@@ -437,16 +466,14 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
         const float alpha = grow ? fast_exp2(m_run[p] - m_new) : 1.f;
         grew |= grow && row_ok;
         float psum = 0.f;
-        if (row_ok) {
 #pragma unroll
-          for (int j = 0; j < C::CPL; j += 2) {
-            const float p0 = fast_exp2(s[j] - m_safe), p1 = fast_exp2(s[j + 1] - m_safe);
-            psum += p0 + p1;
-            const u32 packed = (u32)bf16_bits(p0) | ((u32)bf16_bits(p1) << 16);
-            *reinterpret_cast<u32*>(Ps + r * C::PPITCH + sub8 * C::CPL + j) = packed;
-          }
-          if (sub8 == 0) alpha_s[r] = alpha;
+        for (int j = 0; j < C::CPL; j += 2) {
+          const float p0 = fast_exp2(s[p][j] - m_safe), p1 = fast_exp2(s[p][j + 1] - m_safe);
+          psum += p0 + p1;
+          const u32 packed = (u32)bf16_bits(p0) | ((u32)bf16_bits(p1) << 16);
+          if (row_ok) *reinterpret_cast<u32*>(Ps + r * C::PPITCH + sub8 * C::CPL + j) = packed;
         }
+        if (row_ok && sub8 == 0) alpha_s[r] = alpha;
         l_run[p] = l_run[p] * alpha + psum;  // lane-partial sums; reduced once at the end
         m_run[p] = m_new;
       }
@@ -516,24 +543,34 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
   }
   __syncthreads();
 
-  // -- normalised partial o: c0 (dv g, row 2t), c1 (dv g, row 2t+1), c2/c3 dv g+8
+  // -- normalised partial o, staged through shared memory (over Q, whose last reader passed
+  // the loop's last barrier) so that it leaves in 16-byte row-contiguous stores: storing the
+  // fragments directly takes 2-byte stores, each half of a 32-byte sector, 144 per thread.
+  // Fragments: c0 (dv g, row 2t), c1 (dv g, row 2t+1), c2/c3 dv g+8.
+  u16* Os = Qs;  // [ROWS_PAD][OPITCH] bf16
 #pragma unroll
   for (int nt = 0; nt < C::NT; ++nt) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int r = nt * 8 + 2 * t4 + j;
-      if (r >= C::ROWS) continue;
-      const int head = hg * HPB + r / T;
-      if (head >= a.H) continue;
-      const float l = l_s[r];
+      const float l = r < C::ROWS ? l_s[r] : 0.f;
       const float inv = l > 0.f ? 1.f / l : 0.f;
-      u16* dst = a.part_o + (((i64)split * a.rows_total + b * T + r % T) * a.H + head) * DV + dv0 + g;
+      u16* dst = Os + r * C::OPITCH + dv0 + g;
 #pragma unroll
       for (int mt = 0; mt < C::PV_MT; ++mt) {
         dst[mt * 16] = bf16_bits(acc[mt][nt][j] * inv);
         dst[mt * 16 + 8] = bf16_bits(acc[mt][nt][2 + j] * inv);
       }
     }
+  }
+  __syncthreads();
+  constexpr int CHUNKS = DV / 8;  // 16-byte pieces of a row
+  for (int c = tid; c < C::ROWS * CHUNKS; c += C::THREADS) {
+    const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
+    const int head = hg * HPB + r / T;
+    if (head >= a.H) continue;
+    const uint4 v = *reinterpret_cast<const uint4*>(Os + r * C::OPITCH + col);
+    *reinterpret_cast<uint4*>(a.part_o + (((i64)split * a.rows_total + b * T + r % T) * a.H + head) * DV + col) = v;
   }
 }
 
