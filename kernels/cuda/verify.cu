@@ -605,15 +605,20 @@ __device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) 
   return v;
 }
 
-// grid (B*T*H, DV / 128); block SG * 32: one (row, head) pair and 128 of its DV columns per
-// block. All split weights are computed first (the lse loads are independent), then split
-// group sg sums w_k * o_k over splits sg, sg+SG, ... (4 columns per thread, several loads in
-// flight) and the SG groups are added through shared memory.
+// grid (B*T*H, DV / 128); block SG * 16: one (row, head) pair and 128 of its DV columns per
+// block. All split weights are computed first (the lse loads are independent). Then split
+// group sg sums w_k * o_k over splits sg, sg+SG, ..., 8 columns (16 bytes) per thread, loading
+// MB splits (cp.async into shared memory) before adding any, so that a batch's loads are in
+// flight together; a loop that loads and adds one split at a time waits one memory round trip
+// per split (the first version of this kernel did: about 10 us at 132 splits on the H200).
+// The SG group sums are added through shared memory, one column per thread.
 template <int SG>
-__global__ void __launch_bounds__(SG * 32) verify_merge_kernel(const MergeArgs a) {
+__global__ void __launch_bounds__(SG * 16) verify_merge_kernel(const MergeArgs a) {
+  constexpr int MB = 8;
   __shared__ float w_s[MAX_NSPLIT];
   __shared__ float red[32];
-  __shared__ float4 red_o[SG][32];
+  __shared__ __align__(16) float red_o[SG * 128];  // [split group][column]
+  __shared__ __align__(16) uint4 stage[MB][SG * 16];  // one batch of o pieces per thread
   const int pair = blockIdx.x;                  // = row * H + head
   const int row = pair / a.H, head = pair % a.H;
   const int b = row / a.T;
@@ -638,36 +643,47 @@ __global__ void __launch_bounds__(SG * 32) verify_merge_kernel(const MergeArgs a
   }
   s = block_reduce(s, red, false);  // its barriers also publish w_s
 
-  const int sg = threadIdx.x / 32, c = threadIdx.x % 32;
-  const int col = blockIdx.y * 128 + c * 4;
-  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-  const u16* base = a.part_o + (i64)pair * DV + col;
-#pragma unroll 8
-  for (int k = sg; k < nsplit; k += SG) {
-    const float w = w_s[k];
-    if (w == 0.f) continue;
-    const uint2 v = *reinterpret_cast<const uint2*>(base + k * split_stride * DV);
-    o.x += w * __uint_as_float(v.x << 16);
-    o.y += w * __uint_as_float(v.x & 0xffff0000u);
-    o.z += w * __uint_as_float(v.y << 16);
-    o.w += w * __uint_as_float(v.y & 0xffff0000u);
-  }
-  if (SG > 1) {
-    red_o[sg][c] = o;
-    __syncthreads();
-    if (sg != 0) return;
+  const int sg = threadIdx.x / 16, c = threadIdx.x % 16;
+  const int col0 = blockIdx.y * 128;
+  float o[8];
 #pragma unroll
-    for (int i = 1; i < SG; ++i) {
-      const float4 oi = red_o[i][c];
-      o.x += oi.x; o.y += oi.y; o.z += oi.z; o.w += oi.w;
+  for (int e = 0; e < 8; ++e) o[e] = 0.f;
+  const u16* base = a.part_o + (i64)pair * DV + col0 + c * 8;
+  for (int k0 = sg; k0 < nsplit; k0 += SG * MB) {
+    // the batch's loads as cp.async: nothing the compiler can sink to its first use, so all
+    // MB are in flight together; splits past nsplit or of weight 0 (never written) zero-fill
+#pragma unroll
+    for (int u = 0; u < MB; ++u) {
+      const int k = k0 + u * SG;
+      const bool use = k < nsplit && w_s[k] != 0.f;
+      cp_async<16>(smem_u32(&stage[u][threadIdx.x]), base + (use ? k : 0) * split_stride * DV, use ? 16 : 0);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();  // each thread reads back only its own copies: no barrier
+#pragma unroll
+    for (int u = 0; u < MB; ++u) {
+      const int k = k0 + u * SG;
+      const float w = k < nsplit ? w_s[k] : 0.f;
+      const uint4 v = stage[u][threadIdx.x];
+      const u32 p[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        o[2 * e] += w * __uint_as_float(p[e] << 16);
+        o[2 * e + 1] += w * __uint_as_float(p[e] & 0xffff0000u);
+      }
     }
   }
+  float4* dst4 = reinterpret_cast<float4*>(red_o + sg * 128 + c * 8);
+  dst4[0] = make_float4(o[0], o[1], o[2], o[3]);
+  dst4[1] = make_float4(o[4], o[5], o[6], o[7]);
+  __syncthreads();
+  if (threadIdx.x >= 128) return;
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < SG; ++i) sum += red_o[i * 128 + threadIdx.x];
   const float inv = s > 0.f ? 1.f / s : 0.f;
-  u16* dst = a.out + (i64)row * a.out_stride_m + (i64)head * a.out_stride_h + col;
-  const u32 lo2 = (u32)bf16_bits(o.x * inv) | ((u32)bf16_bits(o.y * inv) << 16);
-  const u32 hi2 = (u32)bf16_bits(o.z * inv) | ((u32)bf16_bits(o.w * inv) << 16);
-  *reinterpret_cast<uint2*>(dst) = make_uint2(lo2, hi2);
-  if (a.lse != nullptr && sg == 0 && c == 0 && blockIdx.y == 0)
+  a.out[(i64)row * a.out_stride_m + (i64)head * a.out_stride_h + col0 + threadIdx.x] = bf16_bits(sum * inv);
+  if (a.lse != nullptr && threadIdx.x == 0 && blockIdx.y == 0)
     a.lse[(i64)row * a.lse_stride_m + head] = s > 0.f ? m + __logf(s) : NEG_INF;
 }
 
