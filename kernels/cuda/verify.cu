@@ -165,6 +165,8 @@ struct Config {
   static constexpr int L_OFF = ALPHA_OFF + ROWS_PAD * 4;
   static constexpr int SLOT_OFF = L_OFF + ROWS_PAD * 4;
   static constexpr int SMEM_BYTES = SLOT_OFF + 2 * THREADS * 4;
+  static_assert(P_OFF % 16 == 0 && S_OFF % 16 == 0, "P is zeroed and o rows staged in 16-byte pieces");
+  static_assert(QKS * SPITCH * 4 >= 8, "the epilogue keeps an 8-byte offset per row over the S partials");
 };
 
 struct SplitArgs {
@@ -227,7 +229,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
   }
 
   // -- zero the padded P rows once, alpha of padded rows 0 (their O columns are never stored)
-  for (int i = tid; i < C::ROWS_PAD * C::PPITCH; i += C::THREADS) Ps[i] = 0;
+  for (int i = tid; i < C::ROWS_PAD * C::PPITCH / 8; i += C::THREADS)
+    reinterpret_cast<uint4*>(Ps)[i] = make_uint4(0u, 0u, 0u, 0u);
   for (int r = tid; r < C::ROWS_PAD; r += C::THREADS) alpha_s[r] = 0.f;
 
   // -- slot chunk 0 first, so its loads are not queued behind the Q copy
@@ -241,14 +244,15 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
 
   // -- Q tile: the HPB x T rows of this head group, zero for padded rows / heads past H
   const u32 qs_base = smem_u32(Qs);
-  if (a.q_vec16) {
+  if (a.q_vec16) {  // a warp per row: the row's address once, then 16-byte copies by lane
     constexpr int QC = DK / 8;
-    for (int c = tid; c < C::ROWS_PAD * QC; c += C::THREADS) {
-      const int r = c / QC, col = (c % QC) * 8;
+    for (int r = warp; r < C::ROWS_PAD; r += NUM_WARPS) {
       const int head = hg * HPB + r / T;
       const bool ok = r < C::ROWS && head < a.H;
-      const u16* src = ok ? a.q + (i64)(b * T + r % T) * a.q_stride_m + (i64)head * a.q_stride_h + col : a.q;
-      cp_async<16>(qs_base + (r * C::KPITCH + col) * 2, src, ok ? 16 : 0);
+      const u16* src = ok ? a.q + (i64)(b * T + r % T) * a.q_stride_m + (i64)head * a.q_stride_h : a.q;
+#pragma unroll
+      for (int c = lane; c < QC; c += 32)
+        cp_async<16>(qs_base + (r * C::KPITCH + c * 8) * 2, ok ? src + c * 8 : a.q, ok ? 16 : 0);
     }
   } else {
     for (int c = tid; c < C::ROWS_PAD * DK; c += C::THREADS) {
@@ -524,7 +528,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
   }
   cp_async_wait<0>();
 
-  // -- this split's lse (natural log) and l for the normalisation of o
+  // -- this split's lse (natural log), l for the normalisation of o, and where each row of
+  // o goes (-1: a head past H), kept over the S partials (every warp is past the last
+  // softmax, the last reader of S)
+  i64* row_off = reinterpret_cast<i64*>(smem + C::S_OFF);
 #pragma unroll
   for (int p = 0; p < C::PASSES; ++p) {
     float l = l_run[p];
@@ -535,9 +542,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
     if (r < C::ROWS && sub8 == 0) {
       l_s[r] = l;
       const int head = hg * HPB + r / T;
+      const i64 pr = ((i64)split * a.rows_total + b * T + r % T) * a.H + head;  // partial row
+      row_off[r] = head < a.H ? pr * DV : -1;
       if (head < a.H) {
         const float lse = l > 0.f ? (m_run[p] + __log2f(l)) * LN2 : -__int_as_float(0x7f800000);
-        a.part_lse[((i64)split * a.rows_total + b * T + r % T) * a.H + head] = lse;
+        a.part_lse[pr] = lse;
       }
     }
   }
@@ -567,10 +576,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
   constexpr int CHUNKS = DV / 8;  // 16-byte pieces of a row
   for (int c = tid; c < C::ROWS * CHUNKS; c += C::THREADS) {
     const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
-    const int head = hg * HPB + r / T;
-    if (head >= a.H) continue;
-    const uint4 v = *reinterpret_cast<const uint4*>(Os + r * C::OPITCH + col);
-    *reinterpret_cast<uint4*>(a.part_o + (((i64)split * a.rows_total + b * T + r % T) * a.H + head) * DV + col) = v;
+    const i64 off = row_off[r];
+    if (off < 0) continue;
+    *reinterpret_cast<uint4*>(a.part_o + off + col) = *reinterpret_cast<const uint4*>(Os + r * C::OPITCH + col);
   }
 }
 
