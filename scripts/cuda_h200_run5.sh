@@ -1,9 +1,9 @@
 #!/bin/bash
-# One GPU call (run 5 of results/cuda): ncu of the default CUDA config at H=8/128k, the read
+# One GPU call (runs 5-8 of results/cuda): ncu of the default CUDA config at H=8/128k, the read
 # speed of light per shape (scripts/sol_read.py), with PHASES=1 the split and merge kernels
 # timed apart (scripts/time_phases.py), then scripts/cuda_h200_run.sh (smoke, bench,
 # GPU tests, sanitizers; the mma/ldmatrix ceilings of run 4 are not re-measured). Run from the
-# repo root; the bench arguments pass through; everything lands in $OUT/${RUN_NAME:-run5}.tgz (runs 5 and 6 of results/cuda).
+# repo root; the bench arguments pass through; everything lands in $OUT/${RUN_NAME:-run5}.tgz (runs 5-8 of results/cuda).
 set -u
 R=/tmp/r; mkdir -p $R /tmp/shim/kvtune
 ln -sfn $PWD/kernels /tmp/shim/kvtune/kernels; ln -sfn $PWD/tuner /tmp/shim/kvtune/tuner

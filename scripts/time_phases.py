@@ -55,8 +55,9 @@ def main(argv=None) -> int:
         row = {"prefix": prefix, "H": args.heads, "params": str(p)}
         for what, skip in (("both", None), ("split", int(merge_k.function)), ("merge", int(split_k.function))):
             state["skip"] = skip
-            fns = [lambda x=x: verify_attention(*x.args, backend="cuda", params=p, out=out, workspace=ws,
-                                                check_values_=False) for x in pools]
+            fns = [lambda x=x, p=p, out=out, ws=ws: verify_attention(*x.args, backend="cuda", params=p, out=out,
+                                                                    workspace=ws, check_values_=False)
+                   for x in pools]
             for f in fns:
                 f()
             torch.cuda.synchronize()

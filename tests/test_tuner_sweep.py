@@ -346,3 +346,34 @@ def test_gate_catches_a_tree_mask_bug_invisible_at_long_prefixes():
         assert r.outcome == "wrong" and "short prefixes" in r.reason, r
     finally:
         unregister_backend("triton-all-drafts-visible")
+
+
+def test_export_after_a_stopped_sweep_names_what_is_missing(tmp_path, capsys):
+    """The committed H200 sweep with its last study (CUDA, tp 8, 128k) taken out, as a sweep
+    stopped by its time limit leaves it: the export says the sweep stopped, names the backend
+    and context that is missing, and CUDA cannot serve tp 8 (one config must serve every
+    bucket); after the study is back, CUDA serves tp 8 and nothing is warned."""
+    import pandas as pd
+
+    from kvtune.tuner.config import REPO_ROOT
+
+    src = REPO_ROOT / "results" / "kimi-k2-h200"
+    full = pd.read_csv(src / "trials.csv")
+    gap = (full["backend"] == "cuda") & (full["tp"] == 8) & (full["ctx"] == 131072)
+    assert gap.any()
+    dep = REPO_ROOT / "configs" / "deployments" / "kimi-k2-h200.yaml"
+
+    def export(trials, status):
+        d = tmp_path / status / "kimi-k2-h200"
+        d.mkdir(parents=True)
+        trials.to_csv(d / "trials.csv", index=False)
+        (d / "runs.jsonl").write_text(json.dumps({"status": status}) + "\n")
+        tuned = export_deployment(str(dep), out=str(tmp_path / status))
+        return {e.tp: e.backend for e in tuned.entries}, capsys.readouterr().err
+
+    backends, err = export(full[~gap], "stopped (time limit of 6 min)")
+    assert "ended 'stopped (time limit of 6 min)'" in err and "resume" in err
+    assert "tp=8 bs=1: cuda has no trials at context(s) [131072]" in err
+    assert backends[8] != "cuda" and backends[1] == "cuda"
+    backends, err = export(full, "complete")
+    assert backends[8] == "cuda" and "warning" not in err

@@ -140,6 +140,10 @@ def export_deployment(dep: Deployment | str, out: str = "results", trials_csv: s
     others = [b for b in dict.fromkeys(df["backend"]) if b not in BACKEND_NAMES]
     if others and not quiet:
         print(f"note: not exporting backends outside the schema's {list(BACKEND_NAMES)}: {others}", file=sys.stderr)
+    status = _last_sweep_status(out_dir)
+    if status and status != "complete" and not quiet:
+        print(f"warning: the last sweep into {out_dir} ended {status!r}: studies it did not finish are missing "
+              "below; run the same sweep command again to resume it, then export again", file=sys.stderr)
     entries, report = [], []
     lat = _latencies(df)
     order = list(df.columns[df.columns.get_loc("role") + 1: df.columns.get_loc("params")])
@@ -153,6 +157,12 @@ def export_deployment(dep: Deployment | str, out: str = "results", trials_csv: s
             if missing and not quiet:
                 print(f"warning: tp={tp} bs={bs}: context buckets {missing} were not swept; the entry covers "
                       f"{contexts} only", file=sys.stderr)
+            for b in backends:
+                have = {int(c) for c in sel[sel["backend"] == b]["ctx"]}
+                gaps = [c for c in contexts if c not in have]
+                if have and gaps and not quiet:  # one config serves every bucket: a gap rules the backend out
+                    print(f"warning: tp={tp} bs={bs}: {b} has no trials at context(s) {gaps}, so it cannot serve "
+                          "this entry (a stopped sweep leaves such gaps: run it again to resume)", file=sys.stderr)
             pick, notes, served_lat = pick_served(df, backends, tp, bs, contexts, dep.model.draft_tokens)
             for n in notes:
                 if not quiet:
@@ -210,6 +220,21 @@ def export_deployment(dep: Deployment | str, out: str = "results", trials_csv: s
         print(pd.DataFrame(report).to_string(index=False, float_format=lambda x: f"{x:.2f}"))
         print(f"exported {dest}")
     return tuned
+
+
+def _last_sweep_status(out_dir: Path) -> str | None:
+    """The status of the last `kvtune sweep` run recorded in `<out_dir>/runs.jsonl`, if any."""
+    path = out_dir / "runs.jsonl"
+    if not path.exists():
+        return None
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    if not lines:
+        return None
+    try:
+        status = json.loads(lines[-1]).get("status")
+    except (json.JSONDecodeError, AttributeError):  # a torn last line: say nothing rather than guess
+        return None
+    return str(status) if status else None
 
 
 def _default_latency(lat, backend, tp, bs, ctx):
