@@ -4,10 +4,8 @@
 # root; everything lands in $1 (default $OUT).
 set -u
 OUT=${1:-$OUT}
-mkdir -p "$OUT" /tmp/shim/kvtune
-ln -sfn "$PWD/kernels" /tmp/shim/kvtune/kernels
-ln -sfn "$PWD/tuner" /tmp/shim/kvtune/tuner
-export PYTHONPATH=/tmp/shim PYTHONUNBUFFERED=1 KVTUNE_CACHE_DIR=/tmp/kvtune-cache
+mkdir -p "$OUT"
+. scripts/device_env.sh tree
 PY=${PY:-python3}
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
   $PY -c "import torch, triton, cuda.bindings; from kvtune.kernels.cuda.nvrtc import nvrtc_version, kernel_source_hash; \

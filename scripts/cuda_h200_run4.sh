@@ -3,9 +3,8 @@
 # scripts/cuda_h200_run.sh (smoke, ceilings, bench, GPU tests, sanitizers). Run from the repo root;
 # the bench arguments pass through; everything lands in $OUT/run4.tgz.
 set -u
-R=/tmp/r; mkdir -p $R /tmp/shim/kvtune
-ln -sfn $PWD/kernels /tmp/shim/kvtune/kernels; ln -sfn $PWD/tuner /tmp/shim/kvtune/tuner
-export PYTHONPATH=/tmp/shim KVTUNE_CACHE_DIR=/tmp/kc PYTHONUNBUFFERED=1
+R=/tmp/r; mkdir -p $R
+. scripts/device_env.sh tree
 S=smsp__average_warps_issue_stalled
 M=smsp__inst_executed.sum,sm__cycles_elapsed.avg
 for k in barrier long_scoreboard short_scoreboard wait math_pipe_throttle mio_throttle not_selected dispatch_stall lg_throttle selected no_instruction branch_resolving; do M=$M,${S}_${k}_per_issue_active.ratio; done

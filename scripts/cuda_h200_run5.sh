@@ -5,9 +5,8 @@
 # GPU tests, sanitizers; the mma/ldmatrix ceilings of run 4 are not re-measured). Run from the
 # repo root; the bench arguments pass through; everything lands in $OUT/${RUN_NAME:-run5}.tgz (runs 5-8 of results/cuda).
 set -u
-R=/tmp/r; mkdir -p $R /tmp/shim/kvtune
-ln -sfn $PWD/kernels /tmp/shim/kvtune/kernels; ln -sfn $PWD/tuner /tmp/shim/kvtune/tuner
-export PYTHONPATH=/tmp/shim KVTUNE_CACHE_DIR=/tmp/kc PYTHONUNBUFFERED=1
+R=/tmp/r; mkdir -p $R
+. scripts/device_env.sh tree
 S=smsp__average_warps_issue_stalled
 M=smsp__inst_executed.sum,sm__cycles_elapsed.avg,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
 for k in barrier long_scoreboard short_scoreboard wait math_pipe_throttle mio_throttle not_selected dispatch_stall lg_throttle selected no_instruction branch_resolving; do M=$M,${S}_${k}_per_issue_active.ratio; done

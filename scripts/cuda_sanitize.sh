@@ -3,8 +3,7 @@
 # repository root). Logs to $OUT/sanitizer.log.
 set -u
 OUT=${OUT:?}
-mkdir -p /tmp/shim/kvtune && ln -sfn "$PWD/kernels" /tmp/shim/kvtune/kernels && ln -sfn "$PWD/tuner" /tmp/shim/kvtune/tuner
-export PYTHONPATH=/tmp/shim PYTHONUNBUFFERED=1 KVTUNE_CACHE_DIR=/tmp/kvtune-cache
+. scripts/device_env.sh tree
 cat > /tmp/san.py <<'PYEOF'
 import torch
 from kvtune.kernels import SplitTable, make_inputs, reference_attention, rel_error, verify_attention

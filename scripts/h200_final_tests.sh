@@ -4,8 +4,7 @@
 # (kernels/defaults/kimi-k2-h200.yaml). Log in $OUT/pytest.log.
 set -u
 OUT=${OUT:?}
-mkdir -p /tmp/shim/kvtune && ln -sfn "$PWD/kernels" /tmp/shim/kvtune/kernels && ln -sfn "$PWD/tuner" /tmp/shim/kvtune/tuner
-export PYTHONPATH=/tmp/shim PYTHONUNBUFFERED=1 KVTUNE_CACHE_DIR=/tmp/kvtune-cache
+. scripts/device_env.sh tree
 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --timeout 120 tests/test_contract.py tests/test_cuda_gpu.py \
     tests/test_runtime_gpu.py tests/test_packaged_defaults.py > $OUT/pytest.log 2>&1
 echo "pytest rc=$?" >> $OUT/pytest.log

@@ -3,8 +3,7 @@
 # tuned-runtime benchmark at batch 1 and 4 with the packaged Kimi-K2 defaults.
 set -u
 OUT=${OUT:?}
-mkdir -p /tmp/shim/kvtune && ln -sfn "$PWD/kernels" /tmp/shim/kvtune/kernels && ln -sfn "$PWD/tuner" /tmp/shim/kvtune/tuner
-export PYTHONPATH=/tmp/shim PYTHONUNBUFFERED=1 KVTUNE_CACHE_DIR=/tmp/kvtune-cache
+. scripts/device_env.sh tree
 timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --timeout 100 tests/test_runtime_gpu.py \
     tests/test_contract.py -k "cuda or runtime or graph" > $OUT/pytest.log 2>&1; echo "pytest rc=$?" >> $OUT/pytest.log
 timeout 150 python3 scripts/bench_runtime.py --defaults kernels/defaults/kimi-k2-h200.yaml --tp 8 \

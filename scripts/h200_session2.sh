@@ -4,9 +4,7 @@
 # an exhaustive grid at tp 8 on the reduced spaces of results/tpe-vs-grid/spaces.
 set -u
 OUT=${OUT:?}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-mkdir -p /tmp/shim/kvtune && ln -sfn "$PWD/kernels" /tmp/shim/kvtune/kernels && ln -sfn "$PWD/tuner" /tmp/shim/kvtune/tuner
-export PYTHONPATH=/tmp/shim:/tmp/site PYTHONUNBUFFERED=1 KVTUNE_CACHE_DIR=/tmp/kvtune-cache
+. scripts/device_env.sh wheels
 kv="python3 -m kvtune.tuner.cli"
 start=$(date +%s)
 timeout 330 $kv sweep configs/deployments/kimi-k2-h200.yaml --device cuda --out results --trials ${TRIALS:-14} \

@@ -4,9 +4,7 @@
 # the tuned runtime against SGLang-style Triton. Everything lands in $OUT/session3.tgz.
 set -u
 OUT=${OUT:?}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-mkdir -p /tmp/shim/kvtune && ln -sfn "$PWD/kernels" /tmp/shim/kvtune/kernels && ln -sfn "$PWD/tuner" /tmp/shim/kvtune/tuner
-export PYTHONPATH=/tmp/shim:/tmp/site PYTHONUNBUFFERED=1 KVTUNE_CACHE_DIR=/tmp/kvtune-cache
+. scripts/device_env.sh wheels
 res=/tmp/res; mkdir -p $res/logs
 kv="python3 -m kvtune.tuner.cli"
 { nvidia-smi --query-gpu=name,driver_version --format=csv

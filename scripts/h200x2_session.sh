@@ -5,9 +5,7 @@
 set -u
 OUT=${OUT:?}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-mkdir -p /tmp/shim/kvtune && ln -sfn "$PWD/kernels" /tmp/shim/kvtune/kernels && ln -sfn "$PWD/tuner" /tmp/shim/kvtune/tuner
-export PYTHONPATH=/tmp/shim:/tmp/site PYTHONUNBUFFERED=1
+. scripts/device_env.sh wheels
 kv="python3 -m kvtune.tuner.cli"
 nvidia-smi --query-gpu=index,name,driver_version --format=csv > $OUT/env.log 2>&1
 res=/tmp/res; mkdir -p $res

@@ -3,9 +3,8 @@
 # 4k / 16k / 128k), and SASS-level stall sampling of the split kernel at 128k. Run from the repo
 # root; lands in $OUT/ncu_breakdown.tgz.
 set -u
-R=/tmp/nb; mkdir -p $R /tmp/shim/kvtune
-ln -sfn $PWD/kernels /tmp/shim/kvtune/kernels; ln -sfn $PWD/tuner /tmp/shim/kvtune/tuner
-export PYTHONPATH=/tmp/shim KVTUNE_CACHE_DIR=/tmp/kc PYTHONUNBUFFERED=1
+R=/tmp/nb; mkdir -p $R
+. scripts/device_env.sh tree
 M=gpu__time_duration.sum,sm__cycles_elapsed.avg,smsp__inst_executed.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum
 for P in 4096 16384 131072; do
   timeout 60 ncu --clock-control none -k regex:verify_ -s 4 -c 2 --metrics $M python3 scripts/profile_split.py $P > $R/dur_$P.txt 2>&1

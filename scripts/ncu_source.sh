@@ -2,9 +2,8 @@
 # SASS-level warp stall sampling of the CUDA split kernel (default config, H=8, T=9, bs=1) at the
 # given prefixes (default 4096): per-instruction CSV in $OUT/ncu_source.tgz. Run from the repo root.
 set -u
-R=/tmp/ns; mkdir -p $R /tmp/shim/kvtune
-ln -sfn $PWD/kernels /tmp/shim/kvtune/kernels; ln -sfn $PWD/tuner /tmp/shim/kvtune/tuner
-export PYTHONPATH=/tmp/shim KVTUNE_CACHE_DIR=/tmp/kc PYTHONUNBUFFERED=1
+R=/tmp/ns; mkdir -p $R
+. scripts/device_env.sh tree
 for P in ${@:-4096}; do
   timeout 120 ncu --clock-control none --section SourceCounters --section WarpStateStats --section SpeedOfLight \
     -k regex:verify_split -s 2 -c 1 -o $R/src_$P python3 scripts/profile_split.py $P > $R/src_$P.log 2>&1
