@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Diagnosis (not a test): the CUDA backend's two launches timed apart, H=8, T=9, bs=1.
 
-Graph replay over rotating inputs (cold L2, as the Measurer times), median of 15, of: both
-kernels, the split kernel alone, the merge kernel alone (it then merges stale partials: timing
-only). The launch of the other kernel is filtered out at `cuLaunchKernel`.
+Graph replay over rotating inputs (cold L2, as the Measurer times; `sol_read.graph_us`), median
+of 15, of: both kernels, the split kernel alone, the merge kernel alone (it then merges stale
+partials: timing only). The launch of the other kernel is filtered out at `cuLaunchKernel`.
 
     python scripts/time_phases.py --out $OUT
 """
@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 from cuda.bindings import driver as drv
+
+# the same graph timing as the speed-of-light read (scripts/ is on the path when run as a script)
+from sol_read import graph_us
 
 
 def main(argv=None) -> int:
@@ -47,10 +49,11 @@ def main(argv=None) -> int:
         nbytes = ProblemSpec(heads=args.heads, batch=1, context=prefix, draft_tokens=9).bytes_moved()
         pools = [make_inputs(1, 9, args.heads, prefix, device="cuda", seed=i)
                  for i in range(max(2, min(48, math.ceil(3 * l2 / nbytes))))]
-        p = be.default_params(describe_problem(*pools[0].args))
+        problem = describe_problem(*pools[0].args)
+        p = be.default_params(problem)
         split_k, merge_k, _ = be._get(p, 9, torch.device("cuda"))
         out = torch.empty(9, args.heads, 512, dtype=torch.bfloat16, device="cuda")
-        ws = torch.empty(be.workspace_bytes(describe_problem(*pools[0].args), p), dtype=torch.uint8, device="cuda")
+        ws = torch.empty(be.workspace_bytes(problem, p), dtype=torch.uint8, device="cuda")
         reps = max(len(pools), 96 // len(pools) * len(pools))
         row = {"prefix": prefix, "H": args.heads, "params": str(p)}
         for what, skip in (("both", None), ("split", int(merge_k.function)), ("merge", int(split_k.function))):
@@ -58,25 +61,7 @@ def main(argv=None) -> int:
             fns = [lambda x=x, p=p, out=out, ws=ws: verify_attention(*x.args, backend="cuda", params=p, out=out,
                                                                     workspace=ws, check_values_=False)
                    for x in pools]
-            for f in fns:
-                f()
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for i in range(reps):
-                    fns[i % len(fns)]()
-            g.replay()
-            torch.cuda.synchronize()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            ts = []
-            for _ in range(15):
-                s.record()
-                g.replay()
-                e.record()
-                e.synchronize()
-                ts.append(s.elapsed_time(e) * 1e3 / reps)
-            row[f"{what}_us"] = round(statistics.median(ts), 2)
-            del g
+            row[f"{what}_us"] = round(graph_us([fns[i % len(fns)] for i in range(reps)]), 2)
         state["skip"] = None
         rows.append(row)
         print(row, flush=True)
