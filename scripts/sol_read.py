@@ -45,6 +45,15 @@ def graph_us(fns, reps=15) -> float:
     return statistics.median(ts)
 
 
+def write_csv(path: Path, rows: list[dict]) -> None:
+    """`rows` (dicts with the same keys) as a CSV file, its folder created."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -72,12 +81,7 @@ def main(argv=None) -> int:
         print(row, flush=True)
         del bufs
         torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "sol_read.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(Path(args.out) / "sol_read.csv", rows)
     print(f"\n{'prefix':>7} {'MB':>7} {'sum us':>8} {'GB/s':>6} {'floor us':>8} {'% floor':>7}")
     for r in rows:
         print(f"{r['prefix']:>7} {r['bytes'] / 1e6:>7.1f} {r['sum_us']:>8.2f} {r['gbps']:>6.0f} {r['floor_us']:>8.2f} "

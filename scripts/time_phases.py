@@ -10,7 +10,6 @@ partials: timing only). The launch of the other kernel is filtered out at `cuLau
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import sys
 from pathlib import Path
@@ -18,8 +17,8 @@ from pathlib import Path
 import torch
 from cuda.bindings import driver as drv
 
-# the same graph timing as the speed-of-light read (scripts/ is on the path when run as a script)
-from sol_read import graph_us
+# the same graph timing and CSV as the speed-of-light read (scripts/ is on the path as a script)
+from sol_read import graph_us, write_csv
 
 
 def main(argv=None) -> int:
@@ -67,12 +66,7 @@ def main(argv=None) -> int:
         print(row, flush=True)
         del pools
         torch.cuda.empty_cache()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "phases.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(Path(args.out) / "phases.csv", rows)
     print(f"\n{'prefix':>7} {'both us':>8} {'split us':>8} {'merge us':>8}")
     for r in rows:
         print(f"{r['prefix']:>7} {r['both_us']:>8.2f} {r['split_us']:>8.2f} {r['merge_us']:>8.2f}")
