@@ -53,7 +53,8 @@ def test_ragged_batch(T, H, tree):
 @pytest.mark.parametrize("over", [dict(BLOCK_N=16, NSPLIT=64), dict(BLOCK_N=64, NUM_WARPS=16, HEADS_PER_BLOCK=2),
                                   dict(VEC=4, STAGES=3, HEADS_PER_BLOCK=4), dict(VEC=2, NUM_WARPS=16, HEADS_PER_BLOCK=4),
                                   dict(HEADS_PER_BLOCK=3, NSPLIT=5), dict(STAGES=4, BLOCK_N=16, NSPLIT=2),
-                                  dict(NUM_WARPS=32, NSPLIT=1)])
+                                  dict(NUM_WARPS=32, NSPLIT=1), dict(HEADS_PER_BLOCK=2, BLOCK_N=16, STAGES=3, CTAS_PER_SM=2),
+                                  dict(HEADS_PER_BLOCK=4, BLOCK_N=16, NUM_WARPS=4, CTAS_PER_SM=2, NSPLIT=7)])
 def test_configs_and_more_splits_than_tiles(over):
     x = make_inputs(2, 9, 8, [97, 7], tree="random", device="cuda")
     _check(x, params=_cuda_params(x, **over))
@@ -110,6 +111,66 @@ def test_split_table():
     # NSPLIT values past the grid are clamped to it
     table = SplitTable.build([50, 10**6], [40, 99], device="cuda")
     _check(x, params=p, split_table=table)
+
+
+def _items_per_request(x, p, table=None):
+    """Run the CUDA backend and read back how many work items (splits) each request got: the
+    per-request (first item, count) table the split kernel leaves at the end of the workspace."""
+    from kvtune.kernels.cuda.backend import work_items
+    pb = describe_problem(*x.args)
+    ws = torch.zeros(workspace_bytes(pb, "cuda", p), dtype=torch.uint8, device="cuda")
+    _check(x, params=p, workspace=ws, split_table=table)
+    meta_off = work_items(p, pb.B) * pb.T * pb.H * (2 * pb.Dv + 4)
+    meta = ws[meta_off:meta_off + 8 * pb.B].view(torch.int32).view(pb.B, 2).cpu()
+    return meta[:, 0].tolist(), meta[:, 1].tolist()
+
+
+def _expected_items(lengths, nsplit, block_n):
+    # the documented rule, written out independently: the batch's keys in at most nsplit
+    # splits of whole tiles, each request in ceil(L_b / chunk) of them, requests in order
+    total, denom = sum(lengths), max(nsplit - len(lengths) + 1, 1)
+    chunk = -(-(-(-total // denom)) // block_n) * block_n
+    counts = [-(-L // chunk) for L in lengths]
+    firsts = [sum(counts[:i]) for i in range(len(counts))]
+    return firsts, counts
+
+
+def test_split_table_sets_the_partial_count():
+    """The CUDA backend uses the split table it is given: two tables that must give different
+    split counts do, and both match the oracle."""
+    x = make_inputs(3, 9, 8, [700, 97, 4096], tree="chain", device="cuda")
+    lengths = [700 + 9, 97 + 9, 4096 + 9]
+    p = _cuda_params(x, NSPLIT=64, BLOCK_N=16)
+    for bounds, values, nsplit in [([10**6], [4], 4), ([1000, 10**6], [1, 40], 40), ([10**6], [99], 64)]:
+        got = _items_per_request(x, p, SplitTable.build(bounds, values, device="cuda"))
+        assert got == _expected_items(lengths, nsplit, 16), (bounds, values)
+    assert _items_per_request(x, p) == _expected_items(lengths, 64, 16)  # no table: the grid's NSPLIT
+    firsts, counts = _items_per_request(x, p)
+    assert sum(counts) <= 64
+
+
+def test_ragged_batch_is_balanced_by_keys():
+    """A long request among short ones gets most of the splits (work balanced by keys)."""
+    prefixes = [6000, 30, 900, 5, 2500]
+    x = make_inputs(5, 9, 8, prefixes, tree="random", device="cuda")
+    p = _cuda_params(x, NSPLIT=32, BLOCK_N=32)
+    firsts, counts = _items_per_request(x, p)
+    assert (firsts, counts) == _expected_items([n + 9 for n in prefixes], 32, 32)
+    assert counts[0] > counts[4] > counts[2] >= counts[1] == counts[3] == 1
+
+
+def test_nan_in_q_gives_nan_rows_only():
+    """NaN in, NaN out: a NaN in q[i, h] makes o[i, h] and lse[i, h] NaN; other rows match
+    the oracle."""
+    x = make_inputs(2, 9, 8, [300, 4096], tree="random", device="cuda")
+    ref_o, ref_lse = reference_attention(*x.args)
+    x.q[3, 5, 17] = float("nan")
+    o, lse = verify_attention(*x.args, backend="cuda", return_lse=True)
+    assert torch.isnan(o[3, 5]).all() and torch.isnan(lse[3, 5])
+    keep = torch.ones(o.shape[:2], dtype=torch.bool, device="cuda")
+    keep[3, 5] = False
+    assert not torch.isnan(o[keep]).any() and not torch.isnan(lse[keep]).any()
+    assert rel_error(o[keep], ref_o[keep]) < TOL
 
 
 def test_row_that_sees_nothing():

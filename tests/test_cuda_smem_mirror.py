@@ -8,7 +8,7 @@ import itertools
 
 import cuda.bindings.nvrtc  # noqa: F401  (a hard dependency, as in test_cuda_compile)
 from kvtune.kernels.cuda import nvrtc
-from kvtune.kernels.cuda.backend import CudaParams, KernelGeometry, check_static
+from kvtune.kernels.cuda.backend import KV_BITS, CudaParams, KernelGeometry, check_static
 
 # odd and even shapes: T = 1, 2, 9, 16; heads per CTA 1..64 (3 and 7: ragged row tiles);
 # every tile size, warp count and pipeline depth the kernel accepts
@@ -31,7 +31,8 @@ def _assertions(configs, skew=0):
     for p, T in configs:
         g = KernelGeometry.of(p, T)
         qmt, qrg, qks = g.qk
-        cfg = f"kvtune::Config<{p.VEC},{p.BLOCK_N},{p.NUM_WARPS},{p.HEADS_PER_BLOCK},{p.STAGES},{T},{qmt},{qrg},{qks}>"
+        cfg = (f"kvtune::Config<{p.VEC},{p.BLOCK_N},{p.NUM_WARPS},{p.HEADS_PER_BLOCK},{p.STAGES},{T},{qmt},{qrg},{qks},"
+               f"{KV_BITS},{p.CTAS_PER_SM}>")
         out.append(f'static_assert({cfg}::SMEM_BYTES == {g.smem_bytes + skew}, "{cfg}: smem mirror");')
     return out
 
@@ -65,6 +66,6 @@ def test_smem_mirror_check_can_fail():
     ok, log = _compile(_assertions([(p, 9)], skew=16))
     assert not ok and "smem mirror" in log
     # and a tiling that breaks Config's static_asserts is caught too (QKS = 5 does not divide 36)
-    ok, log = _compile(["static_assert(kvtune::Config<8,32,8,8,2,9,2,2,5>::SMEM_BYTES > 0, \"\");"])
+    ok, log = _compile(["static_assert(kvtune::Config<8,32,8,8,2,9,2,2,5,16,1>::SMEM_BYTES > 0, \"\");"])
     assert not ok and "QKS must divide" in log
 

@@ -1,7 +1,7 @@
 """The CUDA backend: `CudaParams`, per-arch limits, and the NVRTC-compiled launch.
 
-The kernel lives in `verify.cu` (split kernel + log-sum-exp merge); `nvrtc.py` compiles it
-to CUBIN for the exact arch and caches it. This module mirrors the kernel's static_asserts
+The kernel lives in `verify.cu` (split kernel + log-sum-exp merge, work balanced by keys
+across the batch); `nvrtc.py` compiles it to CUBIN for the exact arch and caches it. This module mirrors the kernel's static_asserts
 (`CudaParams` validation, `check_params`), sizes its shared memory and workspace, judges a
 config statically for any arch (`static_reject`, no GPU needed) and launches it on torch's
 current stream with no allocation and no host sync, so a CUDA graph can capture it.
@@ -17,6 +17,7 @@ from ..backends import Backend, LaunchArgs
 from ..shapes import VerifyProblem, cdiv
 
 DK, DV = 576, 512
+KV_BITS = 16  # the cached K/V element type (a template value of verify.cu): bf16; fp8 e4m3 comes next
 MERGE_SPLIT_GROUPS = 16  # the merge kernel's SG: split groups merged in parallel per (row, head, 128 columns),
 # 16 threads each (8 columns per thread)
 
@@ -58,12 +59,18 @@ def device_arch(device) -> str:
 class CudaParams:
     """Parameters of the CUDA kernel (all but NSPLIT are template arguments).
 
-    NSPLIT: key-range splits per request (grid y, a launch-time value, 1..1024).
+    NSPLIT: key-range splits per head group across the batch (a launch-time value, 1..1024):
+        the batch's keys are cut into at most NSPLIT splits of equal size (whole tiles),
+        each request into ceil(L_b / chunk) of them, chunk = total / (NSPLIT - B + 1); for
+        one request, its split count.
     VEC: bf16 elements per gathered vector load: 2, 4 or 8 (4/8/16-byte cp.async).
     BLOCK_N: keys per tile: 16, 32, 64 or 128.
     NUM_WARPS: warps per block: 4, 8, 16 or 32 (each warp owns DV / NUM_WARPS value columns).
     HEADS_PER_BLOCK: heads whose HEADS_PER_BLOCK x T query rows share one CTA (1..64).
     STAGES: cp.async pipeline depth, 2..4.
+    CTAS_PER_SM: CTAs per SM the kernel's registers are capped for (1..4; the launch bound's
+        minimum blocks): 2 lets one CTA's QK^T overlap another's softmax, if the shared memory
+        of both fits the SM.
     """
 
     NSPLIT: int = 64
@@ -72,12 +79,13 @@ class CudaParams:
     NUM_WARPS: int = 8
     HEADS_PER_BLOCK: int = 8
     STAGES: int = 2
+    CTAS_PER_SM: int = 1
 
     def __post_init__(self):
         def need(ok, field, msg):
             if not ok:
                 raise ValueError(f"CudaParams.{field}: {msg}")
-        for f in ("NSPLIT", "VEC", "BLOCK_N", "NUM_WARPS", "HEADS_PER_BLOCK", "STAGES"):
+        for f in ("NSPLIT", "VEC", "BLOCK_N", "NUM_WARPS", "HEADS_PER_BLOCK", "STAGES", "CTAS_PER_SM"):
             v = getattr(self, f)
             need(isinstance(v, int) and not isinstance(v, bool), f, f"must be an int, got {v!r}")
         need(1 <= self.NSPLIT <= 1024, "NSPLIT", f"must be in [1, 1024], got {self.NSPLIT}")
@@ -86,6 +94,7 @@ class CudaParams:
         need(self.NUM_WARPS in (4, 8, 16, 32), "NUM_WARPS", f"must be 4, 8, 16 or 32, got {self.NUM_WARPS}")
         need(1 <= self.HEADS_PER_BLOCK <= 64, "HEADS_PER_BLOCK", f"must be in [1, 64], got {self.HEADS_PER_BLOCK}")
         need(2 <= self.STAGES <= 4, "STAGES", f"must be in [2, 4], got {self.STAGES}")
+        need(1 <= self.CTAS_PER_SM <= 4, "CTAS_PER_SM", f"must be in [1, 4], got {self.CTAS_PER_SM}")
         need(self.NUM_WARPS * 32 >= self.BLOCK_N, "BLOCK_N",
              f"{self.BLOCK_N} keys per tile need at least as many threads (NUM_WARPS={self.NUM_WARPS})")
 
@@ -104,7 +113,7 @@ def qk_tiling(p: CudaParams, T: int) -> tuple[int, int, int]:
     accumulators must fit beside the O accumulator (QMT x row tiles per group x 4 registers)."""
     rows_pad = cdiv(p.HEADS_PER_BLOCK * T, 8) * 8
     nt, kt = rows_pad // 8, p.BLOCK_N // 16
-    cap = 255 if p.threads <= 256 else 65536 // p.threads // 8 * 8
+    cap = min(255, 65536 // (p.threads * p.CTAS_PER_SM) // 8 * 8)
     budget = max(8, cap - (DV // 16 // p.NUM_WARPS) * nt * 4 - 52)
     def pick(budget):
         best = None
@@ -155,7 +164,7 @@ class KernelGeometry:
 def split_expr(p: CudaParams, T: int) -> str:
     qmt, qrg, qks = qk_tiling(p, T)
     return (f"kvtune::verify_split_kernel<{p.VEC},{p.BLOCK_N},{p.NUM_WARPS},{p.HEADS_PER_BLOCK},{p.STAGES},{T},"
-            f"{qmt},{qrg},{qks}>")
+            f"{qmt},{qrg},{qks},{KV_BITS},{p.CTAS_PER_SM}>")
 
 
 MERGE_EXPR = f"kvtune::verify_merge_kernel<{MERGE_SPLIT_GROUPS}>"
@@ -165,7 +174,7 @@ def module_name(p: CudaParams, T: int) -> str:
     """Readable cache name from every template value (NSPLIT is not one)."""
     qmt, qrg, qks = qk_tiling(p, T)
     return (f"verify_T{T}_VEC{p.VEC}_BN{p.BLOCK_N}_W{p.NUM_WARPS}_HPB{p.HEADS_PER_BLOCK}_S{p.STAGES}"
-            f"_QK{qmt}x{qrg}x{qks}_MSG{MERGE_SPLIT_GROUPS}")
+            f"_QK{qmt}x{qrg}x{qks}_KV{KV_BITS}_C{p.CTAS_PER_SM}_MSG{MERGE_SPLIT_GROUPS}")
 
 
 def compile_params(p: CudaParams, T: int, arch: str):
@@ -192,25 +201,37 @@ def check_static(p: CudaParams, T: int) -> None:
 class _SplitArgs(ctypes.Structure):
     _fields_ = [("q", ctypes.c_void_p), ("kv", ctypes.c_void_p), ("indptr", ctypes.c_void_p),
                 ("indices", ctypes.c_void_p), ("tree_mask", ctypes.c_void_p), ("part_o", ctypes.c_void_p),
-                ("part_lse", ctypes.c_void_p), ("split_max_keys", ctypes.c_void_p),
+                ("part_lse", ctypes.c_void_p), ("meta", ctypes.c_void_p), ("split_max_keys", ctypes.c_void_p),
                 ("split_values", ctypes.c_void_p),
                 ("q_stride_m", ctypes.c_int64), ("q_stride_h", ctypes.c_int64), ("kv_stride", ctypes.c_int64),
                 ("qk_scale", ctypes.c_float),
-                ("H", ctypes.c_int), ("rows_total", ctypes.c_int), ("num_buckets", ctypes.c_int),
+                ("H", ctypes.c_int), ("B", ctypes.c_int), ("num_buckets", ctypes.c_int),
                 ("grid_nsplit", ctypes.c_int), ("indices_64", ctypes.c_int), ("q_vec16", ctypes.c_int)]
 
 
 class _MergeArgs(ctypes.Structure):
     _fields_ = [("part_o", ctypes.c_void_p), ("part_lse", ctypes.c_void_p), ("out", ctypes.c_void_p),
-                ("lse", ctypes.c_void_p), ("indptr", ctypes.c_void_p), ("split_max_keys", ctypes.c_void_p),
-                ("split_values", ctypes.c_void_p),
+                ("lse", ctypes.c_void_p), ("meta", ctypes.c_void_p),
                 ("out_stride_m", ctypes.c_int64), ("out_stride_h", ctypes.c_int64), ("lse_stride_m", ctypes.c_int64),
-                ("H", ctypes.c_int), ("T", ctypes.c_int), ("rows_total", ctypes.c_int),
-                ("num_buckets", ctypes.c_int), ("grid_nsplit", ctypes.c_int)]
+                ("H", ctypes.c_int), ("T", ctypes.c_int)]
 
 
 # sizes static_assert'ed in verify.cu: a layout change on either side fails loudly
-assert ctypes.sizeof(_SplitArgs) == 128 and ctypes.sizeof(_MergeArgs) == 104
+assert ctypes.sizeof(_SplitArgs) == 136 and ctypes.sizeof(_MergeArgs) == 72
+
+
+def work_items(p: CudaParams, B: int) -> int:
+    """Upper bound on the key-balanced schedule's work items per head group (the split
+    grid's y): sum_b ceil(L_b / chunk) <= NSPLIT + B, since chunk >= total keys / NSPLIT."""
+    return p.NSPLIT + B
+
+
+def pdl_enabled(arch: str) -> bool:
+    """Programmatic dependent launch of the merge (sm_90 and newer) when KVTUNE_CUDA_PDL=1.
+    Off by default: on the H200 it gained nothing (within 1.5%, slower as often as faster;
+    results/kernel/bench-pdl.csv)."""
+    import os
+    return int(arch.split("_")[1]) >= 90 and os.environ.get("KVTUNE_CUDA_PDL", "0") == "1"
 
 LOG2E = 1.4426950408889634
 
@@ -232,7 +253,7 @@ class CudaBackend(Backend):
         # 72 query rows per CTA (8 heads at T=9): one key read feeds 9 row tiles. 8 warps hold
         # the 512 x 72 O accumulator in 144 registers each and leave room for 2-key-tile QK^T
         # warp tiles (half the shared-memory traffic per key of 16 warps; qk_tiling).
-        # NSPLIT: about one CTA per SM at batch 1.
+        # NSPLIT: about one CTA per SM.
         hpb = max(1, min(problem.H, 72 // problem.T))
         sms = 132
         if problem.is_cuda and torch.cuda.is_available():
@@ -242,8 +263,8 @@ class CudaBackend(Backend):
             sms = self._sms[idx]
         arch = device_arch(problem.device) if problem.is_cuda and torch.cuda.is_available() else "sm_90"
         p = default_for_arch(problem.T, hpb, arch)
-        ctas = problem.B * cdiv(problem.H, p.HEADS_PER_BLOCK)
-        return replace(p, NSPLIT=max(1, min(256, round(sms / ctas))))
+        # NSPLIT counts splits of the whole batch's keys per head group (key-balanced)
+        return replace(p, NSPLIT=max(1, min(256, round(sms / cdiv(problem.H, p.HEADS_PER_BLOCK)))))
 
     def check_params(self, params: CudaParams, problem: VerifyProblem) -> None:
         if not isinstance(params, CudaParams):
@@ -254,8 +275,9 @@ class CudaBackend(Backend):
         check_static(params, problem.T)
 
     def workspace_bytes(self, problem: VerifyProblem, params: CudaParams) -> int:
-        # partial o in bf16 (half the split-K traffic of fp32), partial lse in fp32
-        return params.NSPLIT * problem.rows * problem.H * (2 * problem.Dv + 4)
+        # per work item: partial o in bf16 (half the split-K traffic of fp32) and lse in fp32
+        # for its T x H rows; then the per-request (first item, count) table
+        return work_items(params, problem.B) * problem.T * problem.H * (2 * problem.Dv + 4) + 8 * problem.B
 
     def static_reject(self, params: CudaParams, problem: VerifyProblem, arch: str | None = None) -> str | None:
         try:
@@ -283,7 +305,8 @@ class CudaBackend(Backend):
     # -- launch
     def _get(self, params: CudaParams, T: int, device: torch.device):
         idx = device.index if device.index is not None else torch.cuda.current_device()
-        key = (params.VEC, params.BLOCK_N, params.NUM_WARPS, params.HEADS_PER_BLOCK, params.STAGES, T, idx)
+        key = (params.VEC, params.BLOCK_N, params.NUM_WARPS, params.HEADS_PER_BLOCK, params.STAGES,
+               params.CTAS_PER_SM, T, idx)
         got = self._kernels.get(key)
         if got is None:
             from .nvrtc import load_kernels
@@ -295,7 +318,7 @@ class CudaBackend(Backend):
                                  f"device's {limit} ({arch}); use fewer STAGES, BLOCK_N or HEADS_PER_BLOCK")
             mod = compile_params(params, T, arch)
             ks = load_kernels(mod, idx, {split_expr(params, T): geo.smem_bytes})
-            got = (ks[split_expr(params, T)], ks[MERGE_EXPR], geo)
+            got = (ks[split_expr(params, T)], ks[MERGE_EXPR], geo, pdl_enabled(arch))
             self._kernels[key] = got
         return got
 
@@ -312,7 +335,7 @@ class CudaBackend(Backend):
         from cuda.bindings import driver as drv
         from .nvrtc import check_driver
         pb = a.problem
-        split_k, merge_k, geo = self._get(params, pb.T, pb.device)
+        split_k, merge_k, geo, pdl = self._get(params, pb.T, pb.device)
         VEC = params.VEC
         kv = a.kv_cache
         if kv.stride(0) % VEC or kv.data_ptr() % (2 * VEC):
@@ -322,30 +345,51 @@ class CudaBackend(Backend):
         q = a.q
         q_vec16 = int(q.data_ptr() % 16 == 0 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0)
         ns = params.NSPLIT
-        n_o = ns * pb.rows * pb.H * pb.Dv
-        ws = a.workspace
-        base = ws.data_ptr()
-        part_o, part_lse = base, base + 2 * n_o
+        items = work_items(params, pb.B)
+        n_rows = items * pb.T * pb.H   # partial rows
+        base = a.workspace.data_ptr()
+        part_o, part_lse = base, base + 2 * n_rows * pb.Dv
+        meta = part_lse + 4 * n_rows
         st = a.split_table
         nb = st.num_buckets if st is not None else 0
         smk = st.max_keys.data_ptr() if st is not None else a.kv_indptr.data_ptr()
         sv = st.nsplit.data_ptr() if st is not None else a.kv_indptr.data_ptr()
         sa = _SplitArgs(q.data_ptr(), kv.data_ptr(), a.kv_indptr.data_ptr(), a.kv_indices.data_ptr(),
-                        a.tree_mask.data_ptr(), part_o, part_lse, smk, sv,
+                        a.tree_mask.data_ptr(), part_o, part_lse, meta, smk, sv,
                         q.stride(0), q.stride(1), kv.stride(0), a.sm_scale * LOG2E,
-                        pb.H, pb.rows, nb, ns, int(a.kv_indices.dtype == torch.int64), q_vec16)
+                        pb.H, pb.B, nb, ns, int(a.kv_indices.dtype == torch.int64), q_vec16)
         lse = a.lse
-        ma = _MergeArgs(part_o, part_lse, out.data_ptr(), lse.data_ptr() if lse is not None else 0,
-                        a.kv_indptr.data_ptr(), smk, sv, out.stride(0), out.stride(1),
-                        lse.stride(0) if lse is not None else 0, pb.H, pb.T, pb.rows, nb, ns)
+        ma = _MergeArgs(part_o, part_lse, out.data_ptr(), lse.data_ptr() if lse is not None else 0, meta,
+                        out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0, pb.H, pb.T)
         stream = drv.CUstream(torch.cuda.current_stream(pb.device).cuda_stream)
         sp = (ctypes.c_void_p * 1)(ctypes.addressof(sa))
         mp = (ctypes.c_void_p * 1)(ctypes.addressof(ma))
-        grid_x = pb.B * cdiv(pb.H, params.HEADS_PER_BLOCK)
-        check_driver(drv.cuLaunchKernel(split_k.function, grid_x, ns, 1, params.threads, 1, 1, geo.smem_bytes,
-                                        stream, ctypes.addressof(sp), 0), "cuLaunchKernel(verify_split)")
-        check_driver(drv.cuLaunchKernel(merge_k.function, pb.rows * pb.H, DV // 128, 1, 16 * MERGE_SPLIT_GROUPS, 1, 1,
-                                        0, stream, ctypes.addressof(mp), 0), "cuLaunchKernel(verify_merge)")
+        check_driver(drv.cuLaunchKernel(split_k.function, cdiv(pb.H, params.HEADS_PER_BLOCK), items, 1,
+                                        params.threads, 1, 1, geo.smem_bytes, stream, ctypes.addressof(sp), 0),
+                     "cuLaunchKernel(verify_split)")
+        merge_grid = (pb.rows * pb.H, DV // 128, 1, 16 * MERGE_SPLIT_GROUPS, 1, 1)
+        if pdl:
+            check_driver(drv.cuLaunchKernelEx(_pdl_config(merge_grid, stream), merge_k.function,
+                                              ctypes.addressof(mp), 0), "cuLaunchKernelEx(verify_merge)")
+        else:
+            check_driver(drv.cuLaunchKernel(merge_k.function, *merge_grid, 0, stream, ctypes.addressof(mp), 0),
+                         "cuLaunchKernel(verify_merge)")
+
+
+def _pdl_config(grid: tuple, stream):
+    """A launch config that lets the kernel start while the previous one on `stream` drains
+    (it must griddepcontrol.wait before reading that kernel's results)."""
+    from cuda.bindings import driver as drv
+    attr = drv.CUlaunchAttribute()
+    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    cfg = drv.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = grid
+    cfg.sharedMemBytes = 0
+    cfg.hStream = stream
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    return cfg
 
 
 def default_for_arch(T: int, heads_per_block: int, arch: str) -> CudaParams:
@@ -373,8 +417,13 @@ def reject_reason(params: CudaParams, T: int, arch: str) -> str | None:
     if geo.smem_bytes > lim.smem_per_block:
         return (f"shared memory {geo.smem_bytes} B per block exceeds {arch}'s {lim.smem_per_block} B "
                 f"(STAGES={params.STAGES}, BLOCK_N={params.BLOCK_N}, HEADS_PER_BLOCK={params.HEADS_PER_BLOCK})")
-    if params.threads > lim.threads_per_sm:
-        return f"{params.threads} threads per block exceed {arch}'s {lim.threads_per_sm} per SM"
+    if params.threads * params.CTAS_PER_SM > lim.threads_per_sm:
+        return (f"{params.CTAS_PER_SM} CTAs x {params.threads} threads exceed {arch}'s {lim.threads_per_sm} "
+                "per SM")
+    # the driver reserves 1 KB of shared memory per resident CTA
+    if params.CTAS_PER_SM > 1 and params.CTAS_PER_SM * (geo.smem_bytes + 1024) > lim.smem_per_sm:
+        return (f"{params.CTAS_PER_SM} CTAs x {geo.smem_bytes} B of shared memory exceed {arch}'s "
+                f"{lim.smem_per_sm} B per SM (CTAS_PER_SM={params.CTAS_PER_SM})")
     try:
         mod = compile_params(params, T, arch)
     except NvrtcError as e:
@@ -383,6 +432,7 @@ def reject_reason(params: CudaParams, T: int, arch: str) -> str | None:
     if res.spills:
         return (f"register spills on {arch}: {res.spill_stores} B stores / {res.spill_loads} B loads "
                 f"({res.registers} registers)")
-    if res.registers * params.threads > lim.regs_per_sm:
-        return f"{res.registers} registers x {params.threads} threads exceed {arch}'s {lim.regs_per_sm} per SM"
+    if res.registers * params.threads * params.CTAS_PER_SM > lim.regs_per_sm:
+        return (f"{res.registers} registers x {params.threads} threads x {params.CTAS_PER_SM} CTAs exceed "
+                f"{arch}'s {lim.regs_per_sm} per SM")
     return None

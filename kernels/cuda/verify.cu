@@ -6,8 +6,17 @@
 //
 // Shapes: q [B*T, H, DK] bf16 (row/head strides given), kv [num_slots, DK] bf16 (row stride
 // given), kv_indptr [B+1] int32, kv_indices int32 or int64, tree_mask [B*T] int64.
-// Partials: o [NSPLIT, B*T, H, DV] bf16 (normalised per split), lse [NSPLIT, B*T, H] fp32
-// (natural log, -inf for a row that saw nothing in that split).
+//
+// Work is balanced by keys, not by requests: the batch's keys are cut into at most NSPLIT
+// splits per head group (NSPLIT from the split table, looked up at the batch's total key
+// count; B splits if NSPLIT < B), each request into ceil(L_b / chunk) of them, chunk =
+// total / (NSPLIT - B + 1) rounded up to whole tiles. Work items are numbered request after
+// request; a batch has at most NSPLIT + B of them. A long request in a ragged batch thus gets many splits and a short one
+// few, so no CTA holds a long tail while the rest of the GPU idles.
+// Partials, per work item: o [ITEMS, T, H, DV] bf16 (normalised per split), lse [ITEMS, T, H]
+// fp32 (natural log; -inf for a row that saw nothing in that split, NaN where a NaN was read);
+// meta [B][2] int32: each request's first item and its item count, written by CTA (0, 0) for
+// the merge.
 //
 // The split kernel computes S^T = K Q^T and O^T = V^T P^T ("swap AB"): keys and the value
 // width sit in the MMA's M dimension (16), the heads x T query rows of the request sit in N
@@ -84,8 +93,9 @@ __device__ __forceinline__ u16 bf16_bits(float x) {
   return *reinterpret_cast<u16*>(&h);
 }
 
-// NSPLIT of a request with L keys: the grid's, or the first bucket with L <= bound (the
-// last bucket beyond the last bound), clamped to [1, grid_nsplit]. Same rule as Triton's.
+// NSPLIT for L keys: the grid's, or the first bucket with L <= bound (the last bucket beyond
+// the last bound), clamped to [1, grid_nsplit]. Same rule as Triton's (which applies it per
+// request; here L is the batch's total).
 __device__ __forceinline__ int num_splits(int L, const int* max_keys, const int* values, int nb,
                                           int grid_nsplit) {
   if (nb == 0) return grid_nsplit;
@@ -98,8 +108,13 @@ __device__ __forceinline__ int num_splits(int L, const int* max_keys, const int*
 
 // ---------------------------------------------------------------- configuration
 
-template <int VEC, int BLOCK_N, int NUM_WARPS, int HPB, int STAGES, int T, int QMT, int QRG, int QKS>
+template <int VEC, int BLOCK_N, int NUM_WARPS, int HPB, int STAGES, int T, int QMT, int QRG, int QKS, int KV_BITS,
+          int CTAS>
 struct Config {
+  // The cached K/V element type is a template value: an fp8 (e4m3, per-tensor scale) cache
+  // halves every shape's bytes and comes next; only bf16 ships.
+  static_assert(KV_BITS == 16, "KV_BITS: only a bf16 KV cache is implemented");
+  static_assert(CTAS >= 1 && CTAS <= 4, "CTAS_PER_SM in [1, 4]");
   static_assert(VEC == 2 || VEC == 4 || VEC == 8, "VEC must be 2, 4 or 8 bf16 (4/8/16-byte copies)");
   static_assert(BLOCK_N == 16 || BLOCK_N == 32 || BLOCK_N == 64 || BLOCK_N == 128, "BLOCK_N in {16,32,64,128}");
   static_assert(NUM_WARPS == 4 || NUM_WARPS == 8 || NUM_WARPS == 16 || NUM_WARPS == 32, "NUM_WARPS in {4,8,16,32}");
@@ -175,21 +190,82 @@ struct SplitArgs {
   const int* indptr;        // [B+1]
   const void* indices;      // int32 or int64
   const i64* tree_mask;     // [B*T]
-  u16* part_o;              // [NSPLIT, B*T, H, DV] bf16
-  float* part_lse;          // [NSPLIT, B*T, H]
+  u16* part_o;              // [ITEMS, T, H, DV] bf16
+  float* part_lse;          // [ITEMS, T, H]
+  int* meta;                // [B][2]: first item, item count
   const int* split_max_keys;
   const int* split_values;
   i64 q_stride_m, q_stride_h, kv_stride;  // in elements
   float qk_scale;           // sm_scale * log2(e)
-  int H, rows_total, num_buckets, grid_nsplit, indices_64, q_vec16;
+  int H, B, num_buckets, grid_nsplit, indices_64, q_vec16;
 };
-static_assert(sizeof(SplitArgs) == 128, "SplitArgs must match backend._SplitArgs");
+static_assert(sizeof(SplitArgs) == 136, "SplitArgs must match backend._SplitArgs");
+
+// The work item `item` of the key-balanced schedule (see the top of this file), found by one
+// warp: a scan of the requests' split counts, 32 requests at a time. With write_meta, the
+// warp also records every request's (first item, item count) for the merge. b = -1: past the
+// last item.
+struct Work {
+  int b, split, chunk;
+};
+template <int BLOCK_N>
+__device__ Work find_work(const SplitArgs& a, int item, bool write_meta) {
+  const int lane = threadIdx.x & 31;
+  const int base = a.indptr[0];
+  const int total = a.indptr[a.B] - base;
+  const int target = num_splits(total, a.split_max_keys, a.split_values, a.num_buckets, a.grid_nsplit);
+  // chunk >= total / (target - B + 1) keeps sum_b ceil(L_b / chunk) <= target: rounding each
+  // request up to whole splits must not spill a batch into a second wave of CTAs
+  const int denom = max(target - a.B + 1, 1);
+  const int chunk = max(((total + denom - 1) / denom + BLOCK_N - 1) / BLOCK_N * BLOCK_N, BLOCK_N);
+  Work w = {-1, 0, chunk};
+  int run = 0;  // items of the requests before this group of 32
+  for (int b0 = 0; b0 < a.B; b0 += 32) {
+    const int b = b0 + lane;
+    const int n = b < a.B ? max((a.indptr[b + 1] - a.indptr[b] + chunk - 1) / chunk, 1) : 0;
+    int incl = n;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
+    }
+    const int start = run + incl - n;
+    if (write_meta && b < a.B) {
+      a.meta[2 * b] = start;
+      a.meta[2 * b + 1] = n;
+    }
+    const unsigned mine = __ballot_sync(0xffffffffu, b < a.B && item >= start && item < start + n);
+    if (mine) {
+      const int src = __ffs(mine) - 1;
+      w.b = b0 + src;
+      w.split = item - __shfl_sync(0xffffffffu, start, src);
+    }
+    run += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  return w;
+}
+
+// Programmatic dependent launch (sm_90 and newer): the merge grid may start while the split
+// grid drains, and waits for the split grid's results with griddepcontrol.wait. Older archs
+// order the two launches as plain stream work, and both calls compile to nothing.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
 
 // ---------------------------------------------------------------- split kernel
-// grid (B * ceil(H / HPB), NSPLIT); block NUM_WARPS * 32; dynamic smem Config::SMEM_BYTES.
-template <int VEC, int BLOCK_N, int NUM_WARPS, int HPB, int STAGES, int T, int QMT, int QRG, int QKS>
-__global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const SplitArgs a) {
-  using C = Config<VEC, BLOCK_N, NUM_WARPS, HPB, STAGES, T, QMT, QRG, QKS>;
+// grid (ceil(H / HPB), NSPLIT + B): x the head group, y the work item; block NUM_WARPS * 32;
+// dynamic smem Config::SMEM_BYTES. CTAS: CTAs per SM the registers are capped for.
+template <int VEC, int BLOCK_N, int NUM_WARPS, int HPB, int STAGES, int T, int QMT, int QRG, int QKS, int KV_BITS,
+          int CTAS>
+__global__ void __launch_bounds__(NUM_WARPS * 32, CTAS) verify_split_kernel(const SplitArgs a) {
+  using C = Config<VEC, BLOCK_N, NUM_WARPS, HPB, STAGES, T, QMT, QRG, QKS, KV_BITS, CTAS>;
   extern __shared__ __align__(128) unsigned char smem[];
   u16* Qs = reinterpret_cast<u16*>(smem + C::Q_OFF);
   u16* Ks = reinterpret_cast<u16*>(smem + C::K_OFF);
@@ -205,28 +281,30 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
     if (dyn < (u32)C::SMEM_BYTES) __trap();
   }
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int num_hg = (a.H + HPB - 1) / HPB;
-  const int b = blockIdx.x / num_hg, hg = blockIdx.x % num_hg;
-  const int split = blockIdx.y;
+  const int hg = blockIdx.x, item = blockIdx.y;
+  // the merge may launch now: it waits for this whole grid before it reads anything
+  pdl_launch_dependents();
 
+  // -- which request and key range: warp 0 scans the batch, the block learns it through smem
+  __shared__ int work_s[3];
+  if (warp == 0) {
+    const Work w = find_work<BLOCK_N>(a, item, item == 0 && hg == 0);
+    if (lane == 0) {
+      work_s[0] = w.b;
+      work_s[1] = w.split;
+      work_s[2] = w.chunk;
+    }
+  }
+  __syncthreads();
+  const int b = work_s[0];
+  if (b < 0) return;                            // past the batch's last item: the merge never reads it
+  const int split = work_s[1], chunk = work_s[2];
   const int kv_start = a.indptr[b];
   const int L = a.indptr[b + 1] - kv_start;
   const int P = L - T;                          // prefix keys; draft key d sits at P + d
-  const int nsplit = num_splits(L, a.split_max_keys, a.split_values, a.num_buckets, a.grid_nsplit);
-  if (split >= nsplit) return;                  // the merge never reads splits past nsplit
-  const int chunk = ((L + nsplit - 1) / nsplit + BLOCK_N - 1) / BLOCK_N * BLOCK_N;
-  const int lo = split * chunk;
+  const int lo = split * chunk;                 // < L: every item of the schedule holds keys
   const int hi = min(lo + chunk, L);
-  const int n_tiles = hi > lo ? (hi - lo + BLOCK_N - 1) / BLOCK_N : 0;
-
-  if (n_tiles == 0) {  // empty split: lse = -inf; the merge skips its o
-    for (int r = tid; r < C::ROWS; r += C::THREADS) {
-      const int head = hg * HPB + r / T;
-      if (head < a.H)
-        a.part_lse[((i64)split * a.rows_total + b * T + r % T) * a.H + head] = -__int_as_float(0x7f800000);
-    }
-    return;
-  }
+  const int n_tiles = (hi - lo + BLOCK_N - 1) / BLOCK_N;
 
   // -- zero the padded P rows once, alpha of padded rows 0 (their O columns are never stored)
   for (int i = tid; i < C::ROWS_PAD * C::PPITCH / 8; i += C::THREADS)
@@ -456,8 +534,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
         float mx = -__int_as_float(0x7f800000);
 #pragma unroll
         for (int j = 0; j < C::CPL; ++j) {
+          // bitwise, not short-circuit: ptxas turns && / || here into 6 branches per key
           const int d = n0 + j - P;
-          const bool vis = row_ok && (all_visible || (n0 + j < hi && (d < 0 || ((bits[p] >> d) & 1))));
+          const bool draft_ok = (d < 0) | (bool)(((unsigned long long)bits[p] >> (d & 63)) & 1ull);
+          const bool vis = row_ok & (all_visible | ((n0 + j < hi) & draft_ok));
           s[p][j] = vis ? s[p][j] * a.qk_scale : -__int_as_float(0x7f800000);
           mx = fmaxf(mx, s[p][j]);
         }
@@ -542,10 +622,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
     if (r < C::ROWS && sub8 == 0) {
       l_s[r] = l;
       const int head = hg * HPB + r / T;
-      const i64 pr = ((i64)split * a.rows_total + b * T + r % T) * a.H + head;  // partial row
+      const i64 pr = ((i64)item * T + r % T) * a.H + head;  // partial row
       row_off[r] = head < a.H ? pr * DV : -1;
-      if (head < a.H) {
-        const float lse = l > 0.f ? (m_run[p] + __log2f(l)) * LN2 : -__int_as_float(0x7f800000);
+      if (head < a.H) {  // l = 0: the row saw no key here; a NaN l (a NaN was read) stays NaN
+        const float lse = l == 0.f ? -__int_as_float(0x7f800000) : (m_run[p] + __log2f(l)) * LN2;
         a.part_lse[pr] = lse;
       }
     }
@@ -563,7 +643,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
     for (int j = 0; j < 2; ++j) {
       const int r = nt * 8 + 2 * t4 + j;
       const float l = r < C::ROWS ? l_s[r] : 0.f;
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float inv = l == 0.f ? 0.f : 1.f / l;  // NaN stays NaN
       u16* dst = Os + r * C::OPITCH + dv0 + g;
 #pragma unroll
       for (int mt = 0; mt < C::PV_MT; ++mt) {
@@ -585,17 +665,15 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) verify_split_kernel(const S
 // ---------------------------------------------------------------- merge kernel
 
 struct MergeArgs {
-  const u16* part_o;        // [NSPLIT, B*T, H, DV] bf16
-  const float* part_lse;    // [NSPLIT, B*T, H]
+  const u16* part_o;        // [ITEMS, T, H, DV] bf16
+  const float* part_lse;    // [ITEMS, T, H]
   u16* out;                 // [B*T, H, DV] bf16 (strides given)
   float* lse;               // [B*T, H] fp32 or null
-  const int* indptr;
-  const int* split_max_keys;
-  const int* split_values;
+  const int* meta;          // [B][2]: first item, item count (written by the split kernel)
   i64 out_stride_m, out_stride_h, lse_stride_m;
-  int H, T, rows_total, num_buckets, grid_nsplit;
+  int H, T;
 };
-static_assert(sizeof(MergeArgs) == 104, "MergeArgs must match backend._MergeArgs");
+static_assert(sizeof(MergeArgs) == 72, "MergeArgs must match backend._MergeArgs");
 
 constexpr int MAX_NSPLIT = 1024;
 
@@ -629,23 +707,25 @@ __global__ void __launch_bounds__(SG * 16) verify_merge_kernel(const MergeArgs a
   __shared__ __align__(16) uint4 stage[MB][SG * 16];  // one batch of o pieces per thread
   const int pair = blockIdx.x;                  // = row * H + head
   const int row = pair / a.H, head = pair % a.H;
-  const int b = row / a.T;
-  const int L = a.indptr[b + 1] - a.indptr[b];
-  const int nsplit = num_splits(L, a.split_max_keys, a.split_values, a.num_buckets, a.grid_nsplit);
+  const int b = row / a.T, t = row % a.T;
+  pdl_wait();  // the split grid's partials and meta are complete and visible past this point
+  const int first = a.meta[2 * b], nsplit = min(a.meta[2 * b + 1], MAX_NSPLIT);
   const float NEG_INF = -__int_as_float(0x7f800000);
-  const i64 split_stride = (i64)a.rows_total * a.H;
+  const i64 split_stride = (i64)a.T * a.H;     // partial rows per work item
+  const i64 pair0 = ((i64)first * a.T + t) * a.H + head;  // this pair's row in the request's first item
 
   // -- weights: w_k = exp(lse_k - max); an empty split (lse = -inf) weighs 0 and is not read
   float m = NEG_INF;
   for (int k = threadIdx.x; k < nsplit; k += blockDim.x) {
-    const float l = a.part_lse[k * split_stride + pair];
+    const float l = a.part_lse[k * split_stride + pair0];
     w_s[k] = l;
     m = fmaxf(m, l);
   }
   m = block_reduce(m, red, true);
   float s = 0.f;
   for (int k = threadIdx.x; k < nsplit; k += blockDim.x) {
-    const float w = m == NEG_INF ? 0.f : __expf(w_s[k] - m);
+    // every split NaN leaves m = -inf (fmaxf skips NaN): keep the NaN, do not weigh it 0
+    const float w = m == NEG_INF ? (w_s[k] != w_s[k] ? w_s[k] : 0.f) : __expf(w_s[k] - m);
     w_s[k] = w;
     s += w;
   }
@@ -656,7 +736,7 @@ __global__ void __launch_bounds__(SG * 16) verify_merge_kernel(const MergeArgs a
   float o[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) o[e] = 0.f;
-  const u16* base = a.part_o + (i64)pair * DV + col0 + c * 8;
+  const u16* base = a.part_o + pair0 * DV + col0 + c * 8;
   for (int k0 = sg; k0 < nsplit; k0 += SG * MB) {
     // the batch's loads as cp.async: nothing the compiler can sink to its first use, so all
     // MB are in flight together; splits past nsplit or of weight 0 (never written) zero-fill
@@ -689,10 +769,10 @@ __global__ void __launch_bounds__(SG * 16) verify_merge_kernel(const MergeArgs a
   float sum = 0.f;
 #pragma unroll
   for (int i = 0; i < SG; ++i) sum += red_o[i * 128 + threadIdx.x];
-  const float inv = s > 0.f ? 1.f / s : 0.f;
+  const float inv = s == 0.f ? 0.f : 1.f / s;  // NaN stays NaN
   a.out[(i64)row * a.out_stride_m + (i64)head * a.out_stride_h + col0 + threadIdx.x] = bf16_bits(sum * inv);
   if (a.lse != nullptr && threadIdx.x == 0 && blockIdx.y == 0)
-    a.lse[(i64)row * a.lse_stride_m + head] = s > 0.f ? m + __logf(s) : NEG_INF;
+    a.lse[(i64)row * a.lse_stride_m + head] = s == 0.f ? NEG_INF : m + __logf(s);
 }
 
 }  // namespace kvtune

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# GPU evidence, one step per device-tool call, from the repository root on the GPU machine;
+# everything lands under $OUT (logs, CSVs, a tarball of result folders).
+#
+#   bash scripts/gpu_evidence.sh kernel   # CUDA GPU tests, racecheck on small shapes, the kernel benchmark
+#   bash scripts/gpu_evidence.sh sweep    # (carry .whl) kimi-k2-h200 from scratch, export, GPU tests with it,
+#                                         # the serving benchmark
+#
+# Time limits per part come from the environment (TEST_S, SAN_S, BENCH_S, SWEEP_S, MINS, ...).
+# Extra arguments after the step go to the benchmark (kernel) or the sweep (sweep).
+set -u
+OUT=${OUT:?}
+step=${1:?say kernel or sweep}; shift
+case "$step" in
+kernel)
+  . scripts/device_env.sh tree
+  nvidia-smi --query-gpu=name,driver_version --format=csv > $OUT/env.log 2>&1
+  python3 -c "from kvtune.kernels.cuda.nvrtc import kernel_source_hash, nvrtc_version; print('cuda source', kernel_source_hash(), 'nvrtc', nvrtc_version())" >> $OUT/env.log 2>&1
+  timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs -x --timeout 120 \
+      tests/test_cuda_gpu.py tests/test_contract.py > $OUT/pytest.log 2>&1
+  echo "pytest rc=$?" >> $OUT/pytest.log; tail -n 3 $OUT/pytest.log
+  [ "${SAN_S:-60}" -gt 0 ] && MEMCHECK=0 SAN_S=${SAN_S:-60} bash scripts/cuda_sanitize.sh > /dev/null 2>&1
+  grep -E "rel err|rc=|ERROR SUMMARY|RACECHECK SUMMARY" $OUT/sanitizer.log 2>/dev/null | head -20
+  timeout ${BENCH_S:-330} python3 scripts/bench_kernel.py --out $OUT "$@" > $OUT/bench.log 2>&1
+  echo "bench rc=$?" >> $OUT/bench.log; tail -n 16 $OUT/bench.log
+  ;;
+sweep)
+  . scripts/device_env.sh wheels
+  res=/tmp/res; mkdir -p $res/logs
+  kv="python3 -m kvtune.tuner.cli"
+  start=$(date +%s)
+  timeout ${SWEEP_S:-400} $kv sweep configs/deployments/kimi-k2-h200.yaml --device cuda --out $res \
+      --max-minutes ${MINS:-6} --no-progress "$@" > $res/logs/sweep.log 2>&1
+  echo "sweep rc=$? wall_s=$(( $(date +%s) - start ))" >> $res/logs/sweep.log
+  $kv export kimi-k2-h200 --out $res >> $res/logs/sweep.log 2>&1; echo "export rc=$?" >> $res/logs/sweep.log
+  cp $res/kimi-k2-h200/kimi-k2-h200.yaml kernels/defaults/kimi-k2-h200.yaml
+  timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --timeout 120 \
+      tests/test_contract.py tests/test_cuda_gpu.py tests/test_runtime_gpu.py tests/test_packaged_defaults.py \
+      > $res/logs/pytest.log 2>&1
+  echo "pytest rc=$?" >> $res/logs/pytest.log
+  if [ -f scripts/bench_serving.py ]; then
+    timeout ${BENCH_S:-150} python3 scripts/bench_serving.py --defaults $res/kimi-k2-h200/kimi-k2-h200.yaml \
+        --out $res/serving > $res/logs/serving.log 2>&1
+    echo "bench_serving rc=$?" >> $res/logs/serving.log
+  fi
+  tar czf $OUT/sweep.tgz -C $res .
+  tail -n 25 $res/logs/sweep.log; tail -n 4 $res/logs/pytest.log; tail -n 30 $res/logs/serving.log 2>/dev/null
+  ;;
+*) echo "gpu_evidence.sh: unknown step '$step' (kernel | sweep)" >&2; exit 2 ;;
+esac
