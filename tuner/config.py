@@ -158,6 +158,8 @@ class Deployment:
     trials: int
     workspace_budget_bytes: int
     timing: str = "graph"
+    # search-space folder for this deployment's hardware (None: the repository's search_spaces/)
+    space_dir: str | None = None
     source: str = field(default="<memory>", compare=False)
 
     def heads(self, tp: int) -> int:
@@ -165,7 +167,7 @@ class Deployment:
 
 
 _DEP_KEYS = ("name", "model", "device", "tp", "contexts", "batches", "backends", "trials", "workspace_budget_mb",
-             "timing", "description")
+             "timing", "search_spaces", "description")
 _DEP_REQUIRED = ("name", "model", "device", "tp", "contexts", "batches", "backends", "trials")
 _MODEL_KEYS = ("name", "num_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "sm_scale",
                "draft_tokens", "tree")
@@ -219,9 +221,22 @@ def parse_deployment(d: Any, src: str, path: Path | None = None) -> Deployment:
     timing = d.get("timing", "graph")
     if timing not in TIMINGS:
         raise _err(src, "timing", f"expected one of {list(TIMINGS)}, got {timing!r}")
+    space_dir = None
+    if "search_spaces" in d:  # a folder name under search_spaces/, or a path
+        sp = d["search_spaces"]
+        if not isinstance(sp, str) or not sp:
+            raise _err(src, "search_spaces", f"expected a folder name or path, got {sp!r}")
+        cands = [Path(sp), Path(__file__).resolve().parent.parent / "search_spaces" / sp]
+        if path is not None:
+            cands.insert(0, path.parent / sp)
+        found = next((c for c in cands if c.is_dir()), None)
+        if found is None:
+            raise _err(src, "search_spaces", f"no folder {sp!r} (looked in {', '.join(str(c) for c in cands)})")
+        space_dir = str(found)
     return Deployment(name=name, model_name=m["name"], model=model, tree=tree, device=device, tp=tp,
                       contexts=contexts, batches=batches, backends=tuple(be), trials=trials,
-                      workspace_budget_bytes=int(budget_mb * 2**20), timing=timing, source=src)
+                      workspace_budget_bytes=int(budget_mb * 2**20), timing=timing, space_dir=space_dir,
+                      source=src)
 
 
 def find_deployment(name_or_path: str | Path) -> Path:

@@ -170,7 +170,7 @@ class Sweep:
                 print(f"skipping backend {be}: {bi['unsupported']}", file=sys.stderr)
                 continue
             self.binfo[be] = bi
-            self.spaces[be] = load_space(be, bi["fields"], self.o.space_dir)
+            self.spaces[be] = load_space(be, bi["fields"], self.o.space_dir or self.dep.space_dir)
         names = []
         for bi in self.binfo.values():
             names += [f for f in bi["fields"] if f not in names]
