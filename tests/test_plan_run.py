@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kvtune.kernels import make_inputs, reference_attention, rel_error
 from kvtune.kernels import runtime as rt
 from kvtune.kernels.runtime import StepPlan, VerifyAttention
