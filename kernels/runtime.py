@@ -16,6 +16,14 @@ Policy (see `tuned.py`): a batch of n requests uses the first entry of its tp wi
 n <= max_batch (the largest entry beyond); a request with prefix P uses the first bucket
 with P <= max_context (the last bucket beyond). The batch entry is chosen on the host from
 the static shapes; the context bucket on the device, per request, from the split table.
+A batch of n requests run with an entry tuned at batch m != n keeps the entry's CTA count:
+each bucket's NSPLIT becomes max(1, floor(NSPLIT * m / n)), so a batch between buckets
+fills the GPU as the tuned batch did and never launches more split CTAs than it (no second
+wave), and a batch past the largest bucket does not multiply them.
+
+Serving calls attention once per layer with the same metadata, so the work is split in
+two (`VerifyAttention.plan` once per step, `VerifyAttention.run` once per layer); the
+`__call__` of before is plan + run.
 
 `KVTUNE_VERIFY`: `auto` (default) runs what the YAML names; `reference|triton|cuda` forces
 that backend (the YAML's parameters are used for entries of that backend, its default
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -35,7 +44,8 @@ from typing import Any, Sequence
 import torch
 
 from .api import DEFAULT_KV_LORA_RANK, verify_attention
-from .backends import Backend, SplitTable, get_backend, params_from_dict
+from .api import check_values as api_check_values
+from .backends import Backend, LaunchArgs, SplitTable, get_backend, params_from_dict
 from .shapes import MAX_DRAFT_TOKENS, VerifyProblem
 from .tuned import SchemaError, TunedDefaults, TunedEntry, load_tuned
 
@@ -261,10 +271,13 @@ class Plan:
 class VerifyAttention:
     """The tuned verify kernel of one (deployment, tp), ready to call inside CUDA graphs.
 
-    Build it with `from_defaults`. Its call does no allocation and no host sync: the batch
-    entry is chosen on the host from `kv_indptr.shape` (static under a graph), the workspace
-    was allocated up front, value checks are off, and NSPLIT per request is chosen on the
-    device from the split table, so one captured graph stays tuned as contexts grow.
+    Build it with `from_defaults`. Per decode step, `plan(kv_indptr, kv_indices, tree_mask)`
+    once (validation; the batch entry chosen on the host from `kv_indptr.shape`, static
+    under a graph), then `run(q, kv_cache, out)` per layer, which only launches the kernel.
+    Neither allocates (the workspace and output were allocated up front) nor syncs with the
+    host under graph capture, and NSPLIT per request is chosen on the device from the split
+    table, so one captured graph stays tuned as contexts grow. Calling the object is plan +
+    run.
 
     Attributes: T (draft tokens), H (heads on this rank), Dk, Dv, sm_scale, max_batch,
     max_context, plans (sorted by max_batch), workspace_bytes (scratch), allocated_bytes
@@ -274,7 +287,7 @@ class VerifyAttention:
     def __init__(self, *, plans: list[Plan], T: int, H: int, Dk: int, Dv: int, sm_scale: float, tp: int,
                  max_batch: int, max_context: int, device: torch.device, tuned: TunedDefaults | None,
                  workspace_budget_bytes: int | None = None, preallocate_out: bool = True,
-                 check_values: bool = False):
+                 check_values: bool = True):
         self.plans = sorted(plans, key=lambda p: p.max_batch)
         self.T, self.H, self.Dk, self.Dv = T, H, Dk, Dv
         self.sm_scale = float(sm_scale)
@@ -288,18 +301,29 @@ class VerifyAttention:
         for n in range(1, max_batch + 1):
             self._plan_of_batch[n] = next((i for i, p in enumerate(self.plans) if n <= p.max_batch),
                                           len(self.plans) - 1)
-        # Batches past the largest tuned bucket keep that bucket's total CTA count: its NSPLIT
-        # values were tuned to fill the GPU with `max_batch` requests, and reusing them for
-        # n > max_batch would launch n/max_batch times as many split CTAs (measured on the
-        # H200: 2x slower at batch 4 with batch-1 NSPLIT). The grid (params.NSPLIT) and so the
-        # workspace shrink with them. _launch[n] = (plan, params, split table) for batch n.
+        # A batch of n requests run with an entry tuned at batch m keeps the entry's CTA count
+        # (split CTAs ~ requests x NSPLIT): NSPLIT_n = max(1, floor(NSPLIT_m * m / n)) per
+        # context bucket. Past the largest bucket (n > m) reusing the tuned NSPLIT would launch
+        # n/m times the CTAs (measured on the H200: 2x slower at batch 4 with batch-1 NSPLIT);
+        # between buckets (n < m) it would leave (m-n)/m of them idle. Floor, not ceil: the
+        # tuned count may fill the GPU exactly (tp 8, batch 1: NSPLIT 132 on 132 SMs), and one
+        # CTA more is a second wave. The grid (params.NSPLIT) is the largest scaled value, so
+        # the workspace of any n stays within that of the entry's own batch m (the sweep
+        # enforced the budget there). _launch[n] = (plan, params, split table) for batch n;
+        # _nsplits[n] = NSPLIT per context bucket (None: no table, the grid's NSPLIT).
         self._launch: list[tuple] = [None] * (max_batch + 1)
+        self._nsplits: list[tuple | None] = [None] * (max_batch + 1)
         variants: dict = {}
         for n in range(1, max_batch + 1):
             i = self._plan_of_batch[n]
             p = self.plans[i]
-            if p.entry is not None and p.split_table is not None and n > p.max_batch:
-                scaled = tuple(_scaled_nsplit(min(b.NSPLIT, p.params.NSPLIT), p.max_batch, n) for b in p.entry.buckets)
+            if p.entry is not None and p.split_table is not None:
+                tuned_ns = tuple(min(b.NSPLIT, p.params.NSPLIT) for b in p.entry.buckets)
+                scaled = tuple(_scaled_nsplit(x, p.max_batch, n) for x in tuned_ns)
+                self._nsplits[n] = scaled
+                if scaled == tuned_ns:
+                    self._launch[n] = (p, p.params, p.split_table)
+                    continue
                 if (i, scaled) not in variants:
                     variants[(i, scaled)] = (
                         p, dataclasses.replace(p.params, NSPLIT=max(scaled)),
@@ -317,6 +341,8 @@ class VerifyAttention:
         if extrapolated:
             _warn_once(f"extrapolate:{id(self)}", f"kvtune: batches {extrapolated[0]}..{extrapolated[-1]} are past "
                        f"the largest tuned batch bucket: NSPLIT scaled by max_batch/batch", logging.INFO)
+        self._problems = [None] + [self.problem(n) for n in range(1, max_batch + 1)]
+        self._step: StepPlan | None = None
         need = max(self._launch[n][0].backend.workspace_bytes(self.problem(n), self._launch[n][1])
                    for n in range(1, max_batch + 1))
         self.workspace_bytes = need
@@ -343,7 +369,7 @@ class VerifyAttention:
                       sm_scale: float | None = None, backend: str | None = None,
                       workspace_budget_bytes: int | None = None, allow_mismatch: bool = False,
                       warmup: bool = True, preallocate_out: bool = True,
-                      check_values: bool = False) -> "VerifyAttention | None":
+                      check_values: bool = True) -> "VerifyAttention | None":
         """Build the runtime for one (deployment, tp) from tuned defaults.
 
         tuned: a `TunedDefaults`, a YAML file or folder, or None (search `KVTUNE_CONFIG_DIR`,
@@ -358,7 +384,8 @@ class VerifyAttention:
         workspace_budget_bytes: refuse (ValueError) to preallocate more than this.
         warmup: compile every config at start-up and self-check it against the oracle.
         preallocate_out: keep an output buffer so a call without `out=` does not allocate.
-        check_values: run the host-syncing value checks on every call (debugging only).
+        check_values: `plan` reads the metadata's values outside graph capture (one host sync
+            per step, not per layer); False skips that (an engine that trusts its metadata).
 
         Returns None when `KVTUNE_VERIFY=off`: the caller keeps its own attention path.
         """
@@ -461,10 +488,8 @@ class VerifyAttention:
         grid = getattr(params, "NSPLIT", 1)
         if table is None:
             return grid
-        n = p.nsplit_for(prefix_len)
-        if batch > p.max_batch:
-            n = _scaled_nsplit(n, p.max_batch, batch)
-        return max(1, min(grid, n))
+        i = p.entry.buckets.index(p.entry.bucket_for(prefix_len))
+        return max(1, min(grid, self._nsplits[batch][i]))
 
     def warmup(self) -> None:
         """Compile every plan's kernel now (not in the first captured step) and check it
@@ -476,7 +501,7 @@ class VerifyAttention:
         users: dict = {}
         for n in range(1, self.max_batch + 1):
             p, params, table = self._launch[n]
-            users.setdefault((id(p), params), (p, params, table, []))[3].append(n)
+            users.setdefault((id(p), params, id(table)), (p, params, table, []))[3].append(n)
         for i, (p, params, table, batches) in enumerate(users.values()):
             n = 2 if 2 in batches else batches[0]
             inp = make_inputs(n, self.T, self.H, [(1, 37)[b % 2] for b in range(n)], tree="random",
@@ -500,11 +525,124 @@ class VerifyAttention:
                            "buckets": [(b.max_context, b.NSPLIT) for b in p.entry.buckets] if p.entry else None,
                            "source": p.source} for p in self.plans]}
 
-    # -- the call
+    # -- plan once per step, run once per layer
+    def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, tree_mask: torch.Tensor, *,
+             num_slots: int | None = None, check_values: bool | None = None) -> StepPlan:
+        """Take one decode step's metadata: validate it and bind it to the launch for its batch.
+
+        kv_indptr `[B+1]` int32 (contiguous); kv_indices `[>= kv_indptr[B]]` int32/int64
+        (contiguous; request b's slots are `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`: its
+        prefix, then its T drafts); tree_mask `[B*T]` int64 (bit j of row b*T+t: draft t of
+        request b may see draft j); all on this object's device. B in 1..max_batch.
+        num_slots: rows of the KV pools `run` will read; slots are checked against it, and
+            `run` refuses a kv_cache with fewer rows. None: the slot range is not checked.
+        check_values: read the values (indptr monotonic and within kv_indices, each request
+            holding its T drafts, slots in range; one host sync). None: the object's setting
+            (`check_values=` of the constructor, default True). Never during graph capture.
+
+        The batch entry, its parameters and its split table are chosen here, on the host,
+        from the static shapes; the NSPLIT of each request is chosen by the kernel on the
+        device. No allocation, no launch, no host sync under capture: capture-safe. The
+        tensors are referenced, not copied: keep them unchanged until the step's last `run`.
+        The plan is also kept as the default of `run` (`self.last_plan`).
+
+        Raises ValueError naming the argument. Returns the `StepPlan`.
+        """
+        dev = self.device
+        for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("tree_mask", tree_mask)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.device != dev:
+                raise ValueError(f"{name}: on {t.device}, this VerifyAttention runs on {dev}")
+        if kv_indptr.dim() != 1 or kv_indptr.dtype != torch.int32 or not kv_indptr.is_contiguous():
+            raise ValueError(f"kv_indptr: expected a contiguous 1-D int32 tensor [B+1], got {kv_indptr.dtype} "
+                             f"{list(kv_indptr.shape)}")
+        B = kv_indptr.shape[0] - 1
+        if not 1 <= B <= self.max_batch:
+            raise ValueError(f"kv_indptr: shape {tuple(kv_indptr.shape)} gives B={B} requests; this "
+                             f"VerifyAttention serves 1..{self.max_batch}")
+        if kv_indices.dim() != 1 or kv_indices.dtype not in (torch.int32, torch.int64) or \
+                (kv_indices.numel() and kv_indices.stride(0) != 1):
+            raise ValueError(f"kv_indices: expected a contiguous 1-D int32/int64 tensor, got {kv_indices.dtype} "
+                             f"{list(kv_indices.shape)}")
+        rows = B * self.T
+        if tuple(tree_mask.shape) != (rows,) or tree_mask.dtype != torch.int64 or not tree_mask.is_contiguous():
+            raise ValueError(f"tree_mask: expected a contiguous int64 tensor [{rows}] (B*T for B={B}, T={self.T}), "
+                             f"got {tree_mask.dtype} {list(tree_mask.shape)}")
+        if num_slots is not None and (isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1):
+            raise ValueError(f"num_slots: expected an int >= 1 or None, got {num_slots!r}")
+        problem = self._problems[B]
+        do_check = self.check_values if check_values is None else check_values
+        if do_check is not False and not _is_capturing(dev):
+            # the one host sync of a step, outside graphs (the api's checks: one definition)
+            api_check_values(problem, _Pool(num_slots), kv_indptr, kv_indices)
+        p, params, table = self._launch[B]
+        step = StepPlan(B, rows, kv_indptr, kv_indices, tree_mask, num_slots, p, params, table, problem)
+        self._step = step
+        return step
+
+    @property
+    def last_plan(self) -> StepPlan | None:
+        """The plan `run` uses when it is given none (the last one `plan` returned)."""
+        return self._step
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None = None, *,
+            lse: torch.Tensor | None = None, sm_scale: float | None = None, plan: StepPlan | None = None):
+        """One layer's verify attention for a planned step: launches the tuned kernel(s) only.
+
+        q `[B*T, H, Dk]` bf16 (last dim contiguous); kv_cache `[num_slots, Dk]` bf16 (rows
+        contiguous, row stride may exceed Dk), this layer's pool; out `[B*T, H, Dv]` bf16
+        (default: a view of the preallocated buffer, overwritten by the next run); lse
+        optional `[B*T, H]` fp32 to fill (natural log). sm_scale: default the model's.
+        plan: a `StepPlan` from `plan` (default: the last one).
+
+        Checks shapes, dtypes and devices only (no tensor value is read); no allocation, no
+        host sync, no packing: capture-safe. Shapes that do not match the plan raise a
+        ValueError naming the argument. Returns out, or (out, lse) when lse is given.
+        """
+        step = self._step if plan is None else plan
+        if not isinstance(step, StepPlan):
+            raise ValueError("plan: no StepPlan to run; call plan(kv_indptr, kv_indices, tree_mask) first"
+                             if step is None else f"plan: expected a StepPlan, got {type(step).__name__}")
+        dev, rows = self.device, step.rows
+        if not isinstance(q, torch.Tensor) or tuple(q.shape) != (rows, self.H, self.Dk):
+            raise ValueError(f"q: expected [{rows}, {self.H}, {self.Dk}] (B*T, H, Dk) for the planned B={step.B}, "
+                             f"T={self.T}, got {list(getattr(q, 'shape', []))}")
+        if q.dtype != torch.bfloat16 or q.device != dev or q.stride(-1) != 1:
+            raise ValueError(f"q: expected bf16 on {dev} with a contiguous last dim, got {q.dtype} on {q.device}")
+        if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 2 or kv_cache.shape[1] != self.Dk:
+            raise ValueError(f"kv_cache: expected [num_slots, {self.Dk}], got {list(getattr(kv_cache, 'shape', []))}")
+        if kv_cache.dtype != torch.bfloat16 or kv_cache.device != dev or kv_cache.stride(-1) != 1:
+            raise ValueError(f"kv_cache: expected bf16 rows, contiguous, on {dev}, got {kv_cache.dtype} on "
+                             f"{kv_cache.device}")
+        if step.num_slots is not None and kv_cache.shape[0] < step.num_slots:
+            raise ValueError(f"kv_cache: {kv_cache.shape[0]} slots, fewer than the num_slots={step.num_slots} "
+                             "its plan checked the indices against")
+        if out is None:
+            if self.out_buf is None:
+                raise ValueError("out: required (this VerifyAttention was built with preallocate_out=False)")
+            out = self.out_buf[:rows]
+        elif not isinstance(out, torch.Tensor) or tuple(out.shape) != (rows, self.H, self.Dv) or \
+                out.dtype != torch.bfloat16 or out.device != dev or out.stride(-1) != 1:
+            raise ValueError(f"out: expected bf16 [{rows}, {self.H}, {self.Dv}] on {dev} with a contiguous last dim, "
+                             f"got {getattr(out, 'dtype', None)} {list(getattr(out, 'shape', []))}")
+        if lse is not None and (not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (rows, self.H) or
+                                lse.dtype != torch.float32 or lse.device != dev or lse.stride(-1) != 1):
+            raise ValueError(f"lse: expected fp32 [{rows}, {self.H}] on {dev} with a contiguous last dim, got "
+                             f"{getattr(lse, 'dtype', None)} {list(getattr(lse, 'shape', []))}")
+        if sm_scale is None:
+            sm_scale = self.sm_scale
+        elif isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not 0 < sm_scale < math.inf:
+            raise ValueError(f"sm_scale: expected a positive finite float, got {sm_scale!r}")
+        step.plan.backend.launch(LaunchArgs(step.problem, q, kv_cache, step.kv_indptr, step.kv_indices,
+                                            step.tree_mask, float(sm_scale), out, lse, self.workspace,
+                                            step.split_table), step.params)
+        return out if lse is None else (out, lse)
+
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor,
                  kv_indices: torch.Tensor, tree_mask: torch.Tensor, out: torch.Tensor | None = None, *,
                  lse: torch.Tensor | None = None, sm_scale: float | None = None):
-        """Verify attention with the tuned config; no allocation, no host sync.
+        """`plan` + `run` in one call (for one layer; a multi-layer step plans once).
 
         q `[B*T, H, Dk]` bf16; kv_cache `[num_slots, Dk]` bf16 (row stride may exceed Dk);
         kv_indptr `[B+1]` int32; kv_indices int32/int64 (request b: its prefix slots, then
@@ -512,30 +650,53 @@ class VerifyAttention:
         out: `[B*T, H, Dv]` bf16, default a view of the preallocated buffer (overwritten by
         the next call). lse: optional `[B*T, H]` fp32 to fill. sm_scale: default the model's.
 
+        No allocation; no host sync under graph capture (outside it, the value checks of
+        `plan` read the metadata once unless built with check_values=False).
         Returns out, or (out, lse) when lse is given.
         """
-        B = kv_indptr.shape[0] - 1 if kv_indptr.dim() == 1 else -1
-        if not 1 <= B <= self.max_batch:
-            raise ValueError(f"kv_indptr: shape {tuple(kv_indptr.shape)} gives B={B} requests; this "
-                             f"VerifyAttention serves 1..{self.max_batch}")
-        if tuple(q.shape) != (B * self.T, self.H, self.Dk):
-            raise ValueError(f"q: expected [{B * self.T}, {self.H}, {self.Dk}] (B*T, H, Dk) for B={B}, T={self.T}, "
-                             f"got {list(q.shape)}")
-        plan, params, table = self._launch[B]
-        if out is None:
-            if self.out_buf is None:
-                raise ValueError("out: required (this VerifyAttention was built with preallocate_out=False)")
-            out = self.out_buf[:B * self.T]
-        return verify_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask,
-                                self.sm_scale if sm_scale is None else sm_scale, backend=plan.backend,
-                                params=params, out=out, lse=lse, workspace=self.workspace,
-                                split_table=table, kv_lora_rank=self.Dv,
-                                check_values_=self.check_values)
+        num_slots = kv_cache.shape[0] if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 2 else None
+        step = self.plan(kv_indptr, kv_indices, tree_mask, num_slots=num_slots)
+        return self.run(q, kv_cache, out, lse=lse, sm_scale=sm_scale, plan=step)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's metadata, validated and bound to the launch of its batch (`VerifyAttention.plan`).
+
+    B requests, rows = B*T query rows; kv_indptr/kv_indices/tree_mask: the planned tensors
+    (referenced); num_slots: the pool size the slots were checked against (None: unchecked);
+    plan/params/split_table: the batch entry, its launch parameters (NSPLIT scaled to the
+    batch) and device-side NSPLIT table; problem: the launch's `VerifyProblem`.
+    """
+
+    B: int
+    rows: int
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    tree_mask: torch.Tensor
+    num_slots: int | None
+    plan: Plan
+    params: Any
+    split_table: SplitTable | None
+    problem: VerifyProblem
+
+
+class _Pool:
+    """Stands in for a KV pool in `api.check_values`, which reads only `shape[0]` (the slot
+    count): plan checks slots before any layer's pool is at hand. No count: no bound."""
+
+    def __init__(self, num_slots: int | None):
+        self.shape = (num_slots if num_slots is not None else 1 << 62, 0)
+
+
+def _is_capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _scaled_nsplit(nsplit: int, tuned_batch: int, batch: int) -> int:
-    """NSPLIT for `batch` requests from one tuned at `tuned_batch`: the same CTA count."""
-    return max(1, -(-nsplit * tuned_batch // batch))
+    """NSPLIT for `batch` requests from one tuned at `tuned_batch`: at most the tuned CTA
+    count (floor), and at least one split per request."""
+    return max(1, nsplit * tuned_batch // batch)
 
 
 def _problem(kw: dict, batch: int) -> VerifyProblem:

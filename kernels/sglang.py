@@ -19,13 +19,15 @@ triton_backend.py` + `triton_ops/extend_attention.py`):
 kvtune's kernel reads every key (prefix and draft) from the pool through one index list,
 and takes the draft visibility as one int64 per query row. The adapter builds both on the
 device with one small Triton launch (no host sync, no allocation: its buffers are
-preallocated for max batch and context), then calls the tuned `VerifyAttention`:
+preallocated for max batch and context), then runs the tuned `VerifyAttention`. The
+metadata is the same for every layer of a step, so `plan` packs it once per step and `run`
+per layer only launches the kernel; `extend_attention_fwd` is both, per call:
 - combined indices: request b's prefix slots followed by its T draft slots, at
   `kv_indptr[b] + b*T`; combined indptr `kv_indptr + arange(B+1)*T`.
 - draft slots: `out_cache_loc` (pass `forward_batch.out_cache_loc`; the drafts' K/V are
   already there). Without it, the adapter needs `scratch_slots`: `max_batch*T` slots the
-  caller reserved in the pool once at start-up; each call then copies `k_extend` there
-  first (same launch), so the pool need not hold the drafts.
+  caller reserved in the pool once at start-up; each `run` then copies that layer's
+  `k_extend` there first (one small launch), so the pool need not hold the drafts.
 - tree mask: bit j of row (b, t) = `custom_mask[mask_indptr[b] + t*(P_b+T) + P_b + j]`;
   without a custom mask, a chain (`is_causal`) or all drafts visible.
 
@@ -38,12 +40,13 @@ with `check_values=True` raise instead.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .runtime import VerifyAttention
+from .runtime import StepPlan, VerifyAttention
 from .shapes import cdiv, next_pow2
 
 # how the draft visibility is given (the kernel's MASK_MODE): SGLang's flat custom mask, or
@@ -55,11 +58,11 @@ _PACK_MAX_CHUNKS = 64       # programs per request (each strides over its key ra
 
 @triton.jit
 def _pack_verify_kernel(
-    KvIndptr, KvIndices, DraftSlots, Mask, MaskIndptr, KExt, KV,
+    KvIndptr, KvIndices, DraftSlots, Mask, MaskIndptr,
     OutIndptr, OutIndices, OutTree, Overflow,
-    capacity, stride_kext, stride_kv, num_req,
+    capacity, num_req,
     T: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
-    MASK_MODE: tl.constexpr, WRITE_KV: tl.constexpr, DK: tl.constexpr, BLOCK_DK: tl.constexpr,
+    MASK_MODE: tl.constexpr,
 ):
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -106,14 +109,21 @@ def _pack_verify_kernel(
         bits = tl.where(vis, one << j[None, :].to(tl.int64), 0)
         tl.store(OutTree + b * T + t, tl.sum(bits, axis=1), mask=t_ok)   # disjoint bits: sum == or
 
-        if WRITE_KV:
-            # -- copy the drafts' own K rows into their (scratch) slots of the pool
-            d = tl.arange(0, BLOCK_DK)
-            rows = b * T + t
-            dmask = t_ok[:, None] & (d < DK)[None, :]
-            k = tl.load(KExt + rows[:, None].to(tl.int64) * stride_kext + d[None, :], mask=dmask, other=0.0)
-            slots = tl.load(DraftSlots + rows, mask=t_ok, other=0).to(tl.int64)
-            tl.store(KV + slots[:, None] * stride_kv + d[None, :], k, mask=dmask)
+
+@triton.jit
+def _write_drafts_kernel(KExt, DraftSlots, KV, stride_kext, stride_kv,
+                         T: tl.constexpr, BLOCK_T: tl.constexpr, DK: tl.constexpr, BLOCK_DK: tl.constexpr):
+    """Copy request b's T draft key rows (this layer's k_extend) into their pool slots: the
+    one per-layer launch besides the kernel, and only when SGLang did not store them."""
+    b = tl.program_id(0)
+    t = tl.arange(0, BLOCK_T)
+    d = tl.arange(0, BLOCK_DK)
+    t_ok = t < T
+    rows = b * T + t
+    dmask = t_ok[:, None] & (d < DK)[None, :]
+    k = tl.load(KExt + rows[:, None].to(tl.int64) * stride_kext + d[None, :], mask=dmask, other=0.0)
+    slots = tl.load(DraftSlots + rows, mask=t_ok, other=0).to(tl.int64)
+    tl.store(KV + slots[:, None] * stride_kv + d[None, :], k, mask=dmask)
 
 
 def _is_capturing(device: torch.device) -> bool:
@@ -133,12 +143,27 @@ def _index_tensor(x, name: str, device, min_numel: int) -> torch.Tensor:
     return x
 
 
+@dataclass(frozen=True)
+class AdapterPlan:
+    """One step's packed SGLang metadata (`SGLangVerifyAdapter.plan`): B requests, the
+    runtime's `StepPlan` over the adapter's packed buffers, the drafts' slots, whether `run`
+    copies each layer's k_extend there, and the slot count checked (None: unchecked)."""
+
+    B: int
+    verify_plan: StepPlan
+    slots: torch.Tensor
+    write: bool
+    num_slots: int | None
+
+
 class SGLangVerifyAdapter:
     """`extend_attention_fwd` for SGLang's MLA target-verify, backed by a `VerifyAttention`.
 
     Create once per (deployment, tp) with `from_defaults` (None when `KVTUNE_VERIFY=off`:
-    keep SGLang's own kernel), then call `extend_attention_fwd` (or the object) with
-    SGLang's arguments plus `out_cache_loc=forward_batch.out_cache_loc`.
+    keep SGLang's own kernel). Per step, `plan(...)` once with SGLang's forward metadata
+    (qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, out_cache_loc), then
+    `run(q_extend, k_buffer, o_extend)` per layer. `extend_attention_fwd` (or the object)
+    takes SGLang's arguments plus `out_cache_loc=forward_batch.out_cache_loc` and does both.
 
     Attributes: verify (the VerifyAttention), capacity (combined keys the buffers hold),
     allocated_bytes (everything preallocated, the runtime's included).
@@ -162,6 +187,7 @@ class SGLangVerifyAdapter:
         self.num_chunks = max(1, min(_PACK_MAX_CHUNKS, cdiv(v.max_context + v.T, _PACK_BLOCK)))
         self.allocated_bytes = v.allocated_bytes + 4 * (self.indptr.numel() + self.indices.numel() + 1) \
             + 8 * self.tree.numel()
+        self._step: AdapterPlan | None = None
 
     @classmethod
     def from_defaults(cls, tuned=None, tp: int = 1, max_batch: int = 1, max_context: int = 131072, device=None,
@@ -180,72 +206,46 @@ class SGLangVerifyAdapter:
     def reset_overflow(self) -> None:
         self.overflow.zero_()
 
-    def extend_attention_fwd(self, q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr,
-                             kv_indptr, kv_indices, custom_mask, is_causal, mask_indptr, max_len_extend,
-                             k_scale=1.0, v_scale=1.0, sm_scale=None, logit_cap=0.0, skip_prefix_custom_mask=True,
-                             sliding_window_size=-1, sinks=None, window_kv_offsets=None, xai_temperature_len=-1,
-                             lse_extend=None, *, out_cache_loc=None, write_draft_kv: bool = False):
-        """SGLang's `extend_attention_fwd` argument layout (the version with k_scale/v_scale
-        after max_len_extend; pass `sm_scale=` by keyword on older SGLang).
+    # -- plan once per step (SGLang's forward metadata), run once per layer
+    def plan(self, qo_indptr, kv_indptr, kv_indices, custom_mask=None, mask_indptr=None, *, is_causal: bool = False,
+             out_cache_loc=None, max_len_extend=None, skip_prefix_custom_mask: bool = True,
+             write_draft_kv: bool = False, num_slots: int | None = None,
+             check_values: bool | None = None) -> AdapterPlan:
+        """Take one step's SGLang target-verify metadata: validate it and pack it, once for all layers.
 
-        q_extend `[B*T, H, Dk]` bf16; k_extend `[B*T, 1, Dk]` or `[B*T, Dk]` bf16 (read only
-        when the adapter writes the drafts' keys); v_extend unused (MLA: part of k);
-        o_extend `[B*T, H, Dv]` bf16, written; k_buffer `[num_slots, 1, Dk]` or
-        `[num_slots, Dk]` bf16; v_buffer its first Dv columns (a view); qo_indptr `[B+1]`
-        (= arange*T); kv_indptr `[B+1]` int32/int64 over prefixes; kv_indices the prefix
-        slots; custom_mask flat bool/uint8 (or None: is_causal picks chain or all-visible);
-        mask_indptr `[B+1]` int32/int64; max_len_extend == T.
-        out_cache_loc: `[>= B*T]` int32/int64, the drafts' slots in k_buffer (SGLang's
-            `forward_batch.out_cache_loc`); None = use `scratch_slots` and copy k_extend there.
-        write_draft_kv: also copy k_extend into `out_cache_loc` (when SGLang did not save it).
-        lse_extend: optional `[B*T, H]` fp32, filled with the natural-log LSE.
+        qo_indptr `[B+1]` int32/int64 (= arange(B+1)*T); kv_indptr `[B+1]` int32/int64 over
+        the PREFIXES; kv_indices int32/int64, the prefix slots; custom_mask flat bool/uint8
+        (request b's block `T x (P_b+T)` row-major at mask_indptr[b]; its prefix columns are
+        not read) with mask_indptr `[B+1]` int32/int64, or None: is_causal picks a chain or
+        all-visible drafts. out_cache_loc `[>= B*T]` int32/int64: the drafts' slots in the
+        pool (`forward_batch.out_cache_loc`); None = the adapter's scratch_slots, then `run`
+        copies each layer's k_extend there. write_draft_kv: `run` also copies k_extend into
+        out_cache_loc (when SGLang did not store the drafts). max_len_extend: T if given.
+        num_slots: the pool's slot count; slots are checked against it (with check_values)
+            and `run` refuses a smaller k_buffer. None: not checked.
+        check_values: read the metadata's values (qo_indptr, kv_indptr monotonic, capacity,
+            slot range; one host sync). None: the runtime's setting. Never under capture.
 
-        Returns o_extend (or (o_extend, lse_extend) when lse_extend is given).
-        Unsupported SGLang options (logit cap, sliding window, sinks, xai temperature, KV
-        scales, a prefix custom mask) raise ValueError: use SGLang's kernel for those.
+        One launch packs the combined index list (prefix slots, then draft slots), its indptr
+        and the int64 tree mask into the preallocated buffers; no allocation, no host sync
+        under capture. The plan is kept as `run`'s default. Errors name the argument.
         """
         v = self.verify
-        T, Dk, Dv = v.T, v.Dk, v.Dv
-        # -- options the tuned kernel does not implement: refuse rather than ignore
-        if logit_cap:
-            raise ValueError(f"logit_cap: {logit_cap!r}; kvtune's verify kernel has no logit cap")
-        if sliding_window_size is not None and sliding_window_size > 0:
-            raise ValueError(f"sliding_window_size: {sliding_window_size}; not supported by kvtune's verify kernel")
-        for name, val in (("sinks", sinks), ("window_kv_offsets", window_kv_offsets)):
-            if val is not None:
-                raise ValueError(f"{name}: not supported by kvtune's verify kernel (pass None)")
-        if xai_temperature_len is not None and xai_temperature_len > 0:
-            raise ValueError(f"xai_temperature_len: {xai_temperature_len}; not supported")
-        for name, val in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if val is not None and (isinstance(val, torch.Tensor) or float(val) != 1.0):
-                raise ValueError(f"{name}: {val!r}; kvtune reads an unscaled bf16 KV cache (1.0 or None). On an "
-                                 "SGLang without k_scale/v_scale arguments pass sm_scale= by keyword")
+        T = v.T
+        dev = v.device
         if custom_mask is not None and not skip_prefix_custom_mask:
             raise ValueError("skip_prefix_custom_mask: False would mask prefix keys; kvtune's contract always "
                              "shows the prefix (SGLang's target verify uses True)")
-        # -- shapes (host metadata only)
-        if not isinstance(q_extend, torch.Tensor) or q_extend.dim() != 3:
-            raise ValueError("q_extend: expected a [B*T, H, Dk] tensor")
-        dev = q_extend.device
         qo_indptr = _index_tensor(qo_indptr, "qo_indptr", dev, 2)
         B = qo_indptr.numel() - 1
-        if isinstance(max_len_extend, torch.Tensor) or int(max_len_extend) != T:
+        if B > v.max_batch:
+            raise ValueError(f"qo_indptr: B={B} requests; this adapter serves 1..{v.max_batch}")
+        if max_len_extend is not None and (isinstance(max_len_extend, torch.Tensor) or int(max_len_extend) != T):
             raise ValueError(f"max_len_extend: {max_len_extend!r}; this adapter was built for T={T} draft tokens")
-        if q_extend.shape[0] != B * T:
-            raise ValueError(f"q_extend: {q_extend.shape[0]} rows, expected B*T = {B}*{T} (B from qo_indptr)")
         kv_indptr = _index_tensor(kv_indptr, "kv_indptr", dev, B + 1)
         if kv_indptr.numel() != B + 1:
             raise ValueError(f"kv_indptr: expected {B + 1} entries (B+1), got {kv_indptr.numel()}")
         kv_indices = _index_tensor(kv_indices, "kv_indices", dev, 0)
-        kv = self._pool(k_buffer, v_buffer, Dk, Dv, dev)
-        if kv.shape[0] >= 2**31:
-            raise ValueError(f"k_buffer: {kv.shape[0]} slots exceed int32 indexing")
-        k_ext = None
-        if isinstance(k_extend, torch.Tensor):   # a view either way: nothing is copied
-            k_ext = k_extend[:, 0] if k_extend.dim() == 3 and k_extend.shape[1] == 1 else k_extend
-        if k_ext is None or k_ext.dim() != 2 or tuple(k_ext.shape) != (B * T, Dk) or k_ext.dtype != kv.dtype or k_ext.stride(-1) != 1:
-            raise ValueError(f"k_extend: expected [{B * T}, 1, {Dk}] {kv.dtype} with contiguous rows, got "
-                             f"{getattr(k_extend, 'dtype', None)} {list(getattr(k_extend, 'shape', []))}")
         if custom_mask is not None:
             if not isinstance(custom_mask, torch.Tensor) or custom_mask.dim() != 1 or custom_mask.device != dev \
                     or custom_mask.dtype not in (torch.bool, torch.uint8, torch.int8):
@@ -264,21 +264,132 @@ class SGLangVerifyAdapter:
         else:
             raise ValueError("out_cache_loc: needed to find the drafts' keys in k_buffer (pass "
                              "forward_batch.out_cache_loc), or build the adapter with scratch_slots=")
-        if B > v.max_batch:
-            raise ValueError(f"qo_indptr: B={B} requests; this adapter serves 1..{v.max_batch}")
-        if v.check_values and not _is_capturing(dev):
-            self._check_values(B, T, qo_indptr, kv_indptr, kv_indices)
+        if num_slots is not None and (isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1):
+            raise ValueError(f"num_slots: expected an int >= 1 or None, got {num_slots!r}")
+        do_check = v.check_values if check_values is None else check_values
+        if do_check is not False and not _is_capturing(dev):
+            self._check_values(B, T, qo_indptr, kv_indptr, kv_indices, slots, num_slots)
 
         _pack_verify_kernel[(B, self.num_chunks)](
-            kv_indptr, kv_indices, slots, mask, mask_indptr, k_ext, kv,
+            kv_indptr, kv_indices, slots, mask, mask_indptr,
             self.indptr, self.indices, self.tree, self.overflow,
-            self.capacity, k_ext.stride(0), kv.stride(0), B,
+            self.capacity, B,
             T=T, BLOCK_T=max(16, next_pow2(T)), BLOCK=_PACK_BLOCK, NUM_CHUNKS=self.num_chunks,
-            MASK_MODE=mode, WRITE_KV=write, DK=Dk, BLOCK_DK=next_pow2(Dk), num_warps=4,
+            MASK_MODE=mode, num_warps=4,
         )
-        scale = sm_scale if sm_scale else 1.0 / math.sqrt(q_extend.shape[-1])   # SGLang's default
-        return v(q_extend, kv, self.indptr[:B + 1], self.indices, self.tree[:B * T], out=o_extend,
-                 lse=lse_extend, sm_scale=scale)
+        # the packed buffers are right by construction (and clamped on overflow): no re-check
+        vstep = v.plan(self.indptr[:B + 1], self.indices, self.tree[:B * T], check_values=False)
+        step = AdapterPlan(B, vstep, slots, write, num_slots)
+        self._step = step
+        return step
+
+    @property
+    def last_plan(self) -> AdapterPlan | None:
+        """The plan `run` uses when it is given none (the last one `plan` returned)."""
+        return self._step
+
+    def run(self, q_extend, k_buffer, o_extend, *, v_buffer=None, k_extend=None, lse_extend=None, sm_scale=None,
+            plan: AdapterPlan | None = None):
+        """One layer's target-verify attention for a planned step: launches the tuned kernel(s).
+
+        q_extend `[B*T, H, Dk]` bf16; k_buffer `[num_slots, 1, Dk]` or `[num_slots, Dk]`
+        bf16, this layer's pool; o_extend `[B*T, H, Dv]` bf16, written; v_buffer (optional)
+        must be k_buffer's first Dv columns; k_extend `[B*T, 1, Dk]` or `[B*T, Dk]` bf16,
+        needed only when the plan writes the drafts' keys (scratch slots, write_draft_kv);
+        lse_extend optional `[B*T, H]` fp32; sm_scale: default 1/sqrt(Dk) (SGLang's).
+
+        Shape, dtype and device checks only; no packing, no allocation, no host sync.
+        Returns o_extend (or (o_extend, lse_extend)).
+        """
+        v = self.verify
+        step = self._step if plan is None else plan
+        if not isinstance(step, AdapterPlan):
+            raise ValueError("plan: no AdapterPlan to run; call plan(qo_indptr, kv_indptr, kv_indices, ...) first"
+                             if step is None else f"plan: expected an AdapterPlan, got {type(step).__name__}")
+        dev, rows = v.device, step.B * v.T
+        for name, t, shape in (("q_extend", q_extend, (rows, v.H, v.Dk)), ("o_extend", o_extend, (rows, v.H, v.Dv))):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+                raise ValueError(f"{name}: expected {list(shape)} for the planned B={step.B}, T={v.T}, got "
+                                 f"{list(getattr(t, 'shape', [])) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        kv = self._pool(k_buffer, v_buffer, v.Dk, v.Dv, dev)
+        if kv.shape[0] >= 2**31:
+            raise ValueError(f"k_buffer: {kv.shape[0]} slots exceed int32 indexing")
+        if step.num_slots is not None and kv.shape[0] < step.num_slots:
+            raise ValueError(f"k_buffer: {kv.shape[0]} slots, fewer than the num_slots={step.num_slots} planned")
+        if step.write:
+            k_ext = self._k_extend(k_extend, rows, v.Dk, kv.dtype)
+            _write_drafts_kernel[(step.B,)](k_ext, step.slots, kv, k_ext.stride(0), kv.stride(0), T=v.T,
+                                            BLOCK_T=max(16, next_pow2(v.T)), DK=v.Dk, BLOCK_DK=next_pow2(v.Dk),
+                                            num_warps=4)
+        scale = sm_scale if sm_scale else 1.0 / math.sqrt(v.Dk)   # SGLang's default
+        return v.run(q_extend, kv, o_extend, lse=lse_extend, sm_scale=scale, plan=step.verify_plan)
+
+    @staticmethod
+    def _k_extend(k_extend, rows: int, Dk: int, dtype) -> torch.Tensor:
+        """k_extend as `[rows, Dk]` (a view: nothing is copied), or a ValueError."""
+        k_ext = None
+        if isinstance(k_extend, torch.Tensor):
+            k_ext = k_extend[:, 0] if k_extend.dim() == 3 and k_extend.shape[1] == 1 else k_extend
+        if k_ext is None or k_ext.dim() != 2 or tuple(k_ext.shape) != (rows, Dk) or k_ext.dtype != dtype \
+                or k_ext.stride(-1) != 1:
+            raise ValueError(f"k_extend: expected [{rows}, 1, {Dk}] {dtype} with contiguous rows, got "
+                             f"{getattr(k_extend, 'dtype', None)} {list(getattr(k_extend, 'shape', []))}")
+        return k_ext
+
+    # -- SGLang's call: plan + run
+    def extend_attention_fwd(self, q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr,
+                             kv_indptr, kv_indices, custom_mask, is_causal, mask_indptr, max_len_extend,
+                             k_scale=1.0, v_scale=1.0, sm_scale=None, logit_cap=0.0, skip_prefix_custom_mask=True,
+                             sliding_window_size=-1, sinks=None, window_kv_offsets=None, xai_temperature_len=-1,
+                             lse_extend=None, *, out_cache_loc=None, write_draft_kv: bool = False):
+        """SGLang's `extend_attention_fwd` argument layout (the version with k_scale/v_scale
+        after max_len_extend; pass `sm_scale=` by keyword on older SGLang): `plan` + `run`
+        in one call. A 61-layer step should `plan` once and `run` per layer instead.
+
+        q_extend `[B*T, H, Dk]` bf16; k_extend `[B*T, 1, Dk]` or `[B*T, Dk]` bf16 (read only
+        when the adapter writes the drafts' keys); v_extend unused (MLA: part of k);
+        o_extend `[B*T, H, Dv]` bf16, written; k_buffer `[num_slots, 1, Dk]` or
+        `[num_slots, Dk]` bf16; v_buffer its first Dv columns (a view); qo_indptr `[B+1]`
+        (= arange*T); kv_indptr `[B+1]` int32/int64 over prefixes; kv_indices the prefix
+        slots; custom_mask flat bool/uint8 (or None: is_causal picks chain or all-visible);
+        mask_indptr `[B+1]` int32/int64; max_len_extend == T.
+        out_cache_loc: `[>= B*T]` int32/int64, the drafts' slots in k_buffer (SGLang's
+            `forward_batch.out_cache_loc`); None = use `scratch_slots` and copy k_extend there.
+        write_draft_kv: also copy k_extend into `out_cache_loc` (when SGLang did not save it).
+        lse_extend: optional `[B*T, H]` fp32, filled with the natural-log LSE.
+
+        Returns o_extend (or (o_extend, lse_extend) when lse_extend is given).
+        Unsupported SGLang options (logit cap, sliding window, sinks, xai temperature, KV
+        scales, a prefix custom mask) raise ValueError: use SGLang's kernel for those.
+        """
+        v = self.verify
+        # -- options the tuned kernel does not implement: refuse rather than ignore
+        if logit_cap:
+            raise ValueError(f"logit_cap: {logit_cap!r}; kvtune's verify kernel has no logit cap")
+        if sliding_window_size is not None and sliding_window_size > 0:
+            raise ValueError(f"sliding_window_size: {sliding_window_size}; not supported by kvtune's verify kernel")
+        for name, val in (("sinks", sinks), ("window_kv_offsets", window_kv_offsets)):
+            if val is not None:
+                raise ValueError(f"{name}: not supported by kvtune's verify kernel (pass None)")
+        if xai_temperature_len is not None and xai_temperature_len > 0:
+            raise ValueError(f"xai_temperature_len: {xai_temperature_len}; not supported")
+        for name, val in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if val is not None and (isinstance(val, torch.Tensor) or float(val) != 1.0):
+                raise ValueError(f"{name}: {val!r}; kvtune reads an unscaled bf16 KV cache (1.0 or None). On an "
+                                 "SGLang without k_scale/v_scale arguments pass sm_scale= by keyword")
+        if not isinstance(q_extend, torch.Tensor) or q_extend.dim() != 3:
+            raise ValueError("q_extend: expected a [B*T, H, Dk] tensor")
+        if isinstance(qo_indptr, torch.Tensor) and qo_indptr.dim() == 1 and q_extend.shape[0] != (qo_indptr.numel() - 1) * v.T:
+            raise ValueError(f"q_extend: {q_extend.shape[0]} rows, expected B*T = {qo_indptr.numel() - 1}*{v.T} "
+                             "(B from qo_indptr)")
+        kv = self._pool(k_buffer, v_buffer, v.Dk, v.Dv, q_extend.device)
+        self._k_extend(k_extend, q_extend.shape[0], v.Dk, kv.dtype)   # SGLang always passes it: check it always
+        step = self.plan(qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, is_causal=is_causal,
+                         out_cache_loc=out_cache_loc, max_len_extend=max_len_extend,
+                         skip_prefix_custom_mask=skip_prefix_custom_mask, write_draft_kv=write_draft_kv,
+                         num_slots=kv.shape[0])
+        return self.run(q_extend, k_buffer, o_extend, v_buffer=v_buffer, k_extend=k_extend, lse_extend=lse_extend,
+                        sm_scale=sm_scale, plan=step)
 
     __call__ = extend_attention_fwd
 
@@ -302,8 +413,8 @@ class SGLangVerifyAdapter:
                                  f"{list(v_buffer.shape)} at another address or stride")
         return kv
 
-    def _check_values(self, B, T, qo_indptr, kv_indptr, kv_indices) -> None:
-        """Host-syncing checks of the SGLang metadata (eager debugging only)."""
+    def _check_values(self, B, T, qo_indptr, kv_indptr, kv_indices, slots, num_slots) -> None:
+        """Host-syncing checks of the SGLang metadata (once per step, outside graph capture)."""
         want = torch.arange(B + 1, device=qo_indptr.device, dtype=torch.int64) * T
         if not torch.equal(qo_indptr.to(torch.int64), want):
             raise ValueError(f"qo_indptr: expected arange(B+1)*T (every request verifies T={T} drafts), "
@@ -315,6 +426,13 @@ class SGLangVerifyAdapter:
         if int(ip[-1]) + B * T > self.capacity:
             raise ValueError(f"kv_indptr: {int(ip[-1])} prefix keys + {B * T} drafts exceed the adapter's "
                              f"capacity {self.capacity} (max_batch * (max_context + T)); build it larger")
+        if num_slots is not None:
+            for name, used in (("kv_indices", kv_indices[int(ip[0]):int(ip[-1])]),
+                               ("out_cache_loc" if slots is not self.scratch_slots else "scratch_slots",
+                                slots[:B * T])):
+                if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_slots):
+                    bad = int(used.min()) if int(used.min()) < 0 else int(used.max())
+                    raise ValueError(f"{name}: slot {bad} out of range [0, {num_slots}) (num_slots)")
 
 
 def sglang_verify_args(inp, *, mask_dtype: torch.dtype = torch.bool, indices_dtype: torch.dtype = torch.int32,

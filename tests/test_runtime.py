@@ -242,7 +242,8 @@ def test_bucket_policy_at_and_between_edges(device):
     va = VerifyAttention.from_defaults(tuned, tp=TP, max_batch=6, max_context=300, device=device, warmup=False)
     assert [p.max_batch for p in va.plans] == [1, 4]
     assert all(va.nsplit_for(1, p) == n for p, n in want.items())
-    assert [va.nsplit_for(b, 100) for b in (2, 4, 6)] == [1, 1, 1]
+    # batches 2..4 run the batch-4 entry with its CTA count: NSPLIT x 4/n, floored
+    assert [va.nsplit_for(b, 100) for b in (2, 4, 6)] == [2, 1, 1]
     assert [va.nsplit_for(3, p) for p in (100, 101, 200, 201)] == [1, 2, 2, 2]
     # the split table holds key counts: L = prefix + T
     assert va.plans[0].split_table.max_keys.tolist() == [64 + T, 128 + T, 256 + T]
@@ -393,8 +394,9 @@ def test_startup_self_check_rejects_a_wrong_kernel(device):
 
 @pytest.mark.parametrize("batch", [2, 3])
 def test_batches_past_the_largest_bucket_keep_its_cta_count(device, batch):
-    """Only a batch-1 entry: a batch of n runs each request with ceil(NSPLIT / n) splits, on
-    the device, and still matches the oracle."""
+    """Only a batch-1 entry: a batch of n runs each request with max(1, floor(NSPLIT / n))
+    splits (never more CTAs than tuned, but one per request), on the device, and still
+    matches the oracle."""
     doc = tuned_dict(device)
     doc["entries"] = [doc["entries"][0]]                     # tuned at batch 1 only: NSPLIT 1/2/4
     # warm-up runs each distinct launch at a batch that uses it (the unscaled batch-1 grid at
@@ -402,9 +404,9 @@ def test_batches_past_the_largest_bucket_keep_its_cta_count(device, batch):
     va = VerifyAttention.from_defaults(parse_tuned(doc, "mem"), tp=TP, max_batch=3, max_context=300,
                                        device=device)
     prefixes = [300, 129, 7][:batch]
-    want = [-(-va.nsplit_for(1, p) // batch) for p in prefixes]
+    want = [max(1, va.nsplit_for(1, p) // batch) for p in prefixes]
     assert [va.nsplit_for(batch, p) for p in prefixes] == want
-    assert va.nsplit_for(1, 300) == 4 and va.nsplit_for(3, 300) == 2
+    assert va.nsplit_for(1, 300) == 4 and va.nsplit_for(2, 300) == 2 and va.nsplit_for(3, 300) == 1
     inp = make_inputs(batch, T, H, prefixes, tree="random", seed=batch, device=device, sm_scale=va.sm_scale)
     va.workspace.fill_(255)
     o = va(*inp.args[:5])
@@ -423,7 +425,7 @@ def test_scaled_batches_shrink_the_grid_and_the_workspace(device):
     va = VerifyAttention.from_defaults(parse_tuned(doc, "mem"), tp=TP, max_batch=8, max_context=300,
                                        device=device, warmup=False)
     grid = {n: va.params_for(n).NSPLIT for n in (1, 2, 3, 4, 8)}
-    assert grid == {1: 4, 2: 2, 3: 2, 4: 1, 8: 1}
+    assert grid == {1: 4, 2: 2, 3: 1, 4: 1, 8: 1}
     be = TritonBackend()
     assert va.workspace_bytes == max(be.workspace_bytes(va.problem(n), va.params_for(n)) for n in range(1, 9))
     assert va.workspace_bytes < be.workspace_bytes(va.problem(8), va.plans[0].params)
