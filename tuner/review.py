@@ -34,7 +34,7 @@ from kvtune.kernels.tuned import SchemaError, load_tuned
 
 from .config import REPO_ROOT, ConfigError, load_deployment
 from .export import _latencies  # the latency of a config exactly as `kvtune export` computes it
-from .table import LEAD, PROVENANCE, RESULT, read_trials
+from .table import LEAD, PROVENANCE, RESULT, read_jsonl, read_trials
 
 OUTCOMES = ("ok", "pruned", "wrong", "failed")
 OUTCOME_COLORS = {"ok": "#2ca02c", "pruned": "#7f7f7f", "wrong": "#d62728", "failed": "#ff7f0e"}
@@ -324,11 +324,7 @@ def runs_table(res: Results) -> pd.DataFrame:
     if not path.is_file():
         return pd.DataFrame(columns=cols)
     rows = []
-    for line in path.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash mid-write: the other runs still count
+    for r in read_jsonl(path):   # a line cut by a crash mid-write is skipped (named on stderr)
         rows.append({c: (json.dumps(r[c]) if isinstance(r.get(c), (dict, list)) else r.get(c)) for c in cols})
     return pd.DataFrame(rows, columns=cols)
 
