@@ -47,13 +47,15 @@ STUDY_KEYS = ["backend", "tp", "bs", "ctx"]
 def resolve_results_dir(target: str | os.PathLike) -> Path:
     """A results folder from a folder path, a deployment name or a deployment YAML file.
 
-    Tried in order: `target` as a folder; `results/<target>` here and in the repository;
-    a deployment config (path or name under configs/deployments/) -> `results/<its name>`.
+    Tried in order: `target` as a folder; `runs/<target>` (where `kvtune sweep` writes by
+    default), then `results/<target>` (committed evidence), here and in the repository; a
+    deployment config (path or name under configs/deployments/) -> the same for its name.
     """
     p = Path(target)
     if p.is_dir():
         return p
-    for base in (Path("results"), REPO_ROOT / "results"):
+    bases = (Path("runs"), Path("results"), REPO_ROOT / "runs", REPO_ROOT / "results")
+    for base in bases:
         if (base / str(target)).is_dir():
             return base / str(target)
     try:
@@ -61,11 +63,11 @@ def resolve_results_dir(target: str | os.PathLike) -> Path:
     except ConfigError:
         dep = None
     if dep is not None:
-        for base in (Path("results"), REPO_ROOT / "results"):
+        for base in bases:
             if (base / dep.name).is_dir():
                 return base / dep.name
         raise FileNotFoundError(f"deployment {dep.name!r} has no results folder yet (looked for "
-                                f"results/{dep.name}/); run `kvtune sweep {target}` first")
+                                f"runs/{dep.name}/ and results/{dep.name}/); run `kvtune sweep {target}` first")
     raise FileNotFoundError(f"{target!s}: neither a results folder, nor results/{target}/, nor a deployment")
 
 
