@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from kvtune.tuner.cli import build_parser, main
 from kvtune.tuner.config import ConfigError, load_deployment, redact_argv, redact_url
 from kvtune.tuner.sweep import Sweep, SweepOptions

@@ -8,9 +8,14 @@ import os
 from pathlib import Path
 
 import pytest
-
 from kvtune.tuner.export import _last_sweep_status, export_deployment
-from kvtune.tuner.table import TrialsTable, append_jsonl, append_line, read_jsonl, read_trials
+from kvtune.tuner.table import (
+    TrialsTable,
+    append_jsonl,
+    append_line,
+    read_jsonl,
+    read_trials,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 COMMITTED = REPO / "results" / "cpu-tiny" / "trials.csv"   # a real table: 88 rows of a CPU sweep

@@ -711,10 +711,10 @@ class _LineProgress:
     def set_postfix_str(self, s):
         if self.last is not None and s.split(":")[0] != self.last.split(":")[0]:
             self._line()
-        self.last = s
+        self.last, self.last_n = s, self.n
 
     def _line(self):
-        print(f"[{self.n}/{self.total} trials] {self.last}", file=self.file, flush=True)
+        print(f"[{self.last_n}/{self.total} trials] {self.last}", file=self.file, flush=True)
 
     def close(self):
         if self.last is not None:
