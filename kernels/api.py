@@ -94,8 +94,16 @@ def describe_problem(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale,
     return VerifyProblem(B=B, T=T, H=H, Dk=Dk, Dv=kv_lora_rank, device=device)
 
 
-def check_values(problem: VerifyProblem, kv_cache, kv_indptr, kv_indices) -> None:
+def check_values(problem: VerifyProblem, kv_cache, kv_indptr, kv_indices, tree_mask=None) -> None:
     """Checks that read tensor values (one host sync). Not callable under graph capture."""
+    if tree_mask is not None and problem.T < 64:
+        # a bit at or past T names a draft key that does not exist; the kernels would ignore
+        # it (or, in another backend, read past the request), so it is a caller's bug
+        beyond = (tree_mask >> problem.T) != 0
+        if bool(beyond.any()):
+            i = int(torch.nonzero(beyond)[0])
+            raise ValueError(f"tree_mask: row {i} ({int(tree_mask[i]):#x}) sets bits at or beyond T={problem.T}; "
+                             f"bit j means draft key j, 0 <= j < T")
     indptr = kv_indptr.to("cpu", torch.int64)
     if int(indptr[0]) < 0:
         raise ValueError(f"kv_indptr: kv_indptr[0] = {int(indptr[0])} is negative")
@@ -164,7 +172,7 @@ def verify_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, ba
     capturing = _is_capturing(problem.device)
     do_check = (not capturing) if check_values_ is None else check_values_
     if do_check:
-        check_values(problem, kv_cache, kv_indptr, kv_indices)
+        check_values(problem, kv_cache, kv_indptr, kv_indices, tree_mask)
     shape_o = (problem.rows, problem.H, problem.Dv)
     if out is None:
         out = torch.empty(shape_o, dtype=torch.bfloat16, device=problem.device)

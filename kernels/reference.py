@@ -20,7 +20,9 @@ def visibility(T: int, prefix_len: int, tree_mask_rows: torch.Tensor) -> torch.T
 def reference_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, kv_lora_rank=512):
     """fp32 verify attention. Returns (o `[B*T, H, Dv]` fp32, lse `[B*T, H]` fp32).
 
-    A row that sees no key gets o = 0 and lse = -inf.
+    A row that sees no key gets o = 0 and lse = -inf. NaN in, NaN out for the rows it
+    touches: a NaN in q[i, h], or in a key row that row i may see (V is part of that row),
+    makes o[i, h] and lse[i, h] NaN; every other row is as if the NaN were not there.
     """
     B = kv_indptr.numel() - 1
     T = q.shape[0] // B
@@ -33,14 +35,16 @@ def reference_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale,
         s, e = indptr[b], indptr[b + 1]
         idx = kv_indices[s:e].long()
         k = kv_cache[idx].float()                       # [L, Dk]
-        v = k[:, :Dv]                                   # [L, Dv]
+        # a row gives an invisible key weight exactly 0, and 0 * NaN would still poison it;
+        # a visible NaN value reaches its rows anyway, through the logit of the same key row
+        v = torch.nan_to_num(k[:, :Dv], nan=0.0, posinf=float("inf"), neginf=float("-inf"))
         qb = q[b * T:(b + 1) * T].float()               # [T, H, Dk]
         logits = torch.einsum("thd,ld->thl", qb, k) * sm_scale
         vis = visibility(T, (e - s) - T, tree_mask[b * T:(b + 1) * T])   # [T, L]
         logits = logits.masked_fill(~vis[:, None, :], float("-inf"))
         row_lse = torch.logsumexp(logits, dim=-1)       # [T, H]
-        p = torch.exp(logits - row_lse[..., None].clamp_min(torch.finfo(torch.float32).min))
-        p = torch.nan_to_num(p, nan=0.0)
+        # a row that sees nothing (lse = -inf) gets p = 0, a row that read a NaN (lse = NaN) p = NaN
+        p = torch.exp(logits - torch.where(row_lse == float("-inf"), 0.0, row_lse)[..., None])
         o[b * T:(b + 1) * T] = torch.einsum("thl,ld->thd", p, v)
         lse[b * T:(b + 1) * T] = row_lse
     return o, lse
@@ -51,6 +55,10 @@ class ReferenceBackend(Backend):
 
     name = "reference"
     params_type = None
+
+    def check_params(self, params, problem) -> None:
+        if params is not None:
+            raise ValueError(f"params: the reference backend takes no parameters, got {params!r}")
 
     def launch(self, args: LaunchArgs, params) -> None:
         o, lse = reference_attention(args.q, args.kv_cache, args.kv_indptr, args.kv_indices, args.tree_mask,

@@ -7,7 +7,7 @@ the backend.
 """
 from __future__ import annotations
 
-import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -142,16 +142,21 @@ def _verify_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         # -- acc += P V; V is the first DV columns of the key rows already loaded
         v = tl.trans(k_nope)
+        if start_n + BLOCK_N > P:
+            # draft keys: a row that may not see one gives it p = 0, and 0 * NaN would still
+            # poison that row; a row that sees it gets the NaN through its logit anyway
+            v = tl.where(v == v, v, tl.zeros_like(v))
         if UPCAST:
             acc = tl.dot(p, v, acc * alpha[:, None])
         else:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
 
-    # -- partial result of this split: normalised o and lse (natural log); empty -> 0, -inf
-    seen = l_i > 0
-    o = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
+    # -- partial result of this split: normalised o and lse (natural log); empty -> 0, -inf;
+    # a row that read a NaN has l_i = NaN, which must stay NaN in o and lse (not count as empty)
+    empty = l_i == 0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
     po = PartO + split * stride_ps + qrow[:, None] * stride_pm + head[:, None] * stride_ph + offs_dv[None, :]
     tl.store(po, o, mask=row_ok[:, None])
     tl.store(PartLse + split * stride_ls + qrow * stride_lm + head, lse, mask=row_ok)
@@ -186,11 +191,11 @@ def _verify_merge_kernel(
         acc = acc * w_old + o_s * w_s
         s_run = s_run * w_old + w_s
         m_run = m_new
-    seen = s_run > 0
-    o = acc / tl.where(seen, s_run, 1.0)
+    empty = s_run == 0   # NaN (a split that read a NaN) is not empty: it stays NaN
+    o = acc / tl.where(empty, 1.0, s_run)
     tl.store(Out + m * stride_om + h * stride_oh + offs_dv, o.to(Out.dtype.element_ty))
     if WRITE_LSE:
-        lse = tl.where(seen, m_run + tl.log(tl.where(seen, s_run, 1.0)), float("-inf"))
+        lse = tl.where(empty, float("-inf"), m_run + tl.log(tl.where(empty, 1.0, s_run)))
         tl.store(Lse + m * stride_lsm + h, lse)
 
 
@@ -201,7 +206,9 @@ def kernel_source_hash() -> str:
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether the kernels run under Triton's interpreter: decided when triton.jit wrapped
+    them (TRITON_INTERPRET at import time), whatever the environment says now."""
+    return type(_verify_split_kernel).__name__ == "InterpretedFunction"
 
 
 def partials(problem: VerifyProblem, nsplit: int, workspace: torch.Tensor):
@@ -220,6 +227,13 @@ class TritonBackend(Backend):
     def kernel_hash(self) -> str:
         return kernel_source_hash()
 
+    def supports(self, device: torch.device) -> str | None:
+        if device.type == "cpu" and not _interpreting():
+            return ("Triton compiles for a GPU and these are CPU tensors; to run it on the CPU, set "
+                    "TRITON_INTERPRET=1 in the environment before Python starts (Triton reads it when the "
+                    "kernels are imported), e.g. `TRITON_INTERPRET=1 python ...`")
+        return None
+
     def default_params(self, problem: VerifyProblem) -> TritonParams:
         # at most 32 query rows per tile (32 x 512 fp32 accumulators over 8 warps stay in
         # registers); enough splits for about one program per SM (16 without a GPU)
@@ -237,6 +251,12 @@ class TritonBackend(Backend):
         if params.block_m(problem.T) > 256:
             raise ValueError(f"TritonParams: HEADS_PER_BLOCK*T = {params.HEADS_PER_BLOCK * problem.T} rows per tile "
                              "exceeds 256")
+        if params.HEADS_PER_BLOCK > problem.H:
+            # legal (the padding rows are masked) but wasted work, and often a config meant for
+            # another tp; a warning, not an error, since TritonParams() defaults to 2 heads
+            warnings.warn(f"TritonParams: HEADS_PER_BLOCK = {params.HEADS_PER_BLOCK} exceeds the {problem.H} "
+                          f"head(s) of q; each program computes {params.HEADS_PER_BLOCK - problem.H} head(s) of "
+                          "padding (HEADS_PER_BLOCK <= H does the same work with fewer rows)", stacklevel=4)
 
     def workspace_bytes(self, problem: VerifyProblem, params: TritonParams) -> int:
         return 4 * params.NSPLIT * problem.rows * problem.H * (problem.Dv + 1)

@@ -231,9 +231,12 @@ def load_tuned(path: str | os.PathLike, check_params: bool = True, legacy_names:
     """Read and validate one exported YAML file (legacy_names: see `parse_tuned`)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
     except OSError as e:
         raise SchemaError(f"{path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise SchemaError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+                          "save the file as UTF-8") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

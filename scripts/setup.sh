@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
 # Creates (or reuses) a virtual environment and installs kvtune with its tuner and test extras.
 # The CPU build of torch is installed first: a plain `torch` requirement would pull a
-# multi-GB CUDA build on machines without a GPU.
+# multi-GB CUDA build on machines without a GPU. A stamp in the environment (the hash of
+# pyproject.toml and this checkout's path) skips the install when nothing it depends on changed:
+# the package is installed editable, so source changes need no reinstall.
 set -euo pipefail
-venv=${1:-.venv}
+venv=$(realpath -m "${1:-.venv}")
 py=${PYTHON:-python3}
+cd "$(dirname "$0")/.."
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
 . "$venv/bin/activate"
+stamp_file="$venv/.kvtune-install-stamp"
+stamp="$(sha256sum pyproject.toml | cut -d' ' -f1) $(pwd)"
+if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ] \
+        && python -c "import kvtune.kernels, kvtune.tuner, torch, triton" 2>/dev/null; then
+    echo "kvtune: already installed in $venv (pyproject.toml unchanged; delete $stamp_file to reinstall)"
+    exit 0
+fi
 python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 if ! python -c "import torch" 2>/dev/null; then
     if python -c "import sys; sys.exit(0 if sys.platform == 'linux' else 1)" && ! command -v nvidia-smi >/dev/null; then
@@ -15,3 +25,4 @@ if ! python -c "import torch" 2>/dev/null; then
 fi
 python -m pip install -q -e ".[test,review]" 2>&1 | grep -v "^WARNING: Location" || true
 python -c "import kvtune.kernels, kvtune.tuner, torch, triton; print(f'kvtune installed: torch {torch.__version__}, triton {triton.__version__}')"
+echo "$stamp" > "$stamp_file"

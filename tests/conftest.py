@@ -13,13 +13,28 @@ if not HAS_CUDA:
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
+GPU_SKIP_REASON = "needs a CUDA GPU (none on this machine)"
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
+    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line saying what the skipped tests are, so a newcomer does not wonder."""
+    if HAS_CUDA:
+        return
+    n = sum(1 for r in terminalreporter.stats.get("skipped", [])
+            if isinstance(r.longrepr, tuple) and GPU_SKIP_REASON in str(r.longrepr[-1]))
+    if n:
+        terminalreporter.write_line(
+            f"{n} skipped: the GPU tests (marked `gpu`), which need a CUDA GPU and are never faked on the CPU; "
+            "on a machine with one, `bash scripts/test.sh` runs them (or `python -m pytest -m gpu`)")
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ file and the key.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,11 +34,38 @@ def _err(src, key, msg) -> ConfigError:
     return ConfigError(f"{src}: {key}: {msg}")
 
 
+def redact_url(url: str | None) -> str | None:
+    """`url` with its password hidden (`***`), for everything printed or recorded: a storage
+    URL ends up in logs and in the committed `runs.jsonl`."""
+    if not url or "://" not in url or "@" not in url:
+        return url
+    try:
+        from sqlalchemy.engine import make_url
+        u = make_url(url)
+        if u.password is None:
+            return url
+        return u.render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - not an SQLAlchemy URL: hide whatever sits between ':' and '@'
+        return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """A command line with every URL's password hidden (`--storage URL` and `--storage=URL`)."""
+    out = []
+    for a in argv:
+        flag, eq, val = a.partition("=")
+        out.append(f"{flag}={redact_url(val)}" if eq and flag.startswith("--") else redact_url(a))
+    return out
+
+
 def read_yaml(path: Path) -> Any:
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_bytes().decode("utf-8")
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+                          "save the file as UTF-8") from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:

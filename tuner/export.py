@@ -22,7 +22,7 @@ from statistics import median
 from kvtune.kernels.tuned import BACKEND_NAMES, ContextBucket, TunedDefaults, TunedEntry, dump_tuned
 
 from .config import Deployment, load_deployment
-from .table import read_trials
+from .table import read_jsonl, read_trials
 
 
 def _latencies(df):
@@ -121,7 +121,7 @@ def pick_served(df, backends, tp, bs, contexts, T):
         return pick, notes, lat
 
 
-def export_deployment(dep: Deployment | str, out: str = "results", trials_csv: str | None = None,
+def export_deployment(dep: Deployment | str, out: str = "runs", trials_csv: str | None = None,
                       path: str | None = None, quiet: bool = False) -> TunedDefaults:
     dep = dep if isinstance(dep, Deployment) else load_deployment(dep)
     out_dir = Path(out) / dep.name
@@ -224,16 +224,8 @@ def export_deployment(dep: Deployment | str, out: str = "results", trials_csv: s
 
 def _last_sweep_status(out_dir: Path) -> str | None:
     """The status of the last `kvtune sweep` run recorded in `<out_dir>/runs.jsonl`, if any."""
-    path = out_dir / "runs.jsonl"
-    if not path.exists():
-        return None
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    if not lines:
-        return None
-    try:
-        status = json.loads(lines[-1]).get("status")
-    except (json.JSONDecodeError, AttributeError):  # a torn last line: say nothing rather than guess
-        return None
+    runs = read_jsonl(out_dir / "runs.jsonl")   # a torn line is skipped with a warning naming it
+    status = runs[-1].get("status") if runs else None
     return str(status) if status else None
 
 
@@ -258,7 +250,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("export", help="write the tuned-defaults YAML of a swept deployment",
                               description=__doc__)
     p.add_argument("deployment", help="deployment name or YAML path")
-    p.add_argument("--out", default="results", help="results root (default ./results)")
+    p.add_argument("--out", default="runs", help="output root (default ./runs; results/ holds the committed "
+                   "evidence and is written only when named)")
     p.add_argument("--trials-csv", help="trials table (default <out>/<deployment>/trials.csv)")
     p.add_argument("--path", help="output file (default <out>/<deployment>/<deployment>.yaml)")
     p.set_defaults(func=_cmd_export)

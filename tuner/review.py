@@ -34,7 +34,7 @@ from kvtune.kernels.tuned import SchemaError, load_tuned
 
 from .config import REPO_ROOT, ConfigError, load_deployment
 from .export import _latencies  # the latency of a config exactly as `kvtune export` computes it
-from .table import LEAD, PROVENANCE, RESULT, read_trials
+from .table import LEAD, PROVENANCE, RESULT, read_jsonl, read_trials
 
 OUTCOMES = ("ok", "pruned", "wrong", "failed")
 OUTCOME_COLORS = {"ok": "#2ca02c", "pruned": "#7f7f7f", "wrong": "#d62728", "failed": "#ff7f0e"}
@@ -47,13 +47,15 @@ STUDY_KEYS = ["backend", "tp", "bs", "ctx"]
 def resolve_results_dir(target: str | os.PathLike) -> Path:
     """A results folder from a folder path, a deployment name or a deployment YAML file.
 
-    Tried in order: `target` as a folder; `results/<target>` here and in the repository;
-    a deployment config (path or name under configs/deployments/) -> `results/<its name>`.
+    Tried in order: `target` as a folder; `runs/<target>` (where `kvtune sweep` writes by
+    default), then `results/<target>` (committed evidence), here and in the repository; a
+    deployment config (path or name under configs/deployments/) -> the same for its name.
     """
     p = Path(target)
     if p.is_dir():
         return p
-    for base in (Path("results"), REPO_ROOT / "results"):
+    bases = (Path("runs"), Path("results"), REPO_ROOT / "runs", REPO_ROOT / "results")
+    for base in bases:
         if (base / str(target)).is_dir():
             return base / str(target)
     try:
@@ -61,11 +63,11 @@ def resolve_results_dir(target: str | os.PathLike) -> Path:
     except ConfigError:
         dep = None
     if dep is not None:
-        for base in (Path("results"), REPO_ROOT / "results"):
+        for base in bases:
             if (base / dep.name).is_dir():
                 return base / dep.name
         raise FileNotFoundError(f"deployment {dep.name!r} has no results folder yet (looked for "
-                                f"results/{dep.name}/); run `kvtune sweep {target}` first")
+                                f"runs/{dep.name}/ and results/{dep.name}/); run `kvtune sweep {target}` first")
     raise FileNotFoundError(f"{target!s}: neither a results folder, nor results/{target}/, nor a deployment")
 
 
@@ -324,11 +326,7 @@ def runs_table(res: Results) -> pd.DataFrame:
     if not path.is_file():
         return pd.DataFrame(columns=cols)
     rows = []
-    for line in path.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash mid-write: the other runs still count
+    for r in read_jsonl(path):   # a line cut by a crash mid-write is skipped (named on stderr)
         rows.append({c: (json.dumps(r[c]) if isinstance(r.get(c), (dict, list)) else r.get(c)) for c in cols})
     return pd.DataFrame(rows, columns=cols)
 

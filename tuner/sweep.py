@@ -41,11 +41,11 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .config import ConfigError, Deployment, load_deployment
+from .config import ConfigError, Deployment, load_deployment, redact_argv, redact_url
 from .space import SearchSpace, load_space, problem_env
 from .strategy import DEFAULT as DEFAULT_STRATEGY
 from .strategy import SearchStrategy, local_proposal, params_key
-from .table import TrialsTable
+from .table import TrialsTable, append_jsonl
 from .worker import Prefetcher, WorkerError, make_executor
 
 STUDY_SEP = "|"
@@ -71,7 +71,7 @@ class SweepOptions:
     timing: str | None = None
     seed: int = 0
     device: str | None = None
-    out: str = "results"
+    out: str = "runs"
     space_dir: str | None = None
     remeasure_top: int = 3
     rounds: int = 3
@@ -121,6 +121,7 @@ class Sweep:
         self.device = opts.device or _default_device()
         if self.device == "cuda" and _default_device() != "cuda":
             raise ConfigError("--device cuda: no CUDA GPU is visible here; use --device cpu (Triton interpreter)")
+        check_options(opts, dep)
         self.out_dir = Path(opts.out) / dep.name
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.storage_url = opts.storage or self._default_storage()
@@ -162,6 +163,11 @@ class Sweep:
         if self.device == "cpu":
             print("note: --device cpu: Triton runs under its interpreter; timings are CPU timings "
                   "('cpu-eager'), not GPU numbers", file=sys.stderr)
+            if prof.arch != "cpu":
+                print(f"warning: deployment {self.dep.name} ({self.dep.source}) is sized for {prof.name} "
+                      f"({prof.arch}): {max(self.ctxs)}-token contexts at {self.dep.heads(min(self.tps))} heads "
+                      "under the CPU interpreter take minutes per trial; on a machine without a GPU sweep a "
+                      "CPU deployment such as configs/deployments/cpu-tiny.yaml", file=sys.stderr)
         self.binfo, self.spaces = {}, {}
         for be in self.backends:
             bi = self.executor.request({"op": "backend", "backend": be, "spec": None, "device": self.device})
@@ -294,7 +300,8 @@ class Sweep:
             study.set_user_attr("spec", asdict(spec))
         elif {n: tuple(v) for n, v in stored.items()} != dists:
             raise ConfigError(f"{space.source}: the search space of {backend} changed since study {name!r} was "
-                              f"created in {self.storage_url}; sweep into a new --storage/--out, or delete it")
+                              f"created in {redact_url(self.storage_url)}; sweep into a new --storage/--out, "
+                              "or delete it")
 
     def run_study(self, backend, tp, bs, ctx, warm: list[dict]) -> StudyResult:
         TS = self.optuna.trial.TrialState
@@ -611,9 +618,11 @@ class Sweep:
                 from tqdm import tqdm
             except ImportError:  # a machine without tqdm: one line per study instead
                 tqdm = _LineProgress
+            if not sys.stderr.isatty():   # a log file: a bar's redraws would make one huge line
+                tqdm = _LineProgress
             self.bar = tqdm(total=len(plan) * self.trials, unit="trial", dynamic_ncols=True, file=sys.stderr)
         self._best = None
-        status = "complete"
+        status = "complete" if plan else "nothing to sweep (every backend was skipped)"
         try:
             best_of: dict = {}
             for tp in self.tps:
@@ -655,14 +664,13 @@ class Sweep:
         return self.results
 
     def _log_run(self, t0):
-        with (self.out_dir / "runs.jsonl").open("a") as f:
-            f.write(json.dumps(self._run_record(t0)) + "\n")
+        append_jsonl(self.out_dir / "runs.jsonl", self._run_record(t0))
 
     def _run_record(self, t0) -> dict:
-        return {"command": " ".join(sys.argv), "deployment": self.dep.name, "device": self.device,
+        return {"command": " ".join(redact_argv(sys.argv)), "deployment": self.dep.name, "device": self.device,
                "status": self.status, "start": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
                "wall_s": round(self.wall_s, 1), "measurements": self.measured_now, "skipped": self.skipped,
-               "studies": len(self.results), "storage": self.storage_url,
+               "studies": len(self.results), "storage": redact_url(self.storage_url),
                "restarts": getattr(self.executor, "restarts", 0),
                "provenance": {k: v for k, v in getattr(self, "info", {}).items()}}
 
@@ -691,7 +699,8 @@ class Sweep:
 
 # --------------------------------------------------------------------------- helpers
 class _LineProgress:
-    """tqdm's surface, printing a line when the postfix changes (no tqdm installed)."""
+    """tqdm's surface for a log file or a machine without tqdm: one line per study, written
+    when the next study reports (or at the end), with the trial count and that study's best."""
 
     def __init__(self, total, file=sys.stderr, **_):
         self.n, self.total, self.file, self.last = 0, total, file, None
@@ -700,12 +709,17 @@ class _LineProgress:
         self.n += k
 
     def set_postfix_str(self, s):
-        if s != self.last:
-            print(f"[{self.n}/{self.total}] {s}", file=self.file, flush=True)
-            self.last = s
+        if self.last is not None and s.split(":")[0] != self.last.split(":")[0]:
+            self._line()
+        self.last, self.last_n = s, self.n
+
+    def _line(self):
+        print(f"[{self.last_n}/{self.total} trials] {self.last}", file=self.file, flush=True)
 
     def close(self):
-        pass
+        if self.last is not None:
+            self._line()
+            self.last = None
 
 
 
@@ -723,6 +737,48 @@ def _size(dists) -> int:
 
 def _nearest(choices, x):
     return min(choices, key=lambda c: (abs(c - x), c))
+
+
+def _positive_int(flag):
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag}: expected a positive integer, got {text!r}") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{flag}: expected a positive integer, got {v}")
+        return v
+    return parse
+
+
+def _non_negative(flag):
+    def parse(text):
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag}: expected a number of minutes, got {text!r}") from None
+        if not v >= 0 or v == float("inf"):
+            raise argparse.ArgumentTypeError(f"{flag}: expected a finite number of minutes >= 0, got {text}")
+        return v
+    return parse
+
+
+def check_options(opts: SweepOptions, dep: Deployment) -> None:
+    """Options the command line cannot check alone (and the same checks for the Python API):
+    a bad value is an error naming it, never a sweep that does nothing and reports success."""
+    from kvtune.kernels.backends import backend_names
+    if opts.trials is not None and (isinstance(opts.trials, bool) or not isinstance(opts.trials, int)
+                                    or opts.trials < 1):
+        raise ConfigError(f"--trials: expected a positive integer, got {opts.trials!r}")
+    if opts.max_minutes is not None and not 0 <= opts.max_minutes < float("inf"):
+        raise ConfigError(f"--max-minutes: expected a finite number of minutes >= 0, got {opts.max_minutes!r}")
+    known = backend_names()
+    for be in opts.backends or ():
+        if be not in known:
+            raise ConfigError(f"--backend: unknown backend {be!r}; known: {known}")
+    for be in dep.backends if not opts.backends else ():
+        if be not in known:
+            raise ConfigError(f"{dep.source}: backends: unknown backend {be!r}; known: {known}")
 
 
 def _subset(sel, allowed, flag, src, allow_extra=False):
@@ -752,7 +808,7 @@ def open_storage(url: str, out_dir: Path):
         import sqlalchemy  # noqa: F401
     except ImportError:
         path = out_dir / "studies.journal"
-        print(f"note: SQLAlchemy is not installed; studies go to the journal file {path} instead of {url}",
+        print(f"note: SQLAlchemy is not installed; studies go to the journal file {path} instead of {redact_url(url)}",
               file=sys.stderr)
         return open_storage(f"journal:{path}", out_dir)
     return optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url)), url
@@ -798,7 +854,10 @@ def _cmd_sweep(args) -> int:
         print(f"kvtune sweep: error: the trial worker failed before the sweep started: {e}", file=sys.stderr)
         return 1
     print(sw.summary())
-    print(f"trials: {sw.out_dir / 'trials.csv'}   studies: {sw.storage_url}")
+    print(f"trials: {sw.out_dir / 'trials.csv'}   studies: {redact_url(sw.storage_url)}")
+    if not sw.results and sw.status != "interrupted":
+        print(f"kvtune sweep: error: no study ran ({sw.status})", file=sys.stderr)
+        return 1
     if args.export and sw.results:
         from .export import export_deployment
         export_deployment(sw.dep, out=args.out)
@@ -813,13 +872,15 @@ def register(subparsers) -> None:
     p.add_argument("--ctx", type=int, nargs="+", help="only these context buckets")
     p.add_argument("--bs", type=int, nargs="+", help="only these batch buckets")
     p.add_argument("--backend", nargs="+", help="only these backends")
-    p.add_argument("--trials", type=int, help="trial budget per study (default: the deployment's)")
+    p.add_argument("--trials", type=_positive_int("--trials"),
+                   help="trial budget per study (default: the deployment's)")
     p.add_argument("--storage", help="Optuna storage: an SQLAlchemy URL (default sqlite:///<out>/<deployment>/"
-                   "studies.db) or journal:PATH")
+                   "studies.db) or journal:PATH; keep passwords out of it (PGPASSWORD or ~/.pgpass)")
     p.add_argument("--timing", choices=("graph", "eager"), help="CUDA timing mode (default: the deployment's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when a GPU is visible, else cpu")
-    p.add_argument("--out", default="results", help="results root (default ./results)")
+    p.add_argument("--out", default="runs", help="output root (default ./runs; the committed evidence under "
+                   "results/ is written only when named)")
     p.add_argument("--space-dir", help="search-space folder (default: the repository's search_spaces/)")
     p.add_argument("--remeasure-top", type=int, default=3, help="configs per bucket re-measured against the baseline")
     p.add_argument("--rounds", type=int, default=3, help="interleaved re-measurement rounds")
@@ -829,7 +890,8 @@ def register(subparsers) -> None:
     p.add_argument("--grid", action="store_true",
                    help="measure every feasible config (exhaustive grid; to check TPE against, use another --out)")
     p.add_argument("--in-process", action="store_true", help="measure in this process (no fault isolation)")
-    p.add_argument("--max-minutes", type=float, help="stop (resumably, like Ctrl-C) after this much wall time")
+    p.add_argument("--max-minutes", type=_non_negative("--max-minutes"),
+                   help="stop (resumably, like Ctrl-C) after this much wall time")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--export", action="store_true", help="export the YAML when the sweep completes")
     p.add_argument("--workers", type=int,

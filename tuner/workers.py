@@ -47,8 +47,9 @@ import warnings
 from datetime import datetime
 from pathlib import Path
 
-from .config import ConfigError, Deployment, load_deployment
-from .sweep import STUDY_SEP, Sweep, SweepOptions, _nearest, _Stop, journal_backend, params_key, study_name  # noqa: F401
+from .config import ConfigError, Deployment, load_deployment, redact_url
+from .sweep import (STUDY_SEP, Sweep, SweepOptions, _nearest, _non_negative, _positive_int, _Stop,  # noqa: F401
+                    journal_backend, params_key, study_name)
 
 HEARTBEAT_KEY = "kvtune:heartbeat"
 
@@ -128,7 +129,7 @@ def open_shared_storage(url: str, heartbeat_s: int, grace_s: int, max_retry: int
         path.parent.mkdir(parents=True, exist_ok=True)
         return _heartbeat_journal_class()(journal_backend(path), heartbeat_s, grace_s, cb), url
     if url.startswith("sqlite"):
-        raise ConfigError(f"--storage {url}: SQLite is not safe for several worker processes; use "
+        raise ConfigError(f"--storage {redact_url(url)}: SQLite is not safe for several worker processes; use "
                           "journal:PATH on one host or a PostgreSQL URL for several")
     url = _with_driver(url)
     kw = {"heartbeat_interval": heartbeat_s, "grace_period": grace_s}
@@ -573,7 +574,7 @@ class SharedSweep(Sweep):
         for i, (cmd, env) in enumerate(self.children_cmd):
             self.children.append(subprocess.Popen(cmd, env=env))
         print(f"sweep {self.dep.name}: {n} worker process(es) {[p.pid for p in self.children]} sharing "
-              f"{self.storage_url}", file=sys.stderr, flush=True)
+              f"{redact_url(self.storage_url)}", file=sys.stderr, flush=True)
         done = set()
         while len(done) < n:
             for i, p in enumerate(self.children):
@@ -615,7 +616,8 @@ class SharedSweep(Sweep):
             trials = study.get_trials(deepcopy=False)
             counted += len(self._counted_trials(trials))
             stale += len({n for t in trials for n in t.system_attrs.get("retry_history", ())})
-        return (f"{text}\n{len(self.children)} worker process(es) shared {self.storage_url}: {counted} trials "
+        return (f"{text}\n{len(self.children)} worker process(es) shared {redact_url(self.storage_url)}: "
+                f"{counted} trials "
                 f"counted, {stale} failed as stale and retried (the measurements above are this process's own)")
 
 
@@ -691,7 +693,7 @@ def cmd_sweep_workers(args) -> int:
     """`kvtune sweep ... --workers N`."""
     sw = launch(args, _opts(args), args.workers, post=True)
     print(sw.summary())
-    print(f"trials: {sw.out_dir / 'trials.csv'}   studies: {sw.storage_url}   workers: {args.workers}")
+    print(f"trials: {sw.out_dir / 'trials.csv'}   studies: {redact_url(sw.storage_url)}   workers: {args.workers}")
     if args.export and sw.results and sw.status == "complete":
         from .export import export_deployment
         export_deployment(sw.dep, out=args.out)
@@ -707,7 +709,7 @@ def _cmd_worker(args) -> int:
         sw = SharedSweep(dep, opts, args.heartbeat, args.grace, index=args.index, of=args.of)
         sw.run()
     print(f"worker {sw.worker_id}: {sw.status}, {sw.measured_now} measurements, {sw.dropped} dropped as stale, "
-          f"{sw.wall_s:.1f} s ({sw.storage_url})", file=sys.stderr)
+          f"{sw.wall_s:.1f} s ({redact_url(sw.storage_url)})", file=sys.stderr)
     return 130 if sw.status == "interrupted" else 0
 
 
@@ -728,16 +730,17 @@ def register(subparsers) -> None:
     p.add_argument("--ctx", type=int, nargs="+")
     p.add_argument("--bs", type=int, nargs="+")
     p.add_argument("--backend", nargs="+")
-    p.add_argument("--trials", type=int, help="trial budget per study (default: the deployment's)")
+    p.add_argument("--trials", type=_positive_int("--trials"),
+                   help="trial budget per study (default: the deployment's)")
     p.add_argument("--timing", choices=("graph", "eager"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("cuda", "cpu"))
-    p.add_argument("--out", default="results", help="results root (default ./results)")
+    p.add_argument("--out", default="runs", help="output root (default ./runs)")
     p.add_argument("--space-dir")
     p.add_argument("--trial-timeout", type=float, default=600.0)
     p.add_argument("--compile-workers", type=int)
     p.add_argument("--grid", action="store_true")
-    p.add_argument("--max-minutes", type=float)
+    p.add_argument("--max-minutes", type=_non_negative("--max-minutes"))
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)   # this worker's start offset
     p.add_argument("--of", type=int, default=1, help=argparse.SUPPRESS)

@@ -1,0 +1,156 @@
+"""Bad input to `kvtune sweep` / `export` is a clear error naming it, never a run recorded as
+complete; the default output folder is not the committed evidence; storage passwords are
+never printed or recorded (issue 14, cases 2, 3, 6 and 8)."""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+from kvtune.tuner.cli import build_parser, main
+from kvtune.tuner.config import ConfigError, load_deployment, redact_argv, redact_url
+from kvtune.tuner.sweep import Sweep, SweepOptions
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _dep(tmp_path, **over):
+    doc = {"name": "tiny", "model": {"name": "tiny-mla", "num_heads": 8, "draft_tokens": 4, "tree": "random"},
+           "device": "cpu", "tp": [8], "contexts": [64], "batches": [1], "backends": ["triton"], "trials": 2,
+           "timing": "eager"}
+    doc.update(over)
+    p = tmp_path / "tiny.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    return p
+
+
+# ------------------------------------------------------------------ case 3: typos and bad numbers
+def test_backend_typo_on_the_command_line_is_an_error(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["sweep", str(_dep(tmp_path)), "--device", "cpu", "--out", str(out), "--backend", "tritn",
+               "--no-progress", "--in-process"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--backend: unknown backend 'tritn'" in err and "triton" in err
+    assert not (out / "tiny" / "runs.jsonl").exists(), "nothing is recorded, least of all as complete"
+
+
+def test_backend_typo_in_the_deployment_is_an_error_naming_the_file(tmp_path, capsys):
+    dep = _dep(tmp_path, backends=["tritn"])
+    rc = main(["sweep", str(dep), "--device", "cpu", "--out", str(tmp_path / "out"), "--no-progress",
+               "--in-process"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{dep}: backends: unknown backend 'tritn'" in err
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--trials", "0"], "--trials: expected a positive integer, got 0"),
+    (["--trials", "-3"], "--trials: expected a positive integer, got -3"),
+    (["--max-minutes", "-1"], "--max-minutes: expected a finite number of minutes >= 0, got -1"),
+    (["--max-minutes", "nan"], "--max-minutes: expected a finite number of minutes >= 0, got nan"),
+])
+@pytest.mark.parametrize("cmd", ["sweep", "worker"])
+def test_bad_numbers_are_errors(tmp_path, capsys, argv, msg, cmd):
+    extra = ["--storage", "journal:" + str(tmp_path / "j")] if cmd == "worker" else []
+    with pytest.raises(SystemExit) as e:
+        main([cmd, str(_dep(tmp_path)), "--device", "cpu", "--out", str(tmp_path / "out"), *extra, *argv])
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("opts, msg", [
+    ({"trials": 0}, "--trials: expected a positive integer, got 0"),
+    ({"trials": -3}, "--trials: expected a positive integer, got -3"),
+    ({"max_minutes": -1.0}, "--max-minutes: expected a finite number of minutes >= 0, got -1.0"),
+    ({"backends": ["tritn"]}, "--backend: unknown backend 'tritn'"),
+])
+def test_python_api_checks_the_same(tmp_path, opts, msg):
+    with pytest.raises(ConfigError, match=re.escape(msg)):
+        Sweep(load_deployment(_dep(tmp_path)), SweepOptions(device="cpu", out=str(tmp_path / "out"), **opts))
+
+
+def test_a_sweep_with_nothing_to_run_is_not_complete(tmp_path, capsys):
+    """Every backend skipped (the CUDA backend on a machine without a GPU): exit 1, not 'complete'."""
+    out = tmp_path / "out"
+    rc = main(["sweep", str(_dep(tmp_path, backends=["cuda"])), "--device", "cpu", "--out", str(out),
+               "--no-progress", "--in-process"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "no study ran" in err
+    run = json.loads((out / "tiny" / "runs.jsonl").read_text().splitlines()[-1])
+    assert run["status"] != "complete" and run["skipped"]["cuda"]
+
+
+# ------------------------------------------------------------------ case 2: the default --out
+def _readme_commands():
+    text = (REPO / "README.md").read_text() + (REPO / "scripts" / "tune.sh").read_text()
+    cmds = []
+    for line in text.replace("\\\n", " ").splitlines():
+        m = re.match(r"\s*(?:[A-Z_]+=\S+ )*(kvtune (sweep|export|worker|report)\b[^#`]*)", line)
+        if m and "$" not in m.group(1):
+            cmds.append(shlex.split(m.group(1))[1:])
+    return cmds
+
+
+def test_no_readme_command_writes_into_committed_results_by_default():
+    cmds = _readme_commands()
+    assert sum(c[0] == "sweep" for c in cmds) >= 4 and any(c[0] == "export" for c in cmds)
+    parser = build_parser()
+    for argv in cmds:
+        args = parser.parse_args(argv)
+        if args.command in ("sweep", "export", "worker"):
+            assert Path(args.out).parts[0] == "runs", argv
+    for cmd in ("sweep", "worker", "export"):
+        extra = ["--storage", "journal:x"] if cmd == "worker" else []
+        assert parser.parse_args([cmd, "d", *extra]).out == "runs"
+    assert SweepOptions().out == "runs"
+
+
+def test_report_of_committed_results_writes_elsewhere(tmp_path, monkeypatch, capsys):
+    """`kvtune report kimi-k2-h200` (a README command): the committed report stays as is."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    committed = REPO / "results" / "cpu-tiny" / "report"
+    before = {p: p.read_bytes() for p in committed.rglob("*")} if committed.exists() else {}
+    assert main(["report", "cpu-tiny"]) == 0
+    assert (tmp_path / "runs" / "cpu-tiny" / "report" / "index.html").is_file()
+    after = {p: p.read_bytes() for p in committed.rglob("*")} if committed.exists() else {}
+    assert before == after
+    assert "holds committed files" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ case 8: credentials
+URL = "postgresql://kvtune:s3cr3t-pw@db.example:5432/kvtune"
+
+
+def test_redact_url():
+    assert "s3cr3t-pw" not in redact_url(URL) and redact_url(URL).startswith("postgresql://kvtune:***@db.example")
+    assert redact_url("postgresql://kvtune@db.example/kvtune") == "postgresql://kvtune@db.example/kvtune"
+    assert redact_url("sqlite:///runs/x/studies.db") == "sqlite:///runs/x/studies.db"
+    assert redact_url("journal:runs/x/studies.journal") == "journal:runs/x/studies.journal"
+    assert "pw" not in redact_url("weird+scheme://u:pw@host:notaport/x")
+    argv = ["kvtune", "sweep", "d.yaml", "--storage", URL, f"--storage={URL}"]
+    red = " ".join(redact_argv(argv))
+    assert "s3cr3t-pw" not in red and red.count("kvtune:***@db.example") == 2
+
+
+def test_run_record_hides_the_password(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["kvtune", "sweep", "d.yaml", "--storage", URL])
+    fake = types.SimpleNamespace(dep=types.SimpleNamespace(name="d"), device="cpu", status="complete", wall_s=1.0,
+                                 measured_now=0, skipped={}, results=[], storage_url=URL, executor=None, info={})
+    rec = Sweep._run_record(fake, 0.0)
+    assert "s3cr3t-pw" not in json.dumps(rec)
+    assert "--storage postgresql://kvtune:***@db.example" in rec["command"]
+
+
+def test_no_storage_url_is_printed_unredacted():
+    """Every f-string of the tuner that shows a storage URL goes through redact_url."""
+    bad = []
+    for f in (REPO / "tuner").glob("*.py"):
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            if re.search(r"\{[\w.]*(storage_url|url)\}", line):
+                bad.append(f"{f.name}:{i}: {line.strip()}")
+    assert not bad, bad
