@@ -47,6 +47,15 @@ class SplitTable:
         return int(self.max_keys.numel())
 
 
+def split_bounds(backend: "Backend | str", max_prefixes: list[int], T: int, batch: int) -> list[int]:
+    """The split-table bounds for context buckets of `max_prefixes` tokens at a batch bucket
+    of `batch` requests: a request's keys (prefix + T drafts), or, for a backend whose NSPLIT
+    counts the batch's splits, the bucket's batch of them."""
+    be = get_backend(backend) if isinstance(backend, str) else backend
+    scale = batch if be.nsplit_per_batch else 1
+    return [(c + T) * scale for c in max_prefixes]
+
+
 @dataclass
 class LaunchArgs:
     """Everything one launch needs, already validated by `verify_attention`.
@@ -76,6 +85,10 @@ class Backend(abc.ABC):
     name: str = ""
     #: the frozen parameter dataclass of this backend (None for the oracle)
     params_type: type | None = None
+    #: NSPLIT counts splits of the whole batch's keys (the CUDA kernel balances work by keys),
+    #: not splits per request (Triton); a split table is then looked up at the batch's total
+    #: key count (`split_bounds`)
+    nsplit_per_batch: bool = False
 
     def default_params(self, problem: VerifyProblem) -> Any:
         """The untuned default for this problem (None for backends without parameters)."""

@@ -45,7 +45,7 @@ import torch
 
 from .api import DEFAULT_KV_LORA_RANK, verify_attention
 from .api import check_values as api_check_values
-from .backends import Backend, LaunchArgs, SplitTable, get_backend, params_from_dict
+from .backends import Backend, LaunchArgs, SplitTable, get_backend, params_from_dict, split_bounds
 from .shapes import MAX_DRAFT_TOKENS, VerifyProblem
 from .tuned import SchemaError, TunedDefaults, TunedEntry, load_tuned
 
@@ -319,7 +319,9 @@ class VerifyAttention:
             p = self.plans[i]
             if p.entry is not None and p.split_table is not None:
                 tuned_ns = tuple(min(b.NSPLIT, p.params.NSPLIT) for b in p.entry.buckets)
-                scaled = tuple(_scaled_nsplit(x, p.max_batch, n) for x in tuned_ns)
+                # a backend whose NSPLIT counts the batch's splits keeps its CTA count unscaled
+                scaled = tuned_ns if p.backend.nsplit_per_batch else \
+                    tuple(_scaled_nsplit(x, p.max_batch, n) for x in tuned_ns)
                 self._nsplits[n] = scaled
                 if scaled == tuned_ns:
                     self._launch[n] = (p, p.params, p.split_table)
@@ -327,7 +329,8 @@ class VerifyAttention:
                 if (i, scaled) not in variants:
                     variants[(i, scaled)] = (
                         p, dataclasses.replace(p.params, NSPLIT=max(scaled)),
-                        SplitTable.build([b.max_context + T for b in p.entry.buckets], list(scaled), device))
+                        SplitTable.build(split_bounds(p.backend, [b.max_context for b in p.entry.buckets], T,
+                                                      p.max_batch), list(scaled), device))
                 self._launch[n] = variants[(i, scaled)]
             elif p.entry is None and p.params is not None and p.source.startswith("untuned default"):
                 # no tuning to scale: the backend's own default for this batch size (its NSPLIT
@@ -744,6 +747,6 @@ def _plan_from_entry(e: TunedEntry, forced: str | None, fallback: str, allow_mis
     grid = getattr(params, "NSPLIT", None)
     if grid is not None:
         # the kernel compares L_b = prefix + T keys with the bound; the YAML's bounds are prefixes
-        table = SplitTable.build([b.max_context + kw["T"] for b in e.buckets],
+        table = SplitTable.build(split_bounds(be, [b.max_context for b in e.buckets], kw["T"], e.max_batch),
                                  [min(b.NSPLIT, grid) for b in e.buckets], kw["device"])
     return Plan(e.max_batch, be, params, table, e, source)

@@ -7,7 +7,9 @@
 #                                         # the serving benchmark
 #
 # Time limits per part come from the environment (TEST_S, SAN_S, BENCH_S, SWEEP_S, MINS, ...).
-# Extra arguments after the step go to the benchmark (kernel) or the sweep (sweep).
+# Extra arguments after the step go to the benchmark (kernel) or the sweep (sweep); for the
+# sweep, `--then` separates passes run one after another into the same study storage (e.g.
+# every batch bucket at tp 8 and 4, then batch 1 at tp 2 and 1).
 set -u
 OUT=${OUT:?}
 step=${1:?say kernel or sweep}; shift
@@ -28,15 +30,21 @@ sweep)
   . scripts/device_env.sh wheels
   res=/tmp/res; mkdir -p $res/logs
   kv="python3 -m kvtune.tuner.cli"
-  start=$(date +%s)
-  timeout ${SWEEP_S:-400} $kv sweep configs/deployments/kimi-k2-h200.yaml --device cuda --out $res \
-      --max-minutes ${MINS:-6} --no-progress "$@" > $res/logs/sweep.log 2>&1
-  echo "sweep rc=$? wall_s=$(( $(date +%s) - start ))" >> $res/logs/sweep.log
+  passes=(); cur=""
+  for a in "$@"; do if [ "$a" = --then ]; then passes+=("$cur"); cur=""; else cur="$cur $a"; fi; done
+  passes+=("$cur")
+  for pass in "${passes[@]}"; do
+    start=$(date +%s)
+    echo "== sweep pass:$pass" >> $res/logs/sweep.log
+    timeout ${SWEEP_S:-400} $kv sweep configs/deployments/kimi-k2-h200.yaml --device cuda --out $res \
+        --no-progress $pass >> $res/logs/sweep.log 2>&1
+    echo "sweep rc=$? wall_s=$(( $(date +%s) - start ))" >> $res/logs/sweep.log
+  done
   $kv export kimi-k2-h200 --out $res >> $res/logs/sweep.log 2>&1; echo "export rc=$?" >> $res/logs/sweep.log
   cp $res/kimi-k2-h200/kimi-k2-h200.yaml kernels/defaults/kimi-k2-h200.yaml
   timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --timeout 120 \
       tests/test_contract.py tests/test_cuda_gpu.py tests/test_runtime_gpu.py tests/test_packaged_defaults.py \
-      > $res/logs/pytest.log 2>&1
+      tests/test_serving_gpu.py > $res/logs/pytest.log 2>&1
   echo "pytest rc=$?" >> $res/logs/pytest.log
   if [ -f scripts/bench_serving.py ]; then
     timeout ${BENCH_S:-150} python3 scripts/bench_serving.py --defaults $res/kimi-k2-h200/kimi-k2-h200.yaml \

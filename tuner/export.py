@@ -78,15 +78,16 @@ def choose(df, backends, tp, bs, contexts, exclude=frozenset()):
     return (be, json.loads(ck), buckets, is_default), notes
 
 
-def served(cparams: dict, buckets: dict, contexts: list[int], T: int):
+def served(cparams: dict, buckets: dict, contexts: list[int], T: int, backend: str = "triton", batch: int = 1):
     """The exported params (NSPLIT = the largest bucket's, the grid size), and the split table
-    serving uses: [max keys per bucket (prefix bound + T), NSPLIT per bucket]."""
+    serving uses: [key-count bound per bucket (`split_bounds`), NSPLIT per bucket]."""
+    from kvtune.kernels.backends import split_bounds
     params = dict(cparams)
     ns = [buckets[c][0] for c in contexts]
     table = None
     if all(n is not None for n in ns):
         params["NSPLIT"] = max(ns)
-        table = [[c + T for c in contexts], [int(n) for n in ns]]
+        table = [split_bounds(backend, contexts, T, batch), [int(n) for n in ns]]
     return params, table
 
 
@@ -108,7 +109,7 @@ def pick_served(df, backends, tp, bs, contexts, T):
         if pick is None:
             return None, notes, None
         be, cparams, buckets, _ = pick
-        params, table = served(cparams, buckets, contexts, T)
+        params, table = served(cparams, buckets, contexts, T, be, bs)
         rows = df[(df["phase"] == "serve") & (df["round"].astype(str) == serve_key(be, params, table))
                   & (df["tp"] == tp) & (df["bs"] == bs)]
         bad = rows[rows["outcome"] != "ok"]

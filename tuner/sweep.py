@@ -577,7 +577,7 @@ class Sweep:
             if pick is None:
                 return
             be, cparams, buckets, _ = pick
-            params, table = served(cparams, buckets, contexts, T)
+            params, table = served(cparams, buckets, contexts, T, be, bs)
             key = serve_key(be, params, table)
             ok = True
             for ctx in contexts:

@@ -239,6 +239,7 @@ LOG2E = 1.4426950408889634
 class CudaBackend(Backend):
     name = "cuda"
     params_type = CudaParams
+    nsplit_per_batch = True
 
     def __init__(self):
         self._sms: dict[int, int] = {}
