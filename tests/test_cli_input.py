@@ -154,3 +154,12 @@ def test_no_storage_url_is_printed_unredacted():
             if re.search(r"\{[\w.]*(storage_url|url)\}", line):
                 bad.append(f"{f.name}:{i}: {line.strip()}")
     assert not bad, bad
+
+
+def test_a_gpu_sized_deployment_on_the_cpu_warns(tmp_path, capsys):
+    dep = REPO / "configs" / "deployments" / "kimi-k2-h200.yaml"
+    main(["sweep", str(dep), "--device", "cpu", "--out", str(tmp_path), "--max-minutes", "0", "--in-process",
+          "--no-progress", "--tp", "8", "--ctx", "131072", "--backend", "triton"])
+    err = capsys.readouterr().err
+    assert "warning: deployment kimi-k2-h200" in err and "is sized for NVIDIA H200 (sm_90)" in err
+    assert "cpu-tiny" in err

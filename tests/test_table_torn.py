@@ -147,3 +147,20 @@ def test_committed_tables_read_without_warnings(capsys):
     for t in tables:
         read_trials(t)
     assert "warning" not in capsys.readouterr().err
+
+
+def test_export_names_every_missing_bucket(tmp_path, capsys):
+    """An interrupted sweep: all of tp 8 and tp 4's 300-token bucket missing (issue 14, case 6)."""
+    import pandas as pd
+    full = pd.read_csv(COMMITTED)
+    keep = full[(full["tp"] == 4) & (full["ctx"] == 64)]
+    d = tmp_path / "out" / "cpu-tiny"
+    d.mkdir(parents=True)
+    keep.to_csv(d / "trials.csv", index=False)
+    tuned = export_deployment("cpu-tiny", out=str(tmp_path / "out"))
+    err = capsys.readouterr().err
+    assert [e.tp for e in tuned.entries] == [4]
+    assert "3 (backend, tp, batch, context) bucket(s) of cpu-tiny have no trials" in err
+    for tp, ctx in ((4, 300), (8, 64), (8, 300)):
+        assert f"triton (tp={tp}, bs=1, ctx={ctx})" in err
+    assert "triton (tp=4, bs=1, ctx=64)" not in err

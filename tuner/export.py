@@ -145,6 +145,11 @@ def export_deployment(dep: Deployment | str, out: str = "runs", trials_csv: str 
     if status and status != "complete" and not quiet:
         print(f"warning: the last sweep into {out_dir} ended {status!r}: studies it did not finish are missing "
               "below; run the same sweep command again to resume it, then export again", file=sys.stderr)
+    missing = _missing_buckets(df, dep)
+    if missing and not quiet:
+        print(f"warning: {len(missing)} (backend, tp, batch, context) bucket(s) of {dep.name} have no trials, so "
+              "no entry below covers them: " + ", ".join(f"{be} (tp={tp}, bs={bs}, ctx={c})"
+                                                        for be, tp, bs, c in missing), file=sys.stderr)
     entries, report = [], []
     lat = _latencies(df)
     order = list(df.columns[df.columns.get_loc("role") + 1: df.columns.get_loc("params")])
@@ -221,6 +226,17 @@ def export_deployment(dep: Deployment | str, out: str = "runs", trials_csv: str 
         print(pd.DataFrame(report).to_string(index=False, float_format=lambda x: f"{x:.2f}"))
         print(f"exported {dest}")
     return tuned
+
+
+def _missing_buckets(df, dep: Deployment) -> list[tuple]:
+    """(backend, tp, bs, ctx) of the deployment without a search trial, for the exportable
+    backends the table holds (a backend this machine skipped has no rows at all)."""
+    search = df[df["phase"] == "search"]
+    have = {(str(b), int(t), int(s), int(c)) for b, t, s, c in zip(search["backend"], search["tp"], search["bs"],
+                                                                   search["ctx"])}
+    backends = [b for b in dict.fromkeys(search["backend"].astype(str)) if b in BACKEND_NAMES and b != "reference"]
+    return [(be, tp, bs, c) for be in backends for tp in dep.tp for bs in dep.batches for c in dep.contexts
+            if (be, tp, bs, c) not in have]
 
 
 def _last_sweep_status(out_dir: Path) -> str | None:

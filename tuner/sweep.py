@@ -164,7 +164,7 @@ class Sweep:
             print("note: --device cpu: Triton runs under its interpreter; timings are CPU timings "
                   "('cpu-eager'), not GPU numbers", file=sys.stderr)
             if prof.arch != "cpu":
-                print(f"warning: deployment {self.dep.name} ({self.dep.source}) is sized for {prof.name} "
+                print(f"warning: deployment {self.dep.name} ({self.dep.source}) is sized for {prof.device_name} "
                       f"({prof.arch}): {max(self.ctxs)}-token contexts at {self.dep.heads(min(self.tps))} heads "
                       "under the CPU interpreter take minutes per trial; on a machine without a GPU sweep a "
                       "CPU deployment such as configs/deployments/cpu-tiny.yaml", file=sys.stderr)

@@ -56,17 +56,20 @@ FAULT_ENV = "KVTUNE_FAULT_KILL_AT"
 _appends = 0
 
 
-def _fault_point(data: bytes) -> int | None:
-    """Test hook (tests/test_fault.py): `KVTUNE_FAULT_KILL_AT=N:MODE` SIGKILLs this process at
-    its N-th durable append, before the write (`before`), after half of the line (`mid`, the
-    torn row a kill inside `write` or a full disk can leave) or after the whole line
-    (`after`). Returns how many bytes to write first, or None without the hook."""
+def _fault_point(path, data: bytes) -> int | None:
+    """Test hook (tests/test_fault.py): `KVTUNE_FAULT_KILL_AT=N:MODE[:NAME]` SIGKILLs this
+    process at its N-th durable append (to files named NAME only, when given), before the
+    write (`before`), after half of the line (`mid`, the torn row a kill inside `write` or a
+    full disk can leave) or after the whole line (`after`). Returns how many bytes to write
+    first, or None without the hook."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return None
+    n, mode, name = (spec.split(":") + ["", ""])[:3]
+    if name and Path(path).name != name:
+        return None
     global _appends
     _appends += 1
-    n, _, mode = spec.partition(":")
     if _appends != int(n):
         return None
     return {"before": 0, "mid": max(1, len(data) // 2), "after": len(data)}[mode or "mid"]
@@ -81,7 +84,7 @@ def append_line(path: str | os.PathLike, data: bytes) -> None:
     """Append one complete line (ending in b"\n") so that it reaches the file whole or not
     at all: one write() on an O_APPEND descriptor, fsync'd; a short write is cut back off."""
     assert data.endswith(b"\n")
-    cut = _fault_point(data)
+    cut = _fault_point(path, data)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         if cut is not None:
