@@ -357,11 +357,16 @@ def test_export_after_a_stopped_sweep_names_what_is_missing(tmp_path, capsys):
 
     from kvtune.tuner.config import REPO_ROOT
 
-    src = REPO_ROOT / "results" / "kimi-k2-h200"
-    full = pd.read_csv(src / "trials.csv")
+    # the v1 kernel's full Triton + CUDA batch-1 sweep (results/kimi-k2-h200 at commit 5aee8a4)
+    full = pd.read_csv(REPO_ROOT / "tests" / "data" / "kimi-k2-h200-v1-trials.csv")
+    full = full[full["bs"] == 1]
     gap = (full["backend"] == "cuda") & (full["tp"] == 8) & (full["ctx"] == 131072)
     assert gap.any()
-    dep = REPO_ROOT / "configs" / "deployments" / "kimi-k2-h200.yaml"
+    # that table is batch 1 only: the deployment as it was swept then
+    dep = tmp_path / "kimi-k2-h200.yaml"
+    dep.write_text((REPO_ROOT / "configs" / "deployments" / "kimi-k2-h200.yaml").read_text()
+                   .replace("batches: [1, 4, 16, 64]", "batches: [1]").replace("device: h200", "device: "
+                   + str(REPO_ROOT / "configs" / "devices" / "h200.yaml")))
 
     def export(trials, status):
         d = tmp_path / status / "kimi-k2-h200"
