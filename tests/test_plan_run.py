@@ -12,11 +12,8 @@ from kvtune.kernels import make_inputs, reference_attention, rel_error
 from kvtune.kernels import runtime as rt
 from kvtune.kernels.runtime import StepPlan, VerifyAttention
 from kvtune.kernels.sglang import AdapterPlan, SGLangVerifyAdapter, sglang_verify_args
-from kvtune.kernels.triton_kernel import kernel_source_hash
-from kvtune.kernels.tuned import parse_tuned
+from test_sglang import DK, DV, TOL, H, T, tuned  # the same tiny tuned defaults (Triton, 2 heads)
 
-T, H, DV, DK = 9, 2, 512, 576
-TOL = 2e-2
 LAYERS = 3
 
 
@@ -26,33 +23,22 @@ def _clean_env(monkeypatch):
     monkeypatch.delenv(rt.ENV_CONFIG_DIR, raising=False)
 
 
-def tuned(device):
-    return parse_tuned({
-        "schema_version": 1, "deployment": "plan-test",
-        "model": {"name": "Tiny-MLA", "num_heads": H, "kv_lora_rank": DV, "qk_rope_head_dim": DK - DV,
-                  "draft_tokens": T, "sm_scale": 0.0721},
-        "provenance": {"device_name": rt.device_name(device), "arch": rt.device_arch(device),
-                       "kernel_hash": {"triton": kernel_source_hash()}, "date": "2026-11-29T17:00:00Z"},
-        "entries": [{"tp": 1, "heads_per_rank": H, "max_batch": 4, "backend": "triton",
-                     "params": {"NSPLIT": 3, "BLOCK_N": 32, "HEADS_PER_BLOCK": 2, "NUM_WARPS": 4, "STAGES": 1},
-                     "buckets": [{"max_context": 50, "NSPLIT": 1}, {"max_context": 200, "NSPLIT": 2},
-                                 {"max_context": 400, "NSPLIT": 3}]}]}, "mem")
+def _built(cls):
+    """`cls.from_defaults` on the tiny tuned defaults, once per module (outside any test's env)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(rt.ENV_VERIFY, raising=False)
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        return cls.from_defaults(tuned(dev), tp=1, max_batch=4, max_context=300, device=dev)
 
 
 @pytest.fixture(scope="module")
 def va():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv(rt.ENV_VERIFY, raising=False)
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-        return VerifyAttention.from_defaults(tuned(dev), tp=1, max_batch=4, max_context=300, device=dev)
+    return _built(VerifyAttention)
 
 
 @pytest.fixture(scope="module")
 def ad():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv(rt.ENV_VERIFY, raising=False)
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-        return SGLangVerifyAdapter.from_defaults(tuned(dev), tp=1, max_batch=4, max_context=300, device=dev)
+    return _built(SGLangVerifyAdapter)
 
 
 def layer_inputs(inp, layer: int):

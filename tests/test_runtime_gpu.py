@@ -36,14 +36,17 @@ def _params(backend: str) -> dict:
     return dataclasses.asdict(dataclasses.replace(p, NSPLIT=max(n for _, n in BUCKETS)))
 
 
+def _backend_or_skip(backend: str):
+    try:
+        why = get_backend(backend).supports(torch.device("cuda"))
+    except ImportError as e:
+        why = str(e)
+    if why:
+        pytest.skip(f"{backend} backend unavailable: {why}")
+
+
 def tuned_for(backend: str):
-    if backend == "cuda":
-        try:
-            why = get_backend("cuda").supports(torch.device("cuda"))
-        except ImportError as e:
-            why = str(e)
-        if why:
-            pytest.skip(f"cuda backend unavailable: {why}")
+    _backend_or_skip(backend)
     dev = torch.device("cuda")
     return parse_tuned({
         "schema_version": 1, "deployment": "gpu-test",

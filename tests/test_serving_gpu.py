@@ -24,6 +24,7 @@ from kvtune.kernels.sglang import SGLangVerifyAdapter
 from kvtune.kernels.shapes import VerifyProblem
 from kvtune.kernels.tree import random_parents
 from kvtune.kernels.tuned import parse_tuned
+from test_runtime_gpu import _backend_or_skip, _capture, _without_allocation  # the same GPU test helpers
 
 pytestmark = pytest.mark.gpu
 
@@ -41,15 +42,6 @@ REPLAYS = [(1024, 1, 300), (4096, 4097, 16384), (MAX_CONTEXT, 17, 16385), (1, 1,
 def _clean_env(monkeypatch):
     monkeypatch.delenv(rt.ENV_VERIFY, raising=False)
     monkeypatch.delenv(rt.ENV_CONFIG_DIR, raising=False)
-
-
-def _backend_or_skip(backend: str):
-    try:
-        why = get_backend(backend).supports(torch.device("cuda"))
-    except ImportError as e:
-        why = str(e)
-    if why:
-        pytest.skip(f"{backend} backend unavailable: {why}")
 
 
 def _params(backend: str, nsplit: int, variant: int) -> dict:
@@ -120,30 +112,6 @@ class Step:
             assert err < TOL, (self.prefixes, layer, err)
 
 
-def _capture(fn):
-    """Warm up on a side stream (as serving engines do), then capture one call."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
-
-
-def _without_allocation(fn, what):
-    torch.cuda.synchronize()
-    before = (torch.cuda.memory_allocated(), torch.cuda.memory_stats().get("allocation.all.allocated", 0))
-    fn()
-    torch.cuda.synchronize()
-    after = (torch.cuda.memory_allocated(), torch.cuda.memory_stats().get("allocation.all.allocated", 0))
-    assert after == before, f"{what} allocated: (bytes, count) {before} -> {after}"
-
-
 # -- plan once, run per layer, inside one graph -----------------------------------------
 
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
@@ -163,7 +131,7 @@ def test_plan_and_layers_in_one_graph(backend):
     step()                                                     # eager, value checks on
     st.check(va.sm_scale)
     _without_allocation(lambda: step(check_values=False), "an eager plan + runs")
-    g = _capture(step)
+    g, _ = _capture(step)
     for prefixes in REPLAYS:
         st.fill(prefixes)
         _without_allocation(g.replay, "graph replay")
@@ -207,7 +175,7 @@ def test_adapter_plan_and_layers_in_one_graph():
     fill(REPLAYS[0])
     step()
     st.check(ad.verify.sm_scale)
-    g = _capture(step)
+    g, _ = _capture(step)
     for prefixes in REPLAYS:
         fill(prefixes)
         _without_allocation(g.replay, "graph replay")
