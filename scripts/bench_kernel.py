@@ -22,7 +22,6 @@ Writes bench.csv / bench.json under --out and prints a short table last.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
@@ -36,7 +35,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_verify import measure_ceilings, parse_kv  # noqa: E402
-from sol_read import graph_us  # noqa: E402
+from sol_read import graph_us, write_csv  # noqa: E402
 
 # (H, batch, prefix): the kernel issue's shapes
 SHAPES = [(8, 1, 256), (8, 1, 4096), (8, 1, 16384), (8, 1, 65536), (8, 1, 131072),
@@ -74,7 +73,8 @@ def sol_us(n_keys: int, l2_bytes: int, sms: int) -> tuple[float, str]:
             grid = max(1, min(sms * ctas_per_sm, triton.cdiv(n_keys, rows)))
             out = torch.empty(grid, device="cuda", dtype=torch.float32)
             reps = max(n_pools, 32 // n_pools * n_pools)
-            fns = [(lambda i=i: _gather_read[(grid,)](kv, i, out, n_keys, kv.stride(0), ROWS=rows, num_warps=4))
+            fns = [(lambda i=i, kv=kv, out=out, rows=rows, grid=grid:
+                    _gather_read[(grid,)](kv, i, out, n_keys, kv.stride(0), ROWS=rows, num_warps=4))
                    for i in idx] * (reps // n_pools)
             us = graph_us(fns)
             if us < best[0]:
@@ -91,7 +91,8 @@ def main(argv=None) -> int:
     ap.add_argument("--T", type=int, default=9)
     ap.add_argument("--extra", action="append", default=[], help="other CUDA configs (k=v,k=v), at H=8")
     ap.add_argument("--no-triton", action="store_true")
-    ap.add_argument("--pdl-ab", action="store_true", help="also time the CUDA default with KVTUNE_CUDA_PDL=1 (programmatic dependent launch of the merge)")
+    ap.add_argument("--pdl-ab", action="store_true",
+                    help="also time the CUDA default with KVTUNE_CUDA_PDL=1 (PDL launch of the merge)")
     args = ap.parse_args(argv)
 
     from kvtune.kernels import get_backend
@@ -147,11 +148,7 @@ def main(argv=None) -> int:
             "triton": triton.__version__, "timing": "graph, cold L2, median of 15", "argv": sys.argv}
     from kvtune.kernels.cuda.nvrtc import kernel_source_hash, nvrtc_version
     meta.update(nvrtc=nvrtc_version(), cuda_source_hash=kernel_source_hash())
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    with open(out_dir / "bench.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out_dir / "bench.csv", rows)  # every row has the same keys
     (out_dir / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
     print(f"\n{'H':>3} {'B':>3} {'prefix':>7} {'floor':>7} {'SOL':>7} {'SOL%fl':>6} {'cuda':>8} {'%floor':>6} "

@@ -349,7 +349,7 @@ def test_gate_catches_a_tree_mask_bug_invisible_at_long_prefixes():
 
 
 def test_export_after_a_stopped_sweep_names_what_is_missing(tmp_path, capsys):
-    """The committed H200 sweep with its last study (CUDA, tp 8, 128k) taken out, as a sweep
+    """The v1 kernel's H200 batch-1 sweep with its last study (CUDA, tp 8, 128k) taken out, as a sweep
     stopped by its time limit leaves it: the export says the sweep stopped, names the backend
     and context that is missing, and CUDA cannot serve tp 8 (one config must serve every
     bucket); after the study is back, CUDA serves tp 8 and nothing is warned."""
