@@ -492,6 +492,31 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, CTAS) verify_split_kernel(cons
     // (then P <= 2^RESCALE_SLACK, harmless in fp32 sums and bf16 P): most tiles rescale no
     // row, and the barrier's OR tells every warp to skip the O^T rescale.
     int grew = 0;
+    // A NaN in a draft key's V must not reach the rows that may not see that key (their p is
+    // 0, and 0 * NaN = NaN): zero the NaN values of the tile's draft keys here, after QK^T read
+    // them (V is part of the key, so a row that sees it already has a NaN score) and before PV.
+    {
+      const int t0 = lo + it * BLOCK_N, d_lo = max(t0, P), d_hi = min(t0 + BLOCK_N, hi);
+      if (d_lo < d_hi) {  // the same for every thread: the tile holds draft keys
+        u16* vs = Ks + (it % STAGES) * (C::K_STAGE / 2);
+        constexpr int PIECES = DV / 8;  // 16-byte pieces of a V row
+        for (int c = tid; c < (d_hi - d_lo) * PIECES; c += C::THREADS) {
+          uint4* piece = reinterpret_cast<uint4*>(vs + (d_lo - t0 + c / PIECES) * C::KPITCH + (c % PIECES) * 8);
+          const uint4 v = *piece;
+          u32 w[4] = {v.x, v.y, v.z, v.w};
+          bool nan = false;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const u32 sh = 16 * (e & 1);
+            if (((w[e >> 1] >> sh) & 0x7fffu) > 0x7f80u) {  // a bf16 NaN
+              w[e >> 1] &= ~(0xffffu << sh);
+              nan = true;
+            }
+          }
+          if (nan) *piece = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+      }
+    }
     {
       const int n0 = lo + it * BLOCK_N + sub8 * C::CPL;
       // every key of the tile a prefix key inside the split: no per-key visibility test
