@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,7 +35,6 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_verify import measure_ceilings, parse_kv  # noqa: E402
 from sol_read import graph_us, write_csv  # noqa: E402
 
 # (H, batch, prefix): the kernel issue's shapes
@@ -42,6 +42,46 @@ SHAPES = [(8, 1, 256), (8, 1, 4096), (8, 1, 16384), (8, 1, 65536), (8, 1, 131072
           (8, 8, 4096), (8, 8, 16384), (8, 8, 65536), (8, 32, 4096), (8, 32, 16384),
           (64, 1, 65536), (64, 1, 131072)]
 
+
+
+def measure_ceilings(read_gb: float = 4.0, reps: int = 10) -> dict:
+    """Read bandwidth (torch.sum over `read_gb` GB of bf16) and bf16 MMA rate (8192^3 matmul)."""
+    n = int(read_gb * 1e9 / 2)
+    x = torch.randn(n // 1024, 1024, device="cuda").to(torch.bfloat16)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for i in range(reps + 2):
+        s.record()
+        x.sum(dtype=torch.float32)
+        e.record()
+        e.synchronize()
+        if i >= 2:
+            times.append(s.elapsed_time(e) * 1e-3)
+    read_gbps = x.numel() * 2 / statistics.median(times) / 1e9
+    del x
+    a = torch.randn(8192, 8192, device="cuda").to(torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda").to(torch.bfloat16)
+    times = []
+    for i in range(reps + 3):
+        s.record()
+        a @ b
+        e.record()
+        e.synchronize()
+        if i >= 3:
+            times.append(s.elapsed_time(e) * 1e-3)
+    tflops = 2 * 8192 ** 3 / statistics.median(times) / 1e12
+    del a, b
+    torch.cuda.empty_cache()
+    return {"read_gbps": read_gbps, "bf16_tflops": tflops}
+
+
+def parse_kv(text: str) -> dict:
+    """"NAME=VALUE,NAME=VALUE" -> {NAME: int(VALUE)} (the --extra configs)."""
+    out = {}
+    for part in text.split(","):
+        k, v = part.split("=")
+        out[k.strip()] = int(v)
+    return out
 
 @triton.jit
 def _gather_read(kv, idx, out, n_keys, stride, ROWS: tl.constexpr):

@@ -22,7 +22,7 @@ Every variant is checked against the fp32 oracle first. Timing is the tuner's (g
 cold L2): `Measurer._timing_pools` (KV pools together >= 4x L2, rotated) and
 `Measurer._time_cuda` per layer; `sol_read.graph_us` (one step captured, replayed) per step.
 
-    python scripts/bench_serving.py --out results/serving/<kernel hash>   # the H200, < 3 min
+    python scripts/bench_serving.py --out runs/serving   # the H200, < 3 min (committed: results/serving/<kernel version>)
     python scripts/bench_serving.py --smoke --out /tmp/smoke               # CPU, Triton interpreter
 
 Writes serving.csv (and serving.json with the command and the runtime) under --out; prints a

@@ -2,12 +2,13 @@
 """TPE against an exhaustive grid: best correct latency per (backend, tp, bs, ctx).
 
     S="--tp 8 --ctx 4096 65536 --space-dir results/tpe-vs-grid/spaces --trials 12 --rounds 0"
-    kvtune sweep configs/deployments/kimi-k2-h200.yaml $S --out results/tpe
-    kvtune sweep configs/deployments/kimi-k2-h200.yaml $S --grid --out results/grid
-    python scripts/compare_tpe_grid.py results/tpe/kimi-k2-h200/trials.csv results/grid/kimi-k2-h200/trials.csv
+    kvtune sweep configs/deployments/kimi-k2-h200.yaml $S --out runs/tpe
+    kvtune sweep configs/deployments/kimi-k2-h200.yaml $S --grid --out runs/grid
+    python scripts/compare_tpe_grid.py runs/tpe/kimi-k2-h200/trials.csv runs/grid/kimi-k2-h200/trials.csv
 
-(the reduced spaces keep the grid small: CUDA 24 configs plus the default's values, Triton
-48). Prints one row per study: the best search-phase median of each, the gap in percent (TPE
+(`bash scripts/gpu_evidence.sh tpe-vs-grid` runs all three on a GPU machine; results/tpe-vs-grid/
+holds the committed comparisons; the reduced spaces keep the grid small: CUDA 24 configs plus the
+default's values, Triton 48). Prints one row per study: the best search-phase median of each, the gap in percent (TPE
 over grid; <= 3 is the goal) and how many configs each measured. One seed is one draw;
 `scripts/replay_sampler.py` replays the search over many seeds against the grid's table.
 """

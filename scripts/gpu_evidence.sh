@@ -1,27 +1,68 @@
 #!/usr/bin/env bash
 # GPU evidence, one step per device-tool call, from the repository root on the GPU machine;
-# everything lands under $OUT (logs, CSVs, a tarball of result folders).
+# everything lands under $OUT (logs, CSVs, a tarball of result folders). results/README.md says
+# which step made which committed folder.
 #
-#   bash scripts/gpu_evidence.sh kernel   # CUDA GPU tests, racecheck on small shapes, the kernel benchmark
-#   bash scripts/gpu_evidence.sh sweep    # (carry .whl) kimi-k2-h200 from scratch, export, GPU tests with it,
-#                                         # the serving benchmark
+#   bash scripts/gpu_evidence.sh kernel       # CUDA GPU tests, racecheck on small shapes, the kernel benchmark
+#   bash scripts/gpu_evidence.sh sweep        # (carry .whl) kimi-k2-h200 from scratch, export, GPU tests with it,
+#                                             # the serving benchmark
+#   bash scripts/gpu_evidence.sh tests        # every test marked gpu (carry .whl for the tuner's)
+#   bash scripts/gpu_evidence.sh limits       # what bounds the kernel: mma.sync/ldmatrix ceilings, the read
+#                                             # speed of light per shape, split and merge timed apart
+#   bash scripts/gpu_evidence.sh tpe-vs-grid  # (carry .whl) the search against an exhaustive grid at tp 8
+#   bash scripts/gpu_evidence.sh workers      # (carry .whl, two GPUs) the same sweep with --workers 2 and 1
 #
-# Time limits per part come from the environment (TEST_S, SAN_S, BENCH_S, SWEEP_S, MINS, ...).
+# Time limits per part come from the environment (TEST_S, SAN_S, BENCH_S, SWEEP_S, ...).
 # Extra arguments after the step go to the benchmark (kernel) or the sweep (sweep); for the
 # sweep, `--then` separates passes run one after another into the same study storage (e.g.
 # every batch bucket at tp 8 and 4, then batch 1 at tp 2 and 1).
 set -u
 OUT=${OUT:?}
-step=${1:?say kernel or sweep}; shift
+step=${1:?say kernel, sweep, tests, limits, tpe-vs-grid or workers}; shift
+kv="python3 -m kvtune.tuner.cli"
+dep=configs/deployments/kimi-k2-h200.yaml
+
+# compute-sanitizer racecheck (and memcheck unless MEMCHECK=0) of the CUDA kernel on small odd
+# shapes, with and without a split table -> $OUT/sanitizer.log
+sanitize() {
+  cat > /tmp/san.py <<'PYEOF'
+import torch
+from kvtune.kernels import SplitTable, make_inputs, reference_attention, rel_error, verify_attention
+for (B, T, H, prefix, tree) in [(1, 9, 8, [54], "chain"), (3, 1, 8, [97, 1, 7], "chain"),
+                                (2, 16, 16, [300, 5], "random"), (1, 2, 64, [1000], "random")]:
+    x = make_inputs(B, T, H, prefix, tree=tree, device="cuda", seed=B * 100 + T)
+    ref, _ = reference_attention(*x.args)
+    o = verify_attention(*x.args, backend="cuda")
+    st = SplitTable.build([64, 512], [1, 4], "cuda")
+    o2 = verify_attention(*x.args, backend="cuda", split_table=st)
+    torch.cuda.synchronize()
+    print(B, T, H, prefix, tree, "rel err", round(rel_error(o, ref), 5), round(rel_error(o2, ref), 5), flush=True)
+PYEOF
+  { python3 /tmp/san.py; echo "plain rc=$?"
+    timeout ${SAN_S:-150} compute-sanitizer --tool racecheck --racecheck-report hazard python3 /tmp/san.py 2>&1 \
+        | grep -v "Host Frame" | tail -25
+    echo "racecheck rc=${PIPESTATUS[0]}"
+    if [ "${MEMCHECK:-1}" = 1 ]; then
+      timeout ${SAN_S:-150} compute-sanitizer --tool memcheck python3 /tmp/san.py 2>&1 | grep -v "Host Frame" | tail -25
+      echo "memcheck rc=${PIPESTATUS[0]}"
+    fi
+    python3 -c "from kvtune.kernels.cuda.nvrtc import kernel_source_hash; print('cuda source', kernel_source_hash())"
+  } > $OUT/sanitizer.log 2>&1
+}
+
+env_log() {
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv > $OUT/env.log 2>&1
+  python3 -c "from kvtune.kernels.cuda.nvrtc import kernel_source_hash, nvrtc_version; print('cuda source', kernel_source_hash(), 'nvrtc', nvrtc_version())" >> $OUT/env.log 2>&1
+}
+
 case "$step" in
 kernel)
   . scripts/device_env.sh tree
-  nvidia-smi --query-gpu=name,driver_version --format=csv > $OUT/env.log 2>&1
-  python3 -c "from kvtune.kernels.cuda.nvrtc import kernel_source_hash, nvrtc_version; print('cuda source', kernel_source_hash(), 'nvrtc', nvrtc_version())" >> $OUT/env.log 2>&1
+  env_log
   timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs -x --timeout 120 \
       tests/test_cuda_gpu.py tests/test_contract.py tests/test_nan_and_input_errors.py > $OUT/pytest.log 2>&1
   echo "pytest rc=$?" >> $OUT/pytest.log; tail -n 3 $OUT/pytest.log
-  [ "${SAN_S:-60}" -gt 0 ] && MEMCHECK=0 SAN_S=${SAN_S:-60} bash scripts/cuda_sanitize.sh > /dev/null 2>&1
+  [ "${SAN_S:-60}" -gt 0 ] && MEMCHECK=0 SAN_S=${SAN_S:-60} sanitize
   grep -E "rel err|rc=|ERROR SUMMARY|RACECHECK SUMMARY" $OUT/sanitizer.log 2>/dev/null | head -20
   timeout ${BENCH_S:-330} python3 scripts/bench_kernel.py --out $OUT "$@" > $OUT/bench.log 2>&1
   echo "bench rc=$?" >> $OUT/bench.log; tail -n 16 $OUT/bench.log
@@ -29,15 +70,13 @@ kernel)
 sweep)
   . scripts/device_env.sh wheels
   res=/tmp/res; mkdir -p $res/logs   # a copy of results/kimi-k2-h200 placed there first is resumed
-  kv="python3 -m kvtune.tuner.cli"
   passes=(); cur=""
   for a in "$@"; do if [ "$a" = --then ]; then passes+=("$cur"); cur=""; else cur="$cur $a"; fi; done
   passes+=("$cur")
   for pass in "${passes[@]}"; do
     start=$(date +%s)
     echo "== sweep pass:$pass" >> $res/logs/sweep.log
-    timeout ${SWEEP_S:-400} $kv sweep configs/deployments/kimi-k2-h200.yaml --device cuda --out $res \
-        --no-progress $pass >> $res/logs/sweep.log 2>&1
+    timeout ${SWEEP_S:-400} $kv sweep $dep --device cuda --out $res --no-progress $pass >> $res/logs/sweep.log 2>&1
     echo "sweep rc=$? wall_s=$(( $(date +%s) - start ))" >> $res/logs/sweep.log
   done
   $kv export kimi-k2-h200 --out $res >> $res/logs/sweep.log 2>&1; echo "export rc=$?" >> $res/logs/sweep.log
@@ -54,5 +93,49 @@ sweep)
   tar czf $OUT/sweep.tgz -C $res .
   tail -n 25 $res/logs/sweep.log; tail -n 4 $res/logs/pytest.log; tail -n 30 $res/logs/serving.log 2>/dev/null
   ;;
-*) echo "gpu_evidence.sh: unknown step '$step' (kernel | sweep)" >&2; exit 2 ;;
+tests)
+  if ls .whl/*.whl >/dev/null 2>&1; then . scripts/device_env.sh wheels; else . scripts/device_env.sh tree; fi
+  env_log
+  timeout ${TEST_S:-500} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --timeout 200 -m gpu tests \
+      > $OUT/pytest.log 2>&1
+  echo "pytest rc=$?" >> $OUT/pytest.log; tail -n 12 $OUT/pytest.log
+  ;;
+limits)
+  . scripts/device_env.sh tree
+  env_log
+  timeout ${CEIL_S:-60} python3 scripts/mma_ceiling.py --out $OUT > $OUT/ceilings.log 2>&1
+  echo "ceilings rc=$?" >> $OUT/ceilings.log
+  timeout ${SOL_S:-60} python3 scripts/sol_read.py --out $OUT > $OUT/sol_read.log 2>&1
+  echo "sol rc=$?" >> $OUT/sol_read.log
+  timeout ${PHASES_S:-120} python3 scripts/time_phases.py --out $OUT > $OUT/phases.log 2>&1
+  echo "phases rc=$?" >> $OUT/phases.log
+  tail -n 8 $OUT/ceilings.log; tail -n 6 $OUT/sol_read.log; tail -n 6 $OUT/phases.log
+  ;;
+tpe-vs-grid)
+  . scripts/device_env.sh wheels
+  S="--tp 8 --ctx 4096 65536 --space-dir results/tpe-vs-grid/spaces --trials 12 --rounds 0 --no-progress"
+  start=$(date +%s)
+  timeout ${GRID_S:-200} $kv sweep $dep $S --grid --out $OUT/grid > $OUT/grid.log 2>&1
+  echo "grid rc=$? wall_s=$(( $(date +%s) - start ))" >> $OUT/grid.log; start=$(date +%s)
+  timeout ${TPE_S:-120} $kv sweep $dep $S --out $OUT/tpe > $OUT/tpe.log 2>&1
+  echo "tpe rc=$? wall_s=$(( $(date +%s) - start ))" >> $OUT/tpe.log
+  python3 scripts/compare_tpe_grid.py $OUT/tpe/kimi-k2-h200/trials.csv $OUT/grid/kimi-k2-h200/trials.csv \
+      > $OUT/compare.log 2>&1
+  cat $OUT/compare.log; tail -n 1 $OUT/grid.log $OUT/tpe.log
+  ;;
+workers)
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  . scripts/device_env.sh wheels
+  env_log
+  sweep=($dep --device cuda --tp 4 8 --ctx 16384 131072 --trials ${TRIALS:-8} --rounds 1 --remeasure-top 2 --no-progress)
+  for w in 2 1; do   # each with cold compile caches
+    export TRITON_CACHE_DIR=/tmp/triton-cache-w$w KVTUNE_CACHE_DIR=/tmp/kvtune-cache-w$w
+    start=$(date +%s.%N)
+    timeout ${SWEEP_S:-200} $kv sweep "${sweep[@]}" --workers $w --out $OUT/workers$w > $OUT/workers$w.log 2>&1
+    rc=$?; end=$(date +%s.%N)
+    echo "workers=$w rc=$rc wall_s=$(python3 -c "print(round($end - $start, 1))")" | tee -a $OUT/wall.log
+    $kv export kimi-k2-h200 --out $OUT/workers$w >> $OUT/workers$w.log 2>&1
+  done
+  ;;
+*) echo "gpu_evidence.sh: unknown step '$step' (kernel | sweep | tests | limits | tpe-vs-grid | workers)" >&2; exit 2 ;;
 esac

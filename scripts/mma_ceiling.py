@@ -11,7 +11,7 @@ GPU, not by the wgmma peak a cuBLAS matmul reaches. This measures, per SM and in
 and prints the per-key cost of the verify kernel's work at H*T = 72 query rows (QK^T over
 576 + PV over 512 columns) against the per-key HBM time. Writes ceilings.json under --out.
 
-    python scripts/mma_ceiling.py --out results/cuda/h200-run3
+    python scripts/mma_ceiling.py --out $OUT      # on a GPU; or: bash scripts/gpu_evidence.sh limits
 """
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Drive the CUDA split kernel for ncu: H=8, T=9, bs=1, given prefix, default config."""
+"""The launches scripts/profile.sh profiles: H=8, T=9, bs=1, three split + merge launches of the
+CUDA default config. `python scripts/profile_split.py [PREFIX [NAME=VALUE,...]]` (default 131072).
+"""
 import sys, torch
 from kvtune.kernels import make_inputs, verify_attention
 from kvtune.kernels.api import describe_problem

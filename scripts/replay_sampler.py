@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Replay the sweep's search against an exhaustive grid's measured latencies, over many seeds.
 
-    python scripts/replay_sampler.py results/tpe-vs-grid/grid/kimi-k2-h200/trials.csv \\
+    python scripts/replay_sampler.py results/tpe-vs-grid/before/grid/kimi-k2-h200/trials.csv \\
         --space-dir results/tpe-vs-grid/spaces --tp 8 --ctx 4096 65536 --seeds 50 --trials 12 24 \\
-        --out results/tpe-vs-grid/replay
+        --out results/tpe-vs-grid/replay/after
 
 Runs the real sweep (`tuner/replay.py`: sampler, baseline, warm starts, grid policy,
 cross-bucket phase) with each measurement looked up in the grid's trials table, once per

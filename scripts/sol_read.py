@@ -9,7 +9,7 @@ time of a graph of 1-element kernels (the per-launch floor inside a graph). The 
 tables (bytes / 4189 GB/s, the bandwidth of a 4 GB read) ignores the ramp-up a short read pays;
 this says how much of that floor any single kernel can reach at each size.
 
-    python scripts/sol_read.py --out $OUT
+    python scripts/sol_read.py --out $OUT         # on a GPU; or: bash scripts/gpu_evidence.sh limits
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Graph replay over rotating inputs (cold L2, as the Measurer times; `sol_read.gra
 of 15, of: both kernels, the split kernel alone, the merge kernel alone (it then merges stale
 partials: timing only). The launch of the other kernel is filtered out at `cuLaunchKernel`.
 
-    python scripts/time_phases.py --out $OUT
+    python scripts/time_phases.py --out $OUT      # on a GPU; or: bash scripts/gpu_evidence.sh limits
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
                  for i in range(max(2, min(48, math.ceil(3 * l2 / nbytes))))]
         problem = describe_problem(*pools[0].args)
         p = be.default_params(problem)
-        split_k, merge_k, _ = be._get(p, 9, torch.device("cuda"))
+        split_k, merge_k = be._get(p, 9, torch.device("cuda"))[:2]
         out = torch.empty(9, args.heads, 512, dtype=torch.bfloat16, device="cuda")
         ws = torch.empty(be.workspace_bytes(problem, p), dtype=torch.uint8, device="cuda")
         reps = max(len(pools), 96 // len(pools) * len(pools))
