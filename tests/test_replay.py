@@ -1,6 +1,6 @@
 """The search strategy, replayed offline against the committed exhaustive grid of the H200
 (tp 8, reduced spaces, every config measured): the real `Sweep` runs with each measurement
-looked up in `results/tpe-vs-grid/grid/kimi-k2-h200/trials.csv`. No GPU, no timing."""
+looked up in `results/tpe-vs-grid/before/grid/kimi-k2-h200/trials.csv`. No GPU, no timing."""
 from __future__ import annotations
 
 import contextlib
@@ -23,7 +23,7 @@ from kvtune.tuner.sweep import SweepOptions
 pytest.importorskip("optuna")
 
 ROOT = Path(__file__).resolve().parents[1]
-GRID = ROOT / "results/tpe-vs-grid/grid/kimi-k2-h200/trials.csv"
+GRID = ROOT / "results/tpe-vs-grid/before/grid/kimi-k2-h200/trials.csv"
 SPACES = ROOT / "results/tpe-vs-grid/spaces"
 DEPLOYMENT = ROOT / "configs/deployments/kimi-k2-h200.yaml"
 # the sweep before the replay (issue 4): TPE alone, asked in two batches, pruned configs counted

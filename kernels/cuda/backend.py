@@ -229,7 +229,7 @@ def work_items(p: CudaParams, B: int) -> int:
 def pdl_enabled(arch: str) -> bool:
     """Programmatic dependent launch of the merge (sm_90 and newer) when KVTUNE_CUDA_PDL=1.
     Off by default: on the H200 it gained nothing (within 1.5%, slower as often as faster;
-    results/kernel/bench-pdl.csv)."""
+    results/kernel/v2/bench.csv, the "PDL off" rows)."""
     import os
     return int(arch.split("_")[1]) >= 90 and os.environ.get("KVTUNE_CUDA_PDL", "0") == "1"
 
