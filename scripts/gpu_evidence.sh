@@ -6,6 +6,8 @@
 #   bash scripts/gpu_evidence.sh kernel       # CUDA GPU tests, racecheck on small shapes, the kernel benchmark
 #   bash scripts/gpu_evidence.sh sweep        # (carry .whl) kimi-k2-h200 from scratch, export, GPU tests with it,
 #                                             # the serving benchmark
+#   bash scripts/gpu_evidence.sh serving      # serving GPU tests with the packaged defaults, the serving
+#                                             # benchmark at tp 8 and tp 4, the per-bucket dispatch cost
 #   bash scripts/gpu_evidence.sh tests        # every test marked gpu (carry .whl for the tuner's)
 #   bash scripts/gpu_evidence.sh limits       # what bounds the kernel: mma.sync/ldmatrix ceilings, the read
 #                                             # speed of light per shape, split and merge timed apart
@@ -18,7 +20,7 @@
 # every batch bucket at tp 8 and 4, then batch 1 at tp 2 and 1).
 set -u
 OUT=${OUT:?}
-step=${1:?say kernel, sweep, tests, limits, tpe-vs-grid or workers}; shift
+step=${1:?say kernel, sweep, serving, tests, limits, tpe-vs-grid or workers}; shift
 kv="python3 -m kvtune.tuner.cli"
 dep=configs/deployments/kimi-k2-h200.yaml
 
@@ -93,6 +95,25 @@ sweep)
   tar czf $OUT/sweep.tgz -C $res .
   tail -n 25 $res/logs/sweep.log; tail -n 4 $res/logs/pytest.log; tail -n 30 $res/logs/serving.log 2>/dev/null
   ;;
+serving)
+  . scripts/device_env.sh tree
+  nvidia-smi --query-gpu=name,driver_version --format=csv > $OUT/env.log 2>&1
+  timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --timeout 120 \
+      tests/test_runtime_gpu.py tests/test_packaged_defaults.py tests/test_serving_gpu.py tests/test_batch_buckets.py \
+      tests/test_plan_run.py > $OUT/pytest.log 2>&1
+  echo "pytest rc=$?" >> $OUT/pytest.log; tail -n 3 $OUT/pytest.log
+  # CUDA's default only: the Triton default is 3-9x slower here and its compiles cost minutes
+  timeout ${BENCH_S:-240} python3 scripts/bench_serving.py --defaults-of cuda --out $OUT/tp8 > $OUT/serving-tp8.log 2>&1
+  echo "bench_serving tp8 rc=$?" >> $OUT/serving-tp8.log
+  timeout ${BENCH4_S:-100} python3 scripts/bench_serving.py --defaults-of cuda --tp 4 --batches 1,8,16 --no-ragged \
+      --out $OUT/tp4 > $OUT/serving-tp4.log 2>&1
+  echo "bench_serving tp4 rc=$?" >> $OUT/serving-tp4.log
+  # the tp8 batch-1 bucket's best compile-time config at 4k (trials table) against the exported one
+  timeout ${DISPATCH_S:-60} python3 scripts/bench_dispatch.py --out $OUT --exported NSPLIT=132 \
+      --alt NSPLIT=33,HEADS_PER_BLOCK=2,STAGES=3 > $OUT/dispatch.log 2>&1
+  echo "bench_dispatch rc=$?" >> $OUT/dispatch.log
+  tail -n 30 $OUT/serving-tp8.log; tail -n 8 $OUT/serving-tp4.log; tail -n 7 $OUT/dispatch.log
+  ;;
 tests)
   if ls .whl/*.whl >/dev/null 2>&1; then . scripts/device_env.sh wheels; else . scripts/device_env.sh tree; fi
   env_log
@@ -137,5 +158,5 @@ workers)
     $kv export kimi-k2-h200 --out $OUT/workers$w >> $OUT/workers$w.log 2>&1
   done
   ;;
-*) echo "gpu_evidence.sh: unknown step '$step' (kernel | sweep | tests | limits | tpe-vs-grid | workers)" >&2; exit 2 ;;
+*) echo "gpu_evidence.sh: unknown step '$step' (kernel | sweep | serving | tests | limits | tpe-vs-grid | workers)" >&2; exit 2 ;;
 esac

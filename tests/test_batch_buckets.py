@@ -144,8 +144,10 @@ def test_the_shipped_deployment_sweeps_batch_buckets():
     assert {1, 4, 16, 64} <= set(dep.batches) and {4, 8} <= set(dep.tp)
     params = {"NSPLIT": 4, "BLOCK_N": 16, "HEADS_PER_BLOCK": 2, "NUM_WARPS": 4, "STAGES": 1}
     spec1 = ProblemSpec(heads=H, batch=1, context=64, draft_tokens=T)
-    budget = TritonBackend().workspace_bytes(spec1.problem("cpu"), TritonParams(**params))
-    m = Measurer("cpu")
+    # Triton runs on the CPU only under its interpreter (set by conftest where there is no GPU)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    budget = TritonBackend().workspace_bytes(spec1.problem(dev), TritonParams(**params))
+    m = Measurer(dev)
     opts = MeasureOptions(timing="eager", workspace_budget_bytes=budget)
     res = m.measure("triton", params, ProblemSpec(heads=H, batch=4, context=64, draft_tokens=T), opts, None)
     assert res.outcome == "pruned" and "at batch 4 exceeds the budget" in res.reason, res.reason
