@@ -36,8 +36,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_verify import parse_kv  # noqa: E402
-from sol_read import write_csv  # noqa: E402
+from sol_read import parse_kv, write_csv  # noqa: E402
 
 from kvtune.kernels import get_backend, make_inputs, reference_attention, rel_error, verify_attention  # noqa: E402
 from kvtune.kernels.cuda.backend import MERGE_SPLIT_GROUPS, work_items  # noqa: E402

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sol_read import graph_us, write_csv  # noqa: E402
+from sol_read import graph_us, parse_kv, write_csv  # noqa: E402
 
 # (H, batch, prefix): the kernel issue's shapes
 SHAPES = [(8, 1, 256), (8, 1, 4096), (8, 1, 16384), (8, 1, 65536), (8, 1, 131072),
@@ -73,15 +73,6 @@ def measure_ceilings(read_gb: float = 4.0, reps: int = 10) -> dict:
     del a, b
     torch.cuda.empty_cache()
     return {"read_gbps": read_gbps, "bf16_tflops": tflops}
-
-
-def parse_kv(text: str) -> dict:
-    """"NAME=VALUE,NAME=VALUE" -> {NAME: int(VALUE)} (the --extra configs)."""
-    out = {}
-    for part in text.split(","):
-        k, v = part.split("=")
-        out[k.strip()] = int(v)
-    return out
 
 @triton.jit
 def _gather_read(kv, idx, out, n_keys, stride, ROWS: tl.constexpr):

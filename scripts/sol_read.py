@@ -54,6 +54,15 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         w.writerows(rows)
 
 
+def parse_kv(text: str) -> dict:
+    """"NAME=VALUE,NAME=VALUE" -> {NAME: int(VALUE)} (config overrides on the command line)."""
+    out = {}
+    for part in text.split(","):
+        k, v = part.split("=")
+        out[k.strip()] = int(v)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
