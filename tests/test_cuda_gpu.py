@@ -125,12 +125,25 @@ def _items_per_request(x, p, table=None):
     return meta[:, 0].tolist(), meta[:, 1].tolist()
 
 
+def _expected_ranges(lengths, nsplit, block_n):
+    """The documented split rule, written out independently (a linear scan, where the kernel
+    searches): chunk = the least multiple of block_n with sum_b ceil(L_b / chunk) <=
+    max(nsplit, B); request b in n_b = ceil(L_b / chunk) equal pieces of whole tiles. Returns
+    each request's [(lo, hi), ...] key ranges."""
+    cap = max(nsplit, len(lengths))
+    chunk = block_n
+    while sum(max(-(-L // chunk), 1) for L in lengths) > cap:
+        chunk += block_n
+    ranges = []
+    for L in lengths:
+        n = max(-(-L // chunk), 1)
+        piece = -(-(-(-L // n)) // block_n) * block_n
+        ranges.append([(lo, min(lo + piece, L)) for lo in range(0, L, piece)])
+    return ranges
+
+
 def _expected_items(lengths, nsplit, block_n):
-    # the documented rule, written out independently: the batch's keys in at most nsplit
-    # splits of whole tiles, each request in ceil(L_b / chunk) of them, requests in order
-    total, denom = sum(lengths), max(nsplit - len(lengths) + 1, 1)
-    chunk = -(-(-(-total // denom)) // block_n) * block_n
-    counts = [-(-L // chunk) for L in lengths]
+    counts = [len(r) for r in _expected_ranges(lengths, nsplit, block_n)]
     firsts = [sum(counts[:i]) for i in range(len(counts))]
     return firsts, counts
 
@@ -157,6 +170,39 @@ def test_ragged_batch_is_balanced_by_keys():
     firsts, counts = _items_per_request(x, p)
     assert (firsts, counts) == _expected_items([n + 9 for n in prefixes], 32, 32)
     assert counts[0] > counts[4] > counts[2] >= counts[1] == counts[3] == 1
+
+
+def test_equal_requests_get_equal_splits_holding_the_documented_keys():
+    """Four equal requests at NSPLIT 8 get two splits each of about half their keys (not one
+    full chunk and a short remainder); each split's partial lse is the log-sum-exp of exactly
+    its documented key range, computed here in fp32 from the inputs."""
+    T, H, BN = 9, 8, 16
+    x = make_inputs(4, T, H, [1000] * 4, tree="random", device="cuda", seed=5)
+    p = _cuda_params(x, NSPLIT=8, BLOCK_N=BN)
+    ranges = _expected_ranges([1000 + T] * 4, 8, BN)
+    assert [len(r) for r in ranges] == [2] * 4 and ranges[0] == [(0, 512), (512, 1009)]
+    pb = describe_problem(*x.args)
+    ws = torch.zeros(workspace_bytes(pb, "cuda", p), dtype=torch.uint8, device="cuda")
+    _check(x, params=p, workspace=ws)
+    from kvtune.kernels.cuda.backend import work_items
+    items = work_items(p, pb.B)
+    lse_off = items * T * H * pb.Dv * 2
+    part_lse = ws[lse_off:lse_off + items * T * H * 4].view(torch.float32).view(items, T, H)
+    ptr, idx = x.kv_indptr.tolist(), x.kv_indices.long()
+    item = 0
+    for b, rs in enumerate(ranges):
+        keys = x.kv_cache[idx[ptr[b]:ptr[b + 1]]].float()               # [L, Dk]
+        q = x.q[b * T:(b + 1) * T].float()                                # [T, H, Dk]
+        s = torch.einsum("thd,ld->thl", q, keys) * x.sm_scale
+        P = ptr[b + 1] - ptr[b] - T
+        for t in range(T):                                                # draft keys by the tree
+            for d in range(T):
+                if not (int(x.tree_mask[b * T + t]) >> d) & 1:
+                    s[t, :, P + d] = float("-inf")
+        for lo, hi in rs:
+            want = torch.logsumexp(s[:, :, lo:hi], dim=-1)
+            assert torch.allclose(part_lse[item], want, atol=2e-2, rtol=0), (b, lo, hi)
+            item += 1
 
 
 def test_nan_in_q_gives_nan_rows_only():

@@ -60,9 +60,9 @@ class CudaParams:
     """Parameters of the CUDA kernel (all but NSPLIT are template arguments).
 
     NSPLIT: key-range splits per head group across the batch (a launch-time value, 1..1024):
-        the batch's keys are cut into at most NSPLIT splits of equal size (whole tiles),
-        each request into ceil(L_b / chunk) of them, chunk = total / (NSPLIT - B + 1); for
-        one request, its split count.
+        the batch's keys are cut into at most max(NSPLIT, B) splits (whole tiles): chunk is
+        the least multiple of BLOCK_N with sum_b ceil(L_b / chunk) <= max(NSPLIT, B), and
+        request b is cut into ceil(L_b / chunk) equal pieces; for one request, its split count.
     VEC: bf16 elements per gathered vector load: 2, 4 or 8 (4/8/16-byte cp.async).
     BLOCK_N: keys per tile: 16, 32, 64 or 128.
     NUM_WARPS: warps per block: 4, 8, 16 or 32 (each warp owns DV / NUM_WARPS value columns).
@@ -222,7 +222,7 @@ assert ctypes.sizeof(_SplitArgs) == 136 and ctypes.sizeof(_MergeArgs) == 72
 
 def work_items(p: CudaParams, B: int) -> int:
     """Upper bound on the key-balanced schedule's work items per head group (the split
-    grid's y): sum_b ceil(L_b / chunk) <= NSPLIT + B, since chunk >= total keys / NSPLIT."""
+    grid's y): the kernel's chunk keeps sum_b ceil(L_b / chunk) <= max(NSPLIT, B)."""
     return p.NSPLIT + B
 
 

@@ -9,10 +9,13 @@
 //
 // Work is balanced by keys, not by requests: the batch's keys are cut into at most NSPLIT
 // splits per head group (NSPLIT from the split table, looked up at the batch's total key
-// count; B splits if NSPLIT < B), each request into ceil(L_b / chunk) of them, chunk =
-// total / (NSPLIT - B + 1) rounded up to whole tiles. Work items are numbered request after
-// request; a batch has at most NSPLIT + B of them. A long request in a ragged batch thus gets many splits and a short one
-// few, so no CTA holds a long tail while the rest of the GPU idles.
+// count; B splits if NSPLIT < B). chunk is the least multiple of BLOCK_N for which
+// sum_b ceil(L_b / chunk) <= max(NSPLIT, B); request b is cut into n_b = ceil(L_b / chunk)
+// equal pieces of ceil(L_b / n_b) keys rounded up to whole tiles (so ceil(L_b / piece_b) = n_b
+// items). Work items are numbered request after request. A long request in a ragged batch
+// thus gets many splits and a short one few, and equal requests never leave a short remainder
+// split beside full ones (64 requests of 4k keys at NSPLIT 132: 128 splits of 2k keys, not 64
+// of 3.8k and 64 of 300), so no CTA holds a long tail while the rest of the GPU idles.
 // Partials, per work item: o [ITEMS, T, H, DV] bf16 (normalised per split), lse [ITEMS, T, H]
 // fp32 (natural log; -inf for a row that saw nothing in that split, NaN where a NaN was read);
 // meta [B][2] int32: each request's first item and its item count, written by CTA (0, 0) for
@@ -202,27 +205,45 @@ struct SplitArgs {
 static_assert(sizeof(SplitArgs) == 136, "SplitArgs must match backend._SplitArgs");
 
 // The work item `item` of the key-balanced schedule (see the top of this file), found by one
-// warp: a scan of the requests' split counts, 32 requests at a time. With write_meta, the
-// warp also records every request's (first item, item count) for the merge. b = -1: past the
-// last item.
+// warp: a binary search for chunk, then a scan of the requests' split counts, 32 requests at a
+// time. With write_meta, the warp also records every request's (first item, item count) for
+// the merge. b = -1: past the last item; chunk = the keys per split of request b.
 struct Work {
   int b, split, chunk;
 };
+__device__ int count_splits(const SplitArgs& a, int chunk) {  // sum_b max(ceil(L_b / chunk), 1), warp-wide
+  const int lane = threadIdx.x & 31;
+  int n = 0;
+  for (int b = lane; b < a.B; b += 32) n += max((a.indptr[b + 1] - a.indptr[b] + chunk - 1) / chunk, 1);
+  return __reduce_add_sync(0xffffffffu, n);
+}
 template <int BLOCK_N>
 __device__ Work find_work(const SplitArgs& a, int item, bool write_meta) {
   const int lane = threadIdx.x & 31;
   const int base = a.indptr[0];
   const int total = a.indptr[a.B] - base;
   const int target = num_splits(total, a.split_max_keys, a.split_values, a.num_buckets, a.grid_nsplit);
-  // chunk >= total / (target - B + 1) keeps sum_b ceil(L_b / chunk) <= target: rounding each
-  // request up to whole splits must not spill a batch into a second wave of CTAs
-  const int denom = max(target - a.B + 1, 1);
-  const int chunk = max(((total + denom - 1) / denom + BLOCK_N - 1) / BLOCK_N * BLOCK_N, BLOCK_N);
+  const int cap = max(target, a.B);
+  // chunk in whole tiles: k_hi tiles always fit (sum_b ceil(L_b / c) < total / c + B <= cap + 1
+  // at c >= total / (cap - B + 1)), fewer than k_lo never can (the sum is at least total / c)
+  int k_lo = max((total + cap - 1) / cap, 1);
+  k_lo = (k_lo + BLOCK_N - 1) / BLOCK_N;
+  const int denom = max(cap - a.B + 1, 1);
+  int k_hi = max(((total + denom - 1) / denom + BLOCK_N - 1) / BLOCK_N, 1);
+  while (k_lo < k_hi) {  // uniform across the warp: every lane holds the same bounds
+    const int mid = (k_lo + k_hi) >> 1;
+    if (count_splits(a, mid * BLOCK_N) <= cap) k_hi = mid; else k_lo = mid + 1;
+  }
+  const int chunk = k_hi * BLOCK_N;
   Work w = {-1, 0, chunk};
   int run = 0;  // items of the requests before this group of 32
   for (int b0 = 0; b0 < a.B; b0 += 32) {
     const int b = b0 + lane;
-    const int n = b < a.B ? max((a.indptr[b + 1] - a.indptr[b] + chunk - 1) / chunk, 1) : 0;
+    const int L = b < a.B ? a.indptr[b + 1] - a.indptr[b] : 0;
+    const int parts = max((L + chunk - 1) / chunk, 1);
+    // equal pieces in whole tiles: piece <= chunk, and ceil(L / piece) = parts
+    const int piece = max(((L + parts - 1) / parts + BLOCK_N - 1) / BLOCK_N * BLOCK_N, BLOCK_N);
+    const int n = b < a.B ? parts : 0;
     int incl = n;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -235,10 +256,11 @@ __device__ Work find_work(const SplitArgs& a, int item, bool write_meta) {
       a.meta[2 * b + 1] = n;
     }
     const unsigned mine = __ballot_sync(0xffffffffu, b < a.B && item >= start && item < start + n);
-    if (mine) {
+    if (mine) {  // warp-uniform
       const int src = __ffs(mine) - 1;
       w.b = b0 + src;
       w.split = item - __shfl_sync(0xffffffffu, start, src);
+      w.chunk = __shfl_sync(0xffffffffu, piece, src);
     }
     run += __shfl_sync(0xffffffffu, incl, 31);
   }
