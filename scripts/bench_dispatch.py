@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -36,6 +35,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sol_read  # noqa: E402
 from sol_read import parse_kv, write_csv  # noqa: E402
 
 from kvtune.kernels import get_backend, make_inputs, reference_attention, rel_error, verify_attention  # noqa: E402
@@ -65,26 +65,12 @@ def skip_launches(p, T: int, H: int, B: int, sel, sink):
 def graph_us(fns_per_call: list, reps: int = 15) -> float:
     """Median per-call time of one graph holding every call of `fns_per_call` (each a list of
     launches run in order), replayed `reps` times."""
-    for fns in fns_per_call:
-        for f in fns:
-            f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fns in fns_per_call:
+    def in_order(fns):
+        def call():
             for f in fns:
                 f()
-    g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(reps):
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3 / len(fns_per_call))
-    return statistics.median(ts)
+        return call
+    return sol_read.graph_us([in_order(fns) for fns in fns_per_call], reps)
 
 
 def main(argv=None) -> int:
