@@ -206,14 +206,20 @@ def verify_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, ba
         if workspace.data_ptr() % 16:
             raise ValueError("workspace: must start at a 16-byte aligned address (kernels use vector accesses)")
     if split_table is not None:
-        if not isinstance(split_table, SplitTable):
-            raise ValueError(f"split_table: expected a SplitTable, got {type(split_table).__name__}")
-        for name, t in (("max_keys", split_table.max_keys), ("nsplit", split_table.nsplit)):
-            if t.dtype != torch.int32 or t.device != problem.device or t.dim() != 1:
-                raise ValueError(f"split_table.{name}: expected a 1-D int32 tensor on {problem.device}")
-        if split_table.max_keys.numel() < 1 or split_table.nsplit.numel() != split_table.max_keys.numel():
-            raise ValueError(f"split_table: needs as many NSPLIT values as bounds (>= 1), got "
-                             f"{split_table.nsplit.numel()} and {split_table.max_keys.numel()}")
+        _check_split_table(split_table, problem.device)
     be.launch(LaunchArgs(problem, q, kv_cache, kv_indptr, kv_indices, tree_mask, float(sm_scale), out, lse,
                          workspace, split_table), params)
     return (out, lse) if return_lse else out
+
+
+def _check_split_table(split_table, device) -> None:
+    """A ValueError naming the field unless `split_table` is a SplitTable of 1-D int32 tensors
+    on `device`, as many NSPLIT values as bounds (>= 1)."""
+    if not isinstance(split_table, SplitTable):
+        raise ValueError(f"split_table: expected a SplitTable, got {type(split_table).__name__}")
+    for name, t in (("max_keys", split_table.max_keys), ("nsplit", split_table.nsplit)):
+        if t.dtype != torch.int32 or t.device != device or t.dim() != 1:
+            raise ValueError(f"split_table.{name}: expected a 1-D int32 tensor on {device}")
+    if split_table.max_keys.numel() < 1 or split_table.nsplit.numel() != split_table.max_keys.numel():
+        raise ValueError(f"split_table: needs as many NSPLIT values as bounds (>= 1), got "
+                         f"{split_table.nsplit.numel()} and {split_table.max_keys.numel()}")

@@ -1,25 +1,19 @@
 """Serving runtime: read the exported YAML once, then run the tuned verify kernel every step.
 
-Reads top to bottom: the environment switches, finding and loading a defaults file
-(schema via `tuned.py`, then provenance), and `VerifyAttention`, the object a serving
-engine creates once per (deployment, tp) and calls inside its CUDA graphs.
+Reads top to bottom: `Plan` (how batches up to one bucket run), `VerifyAttention` (the object
+a serving engine creates once per (deployment, tp) and calls inside its CUDA graphs) with its
+construction from the YAML, `StepPlan`, and the helpers that build plans. Finding, loading and
+provenance-checking the YAML is `lookup.py` (its names are re-exported here).
 
 Never imports the tuner, Optuna or pandas: only torch, PyYAML and the kernels.
 
-Lookup (`find_defaults`): the folders of `KVTUNE_CONFIG_DIR` (os.pathsep-separated, first
-wins) before the packaged `kvtune/kernels/defaults/`; in each folder, `<deployment>.yaml`
-first, then `<model>__<device>.yaml` (both names slugged: characters other than
-`A-Za-z0-9._-` become `_`, e.g. `Kimi-K2__NVIDIA_H200.yaml`). No file -> a warning logged
-once and the backend's untuned default.
-
-Policy (see `tuned.py`): a batch of n requests uses the first entry of its tp with
-n <= max_batch (the largest entry beyond); a request with prefix P uses the first bucket
-with P <= max_context (the last bucket beyond). The batch entry is chosen on the host from
-the static shapes; the context bucket on the device, per request, from the split table.
-A batch of n requests run with an entry tuned at batch m != n keeps the entry's CTA count:
-each bucket's NSPLIT becomes max(1, floor(NSPLIT * m / n)), so a batch between buckets
-fills the GPU as the tuned batch did and never launches more split CTAs than it (no second
-wave), and a batch past the largest bucket does not multiply them.
+Policy (see `tuned.py` and the README's "Bucket policy"): a batch of n requests uses the
+first entry of its tp with n <= max_batch (the largest entry beyond); the context bucket is
+chosen on the device from the split table. CUDA's NSPLIT counts splits of the whole batch
+(work balanced by keys) and is used as tuned at any batch. Triton's NSPLIT counts splits per
+request: a batch of n run with an entry tuned at batch m != n keeps the entry's CTA count,
+each bucket's NSPLIT becoming max(1, floor(NSPLIT * m / n)), so a batch between buckets fills
+the GPU as the tuned batch did and never launches more split CTAs than it.
 
 Serving calls attention once per layer with the same metadata, so the work is split in
 two (`VerifyAttention.plan` once per step, `VerifyAttention.run` once per layer); the
@@ -36,10 +30,8 @@ import dataclasses
 import logging
 import math
 import os
-import re
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -47,199 +39,19 @@ from .api import DEFAULT_KV_LORA_RANK, verify_attention
 from .api import check_values as api_check_values
 from .backends import Backend, LaunchArgs, SplitTable, get_backend, params_from_dict, split_bounds
 from .shapes import MAX_DRAFT_TOKENS, VerifyProblem
-from .tuned import SchemaError, TunedDefaults, TunedEntry, load_tuned
+from .tuned import TunedDefaults, TunedEntry
+
+from .lookup import (  # noqa: F401 - re-exported: the runtime's public lookup names
+    ENV_CONFIG_DIR, ENV_VERIFY, VERIFY_MODES, ProvenanceError, backend_kernel_hash, reset_warn_once, warn_once,
+    check_provenance, config_dirs, defaults_file_names, device_arch, device_name, find_defaults, load_defaults,
+    packaged_defaults_dir, provenance_mismatches, slug, verify_mode,
+)
 
 log = logging.getLogger("kvtune.runtime")
 
-ENV_CONFIG_DIR = "KVTUNE_CONFIG_DIR"
-ENV_VERIFY = "KVTUNE_VERIFY"
-VERIFY_MODES = ("off", "auto", "reference", "triton", "cuda")
 DEFAULT_BACKEND = "triton"
 #: bf16 tolerance of the start-up self-check against the oracle (||o-ref|| / ||ref||)
 SELF_CHECK_TOL = 3e-2
-
-
-class ProvenanceError(ValueError):
-    """A defaults file was tuned for another arch, kernel source or deployment."""
-
-
-# -- warn once: serving loops call into here every step; a message per step is noise
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, msg: str, level: int = logging.WARNING) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.log(level, msg)
-
-
-def _reset_warn_once() -> None:
-    """Forget which warnings were logged (tests)."""
-    _warned.clear()
-
-
-# -- environment -----------------------------------------------------------------------
-
-def verify_mode() -> str:
-    """`KVTUNE_VERIFY`, lower-cased; unset or empty means `auto`."""
-    raw = os.environ.get(ENV_VERIFY, "").strip().lower() or "auto"
-    if raw not in VERIFY_MODES:
-        raise ValueError(f"{ENV_VERIFY}={os.environ.get(ENV_VERIFY)!r}: expected one of {list(VERIFY_MODES)}")
-    return raw
-
-
-def packaged_defaults_dir() -> Path:
-    """The folder of defaults shipped with the package (`kvtune/kernels/defaults/`)."""
-    return Path(__file__).resolve().parent / "defaults"
-
-
-def config_dirs() -> list[Path]:
-    """Folders searched for defaults, first wins: `KVTUNE_CONFIG_DIR` entries, then packaged."""
-    user = [Path(p).expanduser() for p in os.environ.get(ENV_CONFIG_DIR, "").split(os.pathsep) if p.strip()]
-    return user + [packaged_defaults_dir()]
-
-
-def slug(name: str) -> str:
-    """A file-name-safe form of a model, device or deployment name."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(name).strip()).strip("_")
-
-
-def defaults_file_names(deployment: str | None = None, model: str | None = None,
-                        device_name: str | None = None) -> list[str]:
-    """Candidate file names, most specific first: `<deployment>.yaml`, `<model>__<device>.yaml`."""
-    names = []
-    if deployment:
-        names.append(f"{slug(deployment)}.yaml")
-    if model and device_name:
-        names.append(f"{slug(model)}__{slug(device_name)}.yaml")
-    return names
-
-
-def find_defaults(deployment: str | None = None, *, model: str | None = None, device_name: str | None = None,
-                  dirs: Sequence[str | os.PathLike] | None = None) -> Path | None:
-    """The first existing defaults file for this deployment (or model + device), or None."""
-    names = defaults_file_names(deployment, model, device_name)
-    if not names:
-        raise ValueError("find_defaults: give a deployment name, or both model and device_name")
-    for d in (config_dirs() if dirs is None else [Path(p) for p in dirs]):
-        for n in names:
-            p = Path(d) / n
-            if p.is_file():
-                return p
-    return None
-
-
-# -- provenance ------------------------------------------------------------------------
-
-def device_arch(device: torch.device | str) -> str:
-    """`sm_XY` of a CUDA device, `cpu` otherwise (the spelling of `provenance.arch`)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return "cpu"
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}"
-
-
-def device_name(device: torch.device | str) -> str:
-    device = torch.device(device)
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def backend_kernel_hash(name: str) -> str | None:
-    """The running kernel source hash of backend `name` (None for the oracle). Raises
-    ValueError when the backend cannot be imported."""
-    try:
-        be = get_backend(name)
-    except ImportError as e:
-        raise ValueError(f"backend {name!r} cannot be imported: {e}") from None
-    return be.kernel_hash()
-
-
-def provenance_mismatches(tuned: TunedDefaults, device: torch.device | str,
-                          deployment: str | None = None) -> list[str]:
-    """What differs between where `tuned` was measured and what runs here, one line each,
-    naming the file and the key. Empty when everything matches."""
-    src = tuned.source
-    out = []
-    want_arch = device_arch(device)
-    if tuned.provenance.get("arch") != want_arch:
-        out.append(f"{src}: provenance.arch: tuned on {tuned.provenance.get('arch')!r}, "
-                   f"this device is {want_arch!r}")
-    hashes = tuned.provenance.get("kernel_hash") or {}
-    for name in sorted({e.backend for e in tuned.entries}):
-        try:
-            running = backend_kernel_hash(name)
-        except ValueError as e:
-            out.append(f"{src}: entries: backend {name!r} is unavailable here ({e})")
-            continue
-        if running is None:
-            if get_backend(name).params_type is not None:  # the oracle has nothing to match
-                _warn_once(f"nohash:{name}", f"kvtune: backend {name!r} exposes no kernel_source_hash(); "
-                           f"{src}'s kernel_hash.{name} cannot be checked")
-            continue
-        recorded = hashes.get(name)
-        if recorded is None:
-            out.append(f"{src}: provenance.kernel_hash.{name}: missing (entries use backend {name!r})")
-        elif recorded != running:
-            out.append(f"{src}: provenance.kernel_hash.{name}: tuned against kernel source {recorded!r}, "
-                       f"running {running!r}")
-    if deployment is not None and tuned.deployment != deployment:
-        out.append(f"{src}: deployment: file is for {tuned.deployment!r}, asked for {deployment!r}")
-    return out
-
-
-def check_provenance(tuned: TunedDefaults, device: torch.device | str, *, deployment: str | None = None,
-                     allow_mismatch: bool = False) -> list[str]:
-    """Raise ProvenanceError on any mismatch, or (allow_mismatch) log each once and return them."""
-    bad = provenance_mismatches(tuned, device, deployment)
-    if bad and not allow_mismatch:
-        raise ProvenanceError("tuned defaults do not match this machine (pass allow_mismatch=True to use them "
-                              "anyway):\n  " + "\n  ".join(bad))
-    for line in bad:
-        _warn_once(f"prov:{line}", f"kvtune: using mismatched tuned defaults: {line}")
-    if not bad and tuned.provenance.get("device_name") not in (None, device_name(device)):
-        # same arch and kernel, other SKU (H100 vs H200): legal, but the tuning may not be optimal
-        _warn_once(f"sku:{tuned.source}", f"kvtune: {tuned.source} was tuned on "
-                   f"{tuned.provenance.get('device_name')!r}, running on {device_name(device)!r}",
-                   logging.INFO)
-    return bad
-
-
-def load_defaults(path: str | os.PathLike | None = None, *, deployment: str | None = None,
-                  model: str | None = None, device: torch.device | str | None = None,
-                  allow_mismatch: bool = False) -> TunedDefaults | None:
-    """Find, validate and provenance-check an exported defaults file.
-
-    path: a YAML file (loaded as is), a folder (searched for `<deployment>.yaml`, then
-        `<model>__<device>.yaml`) or None (search `config_dirs()`).
-    deployment: the deployment name; also checked against the file's `deployment` key.
-    device: the device the kernel will run on (default: the current CUDA device, else cpu).
-    allow_mismatch: use a file tuned for another arch / kernel source / deployment, logging
-        each difference once, instead of raising ProvenanceError.
-
-    Returns None (after logging once) when no file matches; raises SchemaError for a file
-    that breaks the schema (the message names the file and the key).
-    """
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    if path is not None and Path(path).is_file():
-        found = Path(path)
-    elif path is not None and not Path(path).exists():
-        raise SchemaError(f"{path}: no such file or folder")
-    else:
-        dirs = None if path is None else [path]
-        if not deployment and not model:
-            raise ValueError(f"deployment: name the deployment (or the model) to look up tuned defaults in "
-                             f"{[str(d) for d in (config_dirs() if dirs is None else dirs)]}, or pass a file")
-        found = find_defaults(deployment, model=model, device_name=device_name(device), dirs=dirs)
-        if found is None:
-            where = [str(d) for d in (config_dirs() if dirs is None else dirs)]
-            names = defaults_file_names(deployment, model, device_name(device))
-            _warn_once(f"nofile:{names}:{where}", f"kvtune: no tuned defaults {names} in {where}; "
-                       "falling back to the backend's untuned default parameters")
-            return None
-    tuned = load_tuned(found)
-    check_provenance(tuned, device, deployment=deployment, allow_mismatch=allow_mismatch)
-    return tuned
 
 
 # -- the verify-attention object -------------------------------------------------------
@@ -342,7 +154,7 @@ class VerifyAttention:
         extrapolated = [n for n in range(1, max_batch + 1)
                         if self._launch[n][2] is not None and n > self._launch[n][0].max_batch]
         if extrapolated:
-            _warn_once(f"extrapolate:{id(self)}", f"kvtune: batches {extrapolated[0]}..{extrapolated[-1]} are past "
+            warn_once(f"extrapolate:{id(self)}", f"kvtune: batches {extrapolated[0]}..{extrapolated[-1]} are past "
                        f"the largest tuned batch bucket: NSPLIT scaled by max_batch/batch", logging.INFO)
         self._problems = [None] + [self.problem(n) for n in range(1, max_batch + 1)]
         self._step: StepPlan | None = None
@@ -394,8 +206,8 @@ class VerifyAttention:
         """
         mode = verify_mode()
         if mode == "off":
-            _warn_once("mode:off", f"kvtune: {ENV_VERIFY}=off: the tuned verify runtime is disabled",
-                       logging.INFO)
+            warn_once("mode:off", f"kvtune: {ENV_VERIFY}=off: the tuned verify runtime is disabled",
+                      logging.INFO)
             return None
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and device.index is None:
@@ -407,62 +219,10 @@ class VerifyAttention:
             tuned = load_defaults(tuned, deployment=deployment, device=device, allow_mismatch=allow_mismatch)
         else:
             check_provenance(tuned, device, deployment=deployment, allow_mismatch=allow_mismatch)
-
-        # -- the model on this rank: the YAML's, unless the caller says otherwise
-        m = tuned.model if tuned is not None else {}
-        src = tuned.source if tuned is not None else "<no tuned defaults>"
-
-        def pick(name, given, from_yaml, default=None):
-            if from_yaml is None:
-                if given is None and default is None:
-                    raise ValueError(f"{name}: no tuned defaults to take it from; pass {name}=")
-                return given if given is not None else default
-            if given is not None and given != from_yaml:
-                msg = f"{src}: {name}: tuned for {from_yaml!r}, runtime asked for {given!r}"
-                if not allow_mismatch:
-                    raise ProvenanceError(msg + " (pass allow_mismatch=True to use these defaults anyway)")
-                _warn_once(f"model:{msg}", f"kvtune: {msg}")
-                return given
-            return from_yaml
-
-        yaml_heads = None
-        if tuned is not None:
-            if m["num_heads"] % tp:
-                raise ValueError(f"tp: {tp} does not divide {src}: model.num_heads={m['num_heads']}")
-            yaml_heads = m["num_heads"] // tp
-        T = pick("draft_tokens", draft_tokens, m.get("draft_tokens"))
-        H = pick("heads", heads, yaml_heads)
-        Dv = pick("kv_lora_rank", kv_lora_rank, m.get("kv_lora_rank"), DEFAULT_KV_LORA_RANK)
-        dpe = pick("rope_dim", rope_dim, m.get("qk_rope_head_dim"), 64)
-        if sm_scale is None:
-            sm_scale = m.get("sm_scale")
-        if sm_scale is None:
-            # a guessed 192**-0.5 would drop the model's YaRN mscale (Kimi-K2: 0.131, not 0.072)
-            raise ValueError("sm_scale: required when no tuned defaults file gives the model's")
-        if not 1 <= T <= MAX_DRAFT_TOKENS:
-            raise ValueError(f"draft_tokens: {T} not in [1, {MAX_DRAFT_TOKENS}]")
-        kw = dict(T=T, H=H, Dk=Dv + dpe, Dv=Dv, sm_scale=sm_scale, tp=tp, max_batch=max_batch,
-                  max_context=max_context, device=device, tuned=tuned)
-
-        # -- one plan per batch entry this rank can hit; the untuned default without entries
-        forced = mode if mode != "auto" else None
-        entries = tuned.entries_for(tp) if tuned is not None else []
-        if tuned is not None and not entries:
-            _warn_once(f"notp:{src}:{tp}", f"kvtune: {src} has no entry for tp={tp}; falling back to the "
-                       "backend's untuned default parameters")
-        plans: list[Plan] = []
-        fallback = forced or backend or DEFAULT_BACKEND
-        for e in entries:
-            plans.append(_plan_from_entry(e, forced, fallback, allow_mismatch, kw, max_batch,
-                                          f"{src} (tp={tp}, max_batch={e.max_batch})"))
-            if e.max_batch >= max_batch:
-                break
-        if not plans:
-            be = _usable_backend(fallback, device, f"{ENV_VERIFY}={forced}" if forced else "backend")
-            params = be.default_params(_problem(kw, max_batch))
-            plans.append(Plan(max_batch, be, params, None, None, f"untuned default of {fallback}"))
-        for p in plans:
-            p.backend.check_params(p.params, _problem(kw, min(p.max_batch, max_batch)))
+        kw = _model_on_rank(tuned, tp, allow_mismatch, draft_tokens=draft_tokens, heads=heads,
+                            kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, sm_scale=sm_scale)
+        kw.update(tp=tp, max_batch=max_batch, max_context=max_context, device=device, tuned=tuned)
+        plans = _plans(tuned, kw, mode, backend, allow_mismatch)
         self = cls(plans=plans, workspace_budget_bytes=workspace_budget_bytes, preallocate_out=preallocate_out,
                    check_values=check_values, **kw)
         if warmup:
@@ -724,7 +484,7 @@ def _plan_from_entry(e: TunedEntry, forced: str | None, fallback: str, allow_mis
     `KVTUNE_VERIFY` forces another backend, or (allow_mismatch) the entry's backend cannot
     run here: then the `fallback` backend's default parameters, logged once."""
     if e.heads_per_rank != kw["H"]:
-        _warn_once(f"heads:{source}", f"kvtune: {source}: tuned for {e.heads_per_rank} heads per rank, "
+        warn_once(f"heads:{source}", f"kvtune: {source}: tuned for {e.heads_per_rank} heads per rank, "
                    f"running {kw['H']}")
     why = None
     if forced is None or forced == e.backend:
@@ -738,7 +498,7 @@ def _plan_from_entry(e: TunedEntry, forced: str | None, fallback: str, allow_mis
         be = _usable_backend(fallback, kw["device"], f"{ENV_VERIFY}={forced}" if forced else "backend")
         params = be.default_params(_problem(kw, min(e.max_batch, max_batch)))
         why = why or f"{ENV_VERIFY}={forced} overrides {source}'s backend {e.backend!r}"
-        _warn_once(f"fallback:{source}:{fallback}", f"kvtune: {why}: running {be.name} with its default "
+        warn_once(f"fallback:{source}:{fallback}", f"kvtune: {why}: running {be.name} with its default "
                    f"parameters {params}")
         return Plan(e.max_batch, be, params, None, None, f"{source}, replaced by {be.name} defaults")
     params = params_from_dict(be.params_type, dict(e.params), where=f"{source}: params", complete=True) \
@@ -750,3 +510,69 @@ def _plan_from_entry(e: TunedEntry, forced: str | None, fallback: str, allow_mis
         table = SplitTable.build(split_bounds(be, [b.max_context for b in e.buckets], kw["T"], e.max_batch),
                                  [min(b.NSPLIT, grid) for b in e.buckets], kw["device"])
     return Plan(e.max_batch, be, params, table, e, source)
+
+
+def _model_on_rank(tuned: TunedDefaults | None, tp: int, allow_mismatch: bool, **given) -> dict:
+    """The model's shape on this rank (T, H, Dk, Dv, sm_scale): the YAML's `model` (heads =
+    num_heads / tp), unless the caller gives a value, which must then match it (or
+    allow_mismatch). Without a YAML every value must be given."""
+    m = tuned.model if tuned is not None else {}
+    src = tuned.source if tuned is not None else "<no tuned defaults>"
+
+    def pick(name, from_yaml, default=None):
+        v = given[name]
+        if from_yaml is None:
+            if v is None and default is None:
+                raise ValueError(f"{name}: no tuned defaults to take it from; pass {name}=")
+            return v if v is not None else default
+        if v is not None and v != from_yaml:
+            msg = f"{src}: {name}: tuned for {from_yaml!r}, runtime asked for {v!r}"
+            if not allow_mismatch:
+                raise ProvenanceError(msg + " (pass allow_mismatch=True to use these defaults anyway)")
+            warn_once(f"model:{msg}", f"kvtune: {msg}")
+            return v
+        return from_yaml
+
+    yaml_heads = None
+    if tuned is not None:
+        if m["num_heads"] % tp:
+            raise ValueError(f"tp: {tp} does not divide {src}: model.num_heads={m['num_heads']}")
+        yaml_heads = m["num_heads"] // tp
+    T = pick("draft_tokens", m.get("draft_tokens"))
+    H = pick("heads", yaml_heads)
+    Dv = pick("kv_lora_rank", m.get("kv_lora_rank"), DEFAULT_KV_LORA_RANK)
+    dpe = pick("rope_dim", m.get("qk_rope_head_dim"), 64)
+    sm_scale = given["sm_scale"] if given["sm_scale"] is not None else m.get("sm_scale")
+    if sm_scale is None:
+        # a guessed 192**-0.5 would drop the model's YaRN mscale (Kimi-K2: 0.131, not 0.072)
+        raise ValueError("sm_scale: required when no tuned defaults file gives the model's")
+    if not 1 <= T <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"draft_tokens: {T} not in [1, {MAX_DRAFT_TOKENS}]")
+    return dict(T=T, H=H, Dk=Dv + dpe, Dv=Dv, sm_scale=sm_scale)
+
+
+def _plans(tuned: TunedDefaults | None, kw: dict, mode: str, backend: str | None, allow_mismatch: bool) -> list[Plan]:
+    """One plan per batch entry of tp this rank can hit (up to the first covering max_batch);
+    the untuned default of the fallback backend without entries. Each plan's params are checked
+    at the largest batch it serves."""
+    tp, max_batch, device = kw["tp"], kw["max_batch"], kw["device"]
+    src = tuned.source if tuned is not None else "<no tuned defaults>"
+    forced = mode if mode != "auto" else None
+    entries = tuned.entries_for(tp) if tuned is not None else []
+    if tuned is not None and not entries:
+        warn_once(f"notp:{src}:{tp}", f"kvtune: {src} has no entry for tp={tp}; falling back to the "
+                  "backend's untuned default parameters")
+    plans: list[Plan] = []
+    fallback = forced or backend or DEFAULT_BACKEND
+    for e in entries:
+        plans.append(_plan_from_entry(e, forced, fallback, allow_mismatch, kw, max_batch,
+                                      f"{src} (tp={tp}, max_batch={e.max_batch})"))
+        if e.max_batch >= max_batch:
+            break
+    if not plans:
+        be = _usable_backend(fallback, device, f"{ENV_VERIFY}={forced}" if forced else "backend")
+        params = be.default_params(_problem(kw, max_batch))
+        plans.append(Plan(max_batch, be, params, None, None, f"untuned default of {fallback}"))
+    for p in plans:
+        p.backend.check_params(p.params, _problem(kw, min(p.max_batch, max_batch)))
+    return plans

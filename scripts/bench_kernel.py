@@ -115,6 +115,25 @@ def sol_us(n_keys: int, l2_bytes: int, sms: int) -> tuple[float, str]:
     return best
 
 
+def _print_table(rows: list, shapes) -> None:
+    print(f"\n{'H':>3} {'B':>3} {'prefix':>7} {'floor':>7} {'SOL':>7} {'SOL%fl':>6} {'cuda':>8} {'%floor':>6} "
+          f"{'%SOL':>5} {'triton':>8} {'cu/tr':>6} {'best cuda':>9} {'%floor':>6} best config")
+    for H, B, prefix in shapes:
+        sel = [r for r in rows if (r["H"], r["batch"], r["prefix"]) == (H, B, prefix)]
+        cu = next(r for r in sel if r["backend"] == "cuda" and r["config"] == "default")
+        tr = next((r for r in sel if r["backend"] == "triton"), None)
+        ok = [r for r in sel if r["backend"] == "cuda" and r["outcome"] == "ok"]
+        best = min(ok, key=lambda r: r["median_us"]) if ok else None
+
+        def us(r):
+            return f"{r['median_us']:.2f}" if r and r["outcome"] == "ok" else (r["outcome"] if r else "-")
+        fl = cu["floor_us"] or 0.0
+        sp = (f"{tr['median_us'] / cu['median_us']:.2f}x" if tr and cu["outcome"] == tr["outcome"] == "ok" else "-")
+        print(f"{H:>3} {B:>3} {prefix:>7} {fl:>7.2f} {cu['sol_us']:>7.2f} {cu['pct_floor_sol']:>6.1f} {us(cu):>8} "
+              f"{cu['pct_floor'] or 0:>6.1f} {cu['pct_sol'] or 0:>5.1f} {us(tr):>8} {sp:>6} {us(best):>9} "
+              f"{(best or {}).get('pct_floor') or 0:>6.1f} {best['config'] if best else '-'}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -182,22 +201,7 @@ def main(argv=None) -> int:
     write_csv(out_dir / "bench.csv", rows)  # every row has the same keys
     (out_dir / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
-    print(f"\n{'H':>3} {'B':>3} {'prefix':>7} {'floor':>7} {'SOL':>7} {'SOL%fl':>6} {'cuda':>8} {'%floor':>6} "
-          f"{'%SOL':>5} {'triton':>8} {'cu/tr':>6} {'best cuda':>9} {'%floor':>6} best config")
-    for H, B, prefix in shapes:
-        sel = [r for r in rows if (r["H"], r["batch"], r["prefix"]) == (H, B, prefix)]
-        cu = next(r for r in sel if r["backend"] == "cuda" and r["config"] == "default")
-        tr = next((r for r in sel if r["backend"] == "triton"), None)
-        ok = [r for r in sel if r["backend"] == "cuda" and r["outcome"] == "ok"]
-        best = min(ok, key=lambda r: r["median_us"]) if ok else None
-
-        def us(r):
-            return f"{r['median_us']:.2f}" if r and r["outcome"] == "ok" else (r["outcome"] if r else "-")
-        fl = cu["floor_us"] or 0.0
-        sp = (f"{tr['median_us'] / cu['median_us']:.2f}x" if tr and cu["outcome"] == tr["outcome"] == "ok" else "-")
-        print(f"{H:>3} {B:>3} {prefix:>7} {fl:>7.2f} {cu['sol_us']:>7.2f} {cu['pct_floor_sol']:>6.1f} {us(cu):>8} "
-              f"{cu['pct_floor'] or 0:>6.1f} {cu['pct_sol'] or 0:>5.1f} {us(tr):>8} {sp:>6} {us(best):>9} "
-              f"{(best or {}).get('pct_floor') or 0:>6.1f} {best['config'] if best else '-'}")
+    _print_table(rows, shapes)
     return 0
 
 

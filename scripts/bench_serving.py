@@ -22,7 +22,7 @@ Every variant is checked against the fp32 oracle first. Timing is the tuner's (g
 cold L2): `Measurer._timing_pools` (KV pools together >= 4x L2, rotated) and
 `Measurer._time_cuda` per layer; `sol_read.graph_us` (one step captured, replayed) per step.
 
-    python scripts/bench_serving.py --out runs/serving   # the H200, < 3 min (committed: results/serving/<kernel version>)
+    python scripts/bench_serving.py --out runs/serving      # the H200, < 3 min (committed: results/serving/)
     python scripts/bench_serving.py --smoke --out /tmp/smoke               # CPU, Triton interpreter
 
 Writes serving.csv (and serving.json with the command and the runtime) under --out; prints a
@@ -173,7 +173,7 @@ def check_step(case: Case, outs, sm_scale: float, Dv: int) -> float:
     return worst
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--defaults", help="exported YAML (file or folder); default: the packaged one of --deployment")
     ap.add_argument("--deployment", default="kimi-k2-h200", help="deployment (budget, device ceilings, lookup)")
@@ -189,7 +189,126 @@ def main(argv=None) -> int:
     ap.add_argument("--allow-mismatch", action="store_true", help="use a YAML tuned elsewhere (logged)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any machine (CPU: Triton interpreter)")
     ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _default_backends(names: str, dev) -> dict:
+    """`default-<name>` -> backend, for each named backend that can run on `dev`."""
+    out = {}
+    for name in [b for b in names.split(",") if b.strip()]:
+        try:
+            be = get_backend(name)
+        except ImportError:
+            continue
+        if be.supports(dev) is None:
+            out[f"default-{name}"] = be
+    return out
+
+
+def _kernel_variants(va, va_b1, defaults: dict, B: int, out) -> dict:
+    """variant name -> (make(inputs) -> launch, config text) for one layer's kernel."""
+    def runtime_launch(rt):
+        def launch_on(inp):
+            step = rt.plan(inp.kv_indptr, inp.kv_indices, inp.tree_mask, check_values=False)
+            return lambda: rt.run(inp.q, inp.kv_cache, out, plan=step)
+        return launch_on
+    variants = {"tuned": (runtime_launch(va), f"{va.plan_for(B).backend.name} {va.params_for(B)}")}
+    if va_b1 is not None:
+        variants["tuned-b1"] = (runtime_launch(va_b1), f"{va_b1.plan_for(B).backend.name} {va_b1.params_for(B)}")
+    problem = va.problem(B)
+    for vname, be in defaults.items():
+        params = be.default_params(problem)
+        ws = torch.empty(max(1, be.workspace_bytes(problem, params)), dtype=torch.uint8, device=out.device)
+
+        def make(inp, be=be, params=params, ws=ws):
+            return lambda: verify_attention(*inp.args, backend=be, params=params, out=out, workspace=ws,
+                                            kv_lora_rank=va.Dv, check_values_=False)
+        variants[vname] = (make, f"{be.name} {params}")
+    return variants
+
+
+def _failed(e: Exception) -> dict:
+    # a failing variant is a row of the table, not a crash
+    return {"outcome": "failed", "reason": f"{type(e).__name__}: {e}"[:300]}
+
+
+def _time_kernels(m, case, opts, variants: dict, common: dict, timed: bool, rows: list) -> dict:
+    """Check and time each variant on `case`; one row each (appended to `rows`, printed)."""
+    res = {}
+    for vname, (make, config) in variants.items():
+        t0 = time.perf_counter()
+        try:
+            r = check_and_time(m, case, opts, make, timed=timed)
+        except Exception as e:  # noqa: BLE001
+            r = _failed(e)
+        res[vname] = r
+        med = r.get("median_us")
+        rows.append({**common, "variant": vname, **r, "config": config,
+                     "pct_floor": round(100 * common["floor_us"] / med, 1) if med else None,
+                     "wall_s": round(time.perf_counter() - t0, 2)})
+        print(json.dumps(rows[-1], default=str), flush=True)
+    return res
+
+
+def _time_steps(va, ad, case, layers: int, reps: int, kernel_us, common: dict, timed: bool, rows: list) -> None:
+    """One decode step of `layers` layers per step variant, checked against the oracle; one
+    row each with the cost per layer above the kernel (`kernel_us`)."""
+    steps, outs = step_variants(va, ad, case, layers)
+    for sname, fn in steps.items():
+        t0 = time.perf_counter()
+        try:
+            for o in outs:
+                o.fill_(float("nan"))
+            if timed:
+                us = graph_us([fn], reps=reps)
+            else:
+                fn()
+                us = None
+            err = check_step(case, outs, va.sm_scale, va.Dv)
+            r = {"outcome": "ok" if err < TOL else "wrong", "rel_err": err, "median_us": us}
+            if us is not None:
+                r["per_layer_us"] = us / layers
+                if kernel_us:
+                    r["overhead_per_layer_us"] = us / layers - kernel_us
+        except Exception as e:  # noqa: BLE001
+            r = _failed(e)
+        rows.append({**common, "variant": sname, "layers": layers, **r,
+                     "wall_s": round(time.perf_counter() - t0, 2)})
+        print(json.dumps(rows[-1], default=str), flush=True)
+
+
+def _add_speedups(rows: list, va) -> None:
+    """x_vs_default (the tuned backend's untuned default) and x_vs_b1 (tuned-b1) per kernel row."""
+    by = {(r["case"], r["variant"]): r.get("median_us") for r in rows}
+    for r in rows:
+        med = r.get("median_us")
+        if not med or r["variant"].startswith("step:"):
+            continue
+        be = va.plan_for(r["B"]).backend.name
+        for key, other in (("x_vs_default", f"default-{be}"), ("x_vs_b1", "tuned-b1")):
+            o = by.get((r["case"], other))
+            r[key] = round(o / med, 3) if o else None
+
+
+def _print_table(rows: list) -> None:
+    def f(x, spec=".2f"):
+        return format(x, spec) if isinstance(x, (int, float)) and x is not None else ""
+    print(f"\n{'case':<12} {'variant':<15} {'us':>9} {'floor':>8} {'%floor':>6} {'x def':>6} {'x b1':>6} "
+          f"{'us/layer':>8} {'+us/layer':>9}")
+    for r in rows:
+        med = f(r.get("median_us")) or r.get("outcome", "")
+        print(f"{r['case']:<12} {r['variant']:<15} {med:>9} {f(r.get('floor_us')):>8} "
+              f"{f(r.get('pct_floor'), '.1f'):>6} {f(r.get('x_vs_default')):>6} {f(r.get('x_vs_b1')):>6} "
+              f"{f(r.get('per_layer_us')):>8} {f(r.get('overhead_per_layer_us')):>9}")
+
+
+CSV_KEYS = ["case", "B", "prefix", "keys", "variant", "outcome", "median_us", "p10_us", "p90_us", "floor_us",
+            "pct_floor", "x_vs_default", "x_vs_b1", "layers", "per_layer_us", "overhead_per_layer_us", "rel_err",
+            "launches", "pools", "config", "reason", "wall_s"]
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     t_start = time.perf_counter()
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -222,21 +341,13 @@ def main(argv=None) -> int:
                        rope_dim=va.Dk - va.Dv, sm_scale=va.sm_scale)
     cases = [(f"B{b}xP{p}", b, [p] * b) for b in args.batches for p in args.prefixes]
     cases += [(name, n, log_uniform(n, lo, hi, seed=n)) for name, n, lo, hi in ragged]
-    defaults = {}
-    for name in [b for b in args.defaults_of.split(",") if b.strip()]:
-        try:
-            be = get_backend(name)
-        except ImportError:
-            continue
-        if be.supports(dev) is None:
-            defaults[f"default-{name}"] = be
+    defaults = _default_backends(args.defaults_of, dev)
     rows = []
     for ci, (label, B, prefixes) in enumerate(cases):
         spec = dataclasses.replace(base, batch=B, context=max(prefixes))
-        problem = va.problem(B)
         common = {"case": label, "B": B, "prefix": prefixes[0] if len(set(prefixes)) == 1 else "ragged",
                   "keys": sum(prefixes) + B * va.T, "floor_us": round(floor_us(ceil, base, prefixes), 3)}
-        need = va.plan_for(B).backend.workspace_bytes(problem, va.params_for(B))
+        need = va.plan_for(B).backend.workspace_bytes(va.problem(B), va.params_for(B))
         if need > budget:
             rows.append({**common, "variant": "tuned", "outcome": "skipped",
                          "reason": f"workspace {need / 2**20:.0f} MiB > budget {budget / 2**20:.0f} MiB"})
@@ -244,93 +355,20 @@ def main(argv=None) -> int:
             continue
         case = Case(m, spec, prefixes, opts, seed=ci)
         out = torch.empty(B * va.T, va.H, va.Dv, dtype=torch.bfloat16, device=dev)
-
-        def runtime_launch(rt, out=out):
-            def launch_on(inp):
-                step = rt.plan(inp.kv_indptr, inp.kv_indices, inp.tree_mask, check_values=False)
-                return lambda: rt.run(inp.q, inp.kv_cache, out, plan=step)
-            return launch_on
-        variants = {"tuned": (runtime_launch(va), f"{va.plan_for(B).backend.name} {va.params_for(B)}")}
-        if va_b1 is not None:
-            variants["tuned-b1"] = (runtime_launch(va_b1), f"{va_b1.plan_for(B).backend.name} {va_b1.params_for(B)}")
-        for vname, be in defaults.items():
-            params = be.default_params(problem)
-            ws = torch.empty(max(1, be.workspace_bytes(problem, params)), dtype=torch.uint8, device=dev)
-
-            def make(inp, be=be, params=params, ws=ws, out=out):
-                return lambda: verify_attention(*inp.args, backend=be, params=params, out=out, workspace=ws,
-                                                kv_lora_rank=va.Dv, check_values_=False)
-            variants[vname] = (make, f"{be.name} {params}")
-        res = {}
-        for vname, (make, config) in variants.items():
-            t0 = time.perf_counter()
-            try:
-                r = check_and_time(m, case, opts, make, timed=cuda)
-            except Exception as e:  # noqa: BLE001 (a failing variant is a row of the table, not a crash)
-                r = {"outcome": "failed", "reason": f"{type(e).__name__}: {e}"[:300]}
-            res[vname] = r
-            med = r.get("median_us")
-            rows.append({**common, "variant": vname, **r, "config": config,
-                         "pct_floor": round(100 * common["floor_us"] / med, 1) if med else None,
-                         "wall_s": round(time.perf_counter() - t0, 2)})
-            print(json.dumps(rows[-1], default=str), flush=True)
-        # -- one decode step of `layers` layers
-        steps, outs = step_variants(va, ad, case, args.layers)
-        kernel = res["tuned"].get("median_us")
-        for sname, fn in steps.items():
-            t0 = time.perf_counter()
-            try:
-                for o in outs:
-                    o.fill_(float("nan"))
-                if cuda:
-                    us = graph_us([fn], reps=args.reps)
-                else:
-                    fn()
-                    us = None
-                err = check_step(case, outs, va.sm_scale, va.Dv)
-                r = {"outcome": "ok" if err < TOL else "wrong", "rel_err": err, "median_us": us}
-                if us is not None:
-                    r["per_layer_us"] = us / args.layers
-                    if kernel:
-                        r["overhead_per_layer_us"] = us / args.layers - kernel
-            except Exception as e:  # noqa: BLE001 (as above)
-                r = {"outcome": "failed", "reason": f"{type(e).__name__}: {e}"[:300]}
-            rows.append({**common, "variant": sname, "layers": args.layers, **r,
-                         "wall_s": round(time.perf_counter() - t0, 2)})
-            print(json.dumps(rows[-1], default=str), flush=True)
-        del case, steps, outs
+        res = _time_kernels(m, case, opts, _kernel_variants(va, va_b1, defaults, B, out), common, cuda, rows)
+        _time_steps(va, ad, case, args.layers, args.reps, res["tuned"].get("median_us"), common, cuda, rows)
+        del case
         if cuda:
             torch.cuda.empty_cache()
-    # speed-ups against the backend default of the tuned backend and against tuned-b1
-    by = {(r["case"], r["variant"]): r.get("median_us") for r in rows}
-    for r in rows:
-        med = r.get("median_us")
-        if not med or r["variant"].startswith("step:"):
-            continue
-        be = va.plan_for(r["B"]).backend.name
-        for key, other in (("x_vs_default", f"default-{be}"), ("x_vs_b1", "tuned-b1")):
-            o = by.get((r["case"], other))
-            r[key] = round(o / med, 3) if o else None
+    _add_speedups(rows, va)
     out_dir = Path(args.out)
-    keys = ["case", "B", "prefix", "keys", "variant", "outcome", "median_us", "p10_us", "p90_us", "floor_us",
-            "pct_floor", "x_vs_default", "x_vs_b1", "layers", "per_layer_us", "overhead_per_layer_us", "rel_err",
-            "launches", "pools", "config", "reason", "wall_s"]
-    write_csv(out_dir / "serving.csv", [{k: r.get(k) for k in keys} for r in rows])
+    write_csv(out_dir / "serving.csv", [{k: r.get(k) for k in CSV_KEYS} for r in rows])
     meta = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "device": str(dev) if not cuda else
             torch.cuda.get_device_name(dev), "defaults": tuned.source, "budget_bytes": budget,
             "ceilings": dataclasses.asdict(ceil), "runtime": {k: v for k, v in va.describe().items() if k != "plans"},
             "wall_s": round(time.perf_counter() - t_start, 1)}
     (out_dir / "serving.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
-
-    def f(x, spec=".2f"):
-        return format(x, spec) if isinstance(x, (int, float)) and x is not None else ""
-    print(f"\n{'case':<12} {'variant':<15} {'us':>9} {'floor':>8} {'%floor':>6} {'x def':>6} {'x b1':>6} "
-          f"{'us/layer':>8} {'+us/layer':>9}")
-    for r in rows:
-        med = f(r.get("median_us")) or r.get("outcome", "")
-        print(f"{r['case']:<12} {r['variant']:<15} {med:>9} {f(r.get('floor_us')):>8} {f(r.get('pct_floor'), '.1f'):>6} "
-              f"{f(r.get('x_vs_default')):>6} {f(r.get('x_vs_b1')):>6} {f(r.get('per_layer_us')):>8} "
-              f"{f(r.get('overhead_per_layer_us')):>9}")
+    _print_table(rows)
     print(f"wrote {out_dir / 'serving.csv'} and {out_dir / 'serving.json'} in {meta['wall_s']} s")
     return 0
 

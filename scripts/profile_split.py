@@ -2,7 +2,8 @@
 """The launches scripts/profile.sh profiles: H=8, T=9, bs=1, three split + merge launches of the
 CUDA default config. `python scripts/profile_split.py [PREFIX [NAME=VALUE,...]]` (default 131072).
 """
-import sys, torch
+import sys
+import torch
 from kvtune.kernels import make_inputs, verify_attention
 from kvtune.kernels.api import describe_problem
 from kvtune.kernels.cuda.backend import CudaBackend

@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from kvtune.kernels import make_inputs, reference_attention, rel_error
+from kvtune.kernels import lookup
 from kvtune.kernels import runtime as rt
 from kvtune.kernels.backends import register_backend
 from kvtune.kernels.runtime import ProvenanceError, VerifyAttention, load_defaults
@@ -60,9 +61,9 @@ def write(tmp_path, doc, name="tiny-test.yaml"):
 def _clean_env(monkeypatch):
     monkeypatch.delenv(rt.ENV_VERIFY, raising=False)
     monkeypatch.delenv(rt.ENV_CONFIG_DIR, raising=False)
-    rt._reset_warn_once()
+    rt.reset_warn_once()
     yield
-    rt._reset_warn_once()
+    rt.reset_warn_once()
 
 
 def check_against_oracle(va, prefix_lens, tree, seed, device):
@@ -174,7 +175,7 @@ def test_lookup_user_dir_before_packaged(tmp_path, device, monkeypatch):
     packaged, user1, user2 = (tmp_path / n for n in ("packaged", "user1", "user2"))
     for d in (packaged, user1, user2):
         d.mkdir()
-    monkeypatch.setattr(rt, "packaged_defaults_dir", lambda: packaged)
+    monkeypatch.setattr(lookup, "packaged_defaults_dir", lambda: packaged)
     write(packaged, tuned_dict(device, deployment="tiny-test"))
     assert load_defaults(deployment="tiny-test", device=device).source == str(packaged / "tiny-test.yaml")
     # model + device naming is found too, but the deployment name is more specific
@@ -188,7 +189,7 @@ def test_lookup_user_dir_before_packaged(tmp_path, device, monkeypatch):
 
 
 def test_no_file_falls_back_and_warns_once(tmp_path, device, caplog, monkeypatch):
-    monkeypatch.setattr(rt, "packaged_defaults_dir", lambda: tmp_path)
+    monkeypatch.setattr(lookup, "packaged_defaults_dir", lambda: tmp_path)
     with caplog.at_level(logging.WARNING, logger="kvtune.runtime"):
         assert load_defaults(deployment="absent", device=device) is None
         va = VerifyAttention.from_defaults(None, tp=TP, max_batch=2, max_context=128, device=device,
@@ -434,7 +435,7 @@ def test_scaled_batches_shrink_the_grid_and_the_workspace(device):
 
 
 def test_untuned_fallback_reports_the_nsplit_it_launches(tmp_path, device, monkeypatch):
-    monkeypatch.setattr(rt, "packaged_defaults_dir", lambda: tmp_path)
+    monkeypatch.setattr(lookup, "packaged_defaults_dir", lambda: tmp_path)
     va = VerifyAttention.from_defaults(None, tp=TP, max_batch=2, max_context=128, device=device, warmup=False,
                                        deployment="absent", draft_tokens=T, heads=H, sm_scale=0.0721)
     assert [va.nsplit_for(n, 100) for n in (1, 2)] == [va.params_for(n).NSPLIT for n in (1, 2)]

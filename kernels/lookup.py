@@ -1,0 +1,212 @@
+"""Finding, loading and provenance-checking an exported defaults file (the serving runtime's
+first step; `runtime.VerifyAttention.from_defaults` calls `load_defaults`).
+
+Lookup (`find_defaults`): the folders of `KVTUNE_CONFIG_DIR` (os.pathsep-separated, first
+wins) before the packaged `kvtune/kernels/defaults/`; in each folder, `<deployment>.yaml`
+first, then `<model>__<device>.yaml` (both names slugged: characters other than
+`A-Za-z0-9._-` become `_`, e.g. `Kimi-K2__NVIDIA_H200.yaml`). No file -> a warning logged
+once and the backend's untuned default.
+
+Never imports the tuner, Optuna or pandas: only torch, PyYAML and the kernels.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .backends import get_backend
+from .tuned import SchemaError, TunedDefaults, load_tuned
+
+log = logging.getLogger("kvtune.runtime")
+
+ENV_CONFIG_DIR = "KVTUNE_CONFIG_DIR"
+ENV_VERIFY = "KVTUNE_VERIFY"
+VERIFY_MODES = ("off", "auto", "reference", "triton", "cuda")
+
+
+class ProvenanceError(ValueError):
+    """A defaults file was tuned for another arch, kernel source or deployment."""
+
+
+# -- warn once: serving loops call into here every step; a message per step is noise
+_warned: set[str] = set()
+
+
+def warn_once(key: str, msg: str, level: int = logging.WARNING) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.log(level, msg)
+
+
+def reset_warn_once() -> None:
+    """Forget which warnings were logged (tests)."""
+    _warned.clear()
+
+
+# -- environment -----------------------------------------------------------------------
+
+def verify_mode() -> str:
+    """`KVTUNE_VERIFY`, lower-cased; unset or empty means `auto`."""
+    raw = os.environ.get(ENV_VERIFY, "").strip().lower() or "auto"
+    if raw not in VERIFY_MODES:
+        raise ValueError(f"{ENV_VERIFY}={os.environ.get(ENV_VERIFY)!r}: expected one of {list(VERIFY_MODES)}")
+    return raw
+
+
+def packaged_defaults_dir() -> Path:
+    """The folder of defaults shipped with the package (`kvtune/kernels/defaults/`)."""
+    return Path(__file__).resolve().parent / "defaults"
+
+
+def config_dirs() -> list[Path]:
+    """Folders searched for defaults, first wins: `KVTUNE_CONFIG_DIR` entries, then packaged."""
+    user = [Path(p).expanduser() for p in os.environ.get(ENV_CONFIG_DIR, "").split(os.pathsep) if p.strip()]
+    return user + [packaged_defaults_dir()]
+
+
+def slug(name: str) -> str:
+    """A file-name-safe form of a model, device or deployment name."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(name).strip()).strip("_")
+
+
+def defaults_file_names(deployment: str | None = None, model: str | None = None,
+                        device_name: str | None = None) -> list[str]:
+    """Candidate file names, most specific first: `<deployment>.yaml`, `<model>__<device>.yaml`."""
+    names = []
+    if deployment:
+        names.append(f"{slug(deployment)}.yaml")
+    if model and device_name:
+        names.append(f"{slug(model)}__{slug(device_name)}.yaml")
+    return names
+
+
+def find_defaults(deployment: str | None = None, *, model: str | None = None, device_name: str | None = None,
+                  dirs: Sequence[str | os.PathLike] | None = None) -> Path | None:
+    """The first existing defaults file for this deployment (or model + device), or None."""
+    names = defaults_file_names(deployment, model, device_name)
+    if not names:
+        raise ValueError("find_defaults: give a deployment name, or both model and device_name")
+    for d in (config_dirs() if dirs is None else [Path(p) for p in dirs]):
+        for n in names:
+            p = Path(d) / n
+            if p.is_file():
+                return p
+    return None
+
+
+# -- provenance ------------------------------------------------------------------------
+
+def device_arch(device: torch.device | str) -> str:
+    """`sm_XY` of a CUDA device, `cpu` otherwise (the spelling of `provenance.arch`)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "cpu"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def device_name(device: torch.device | str) -> str:
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def backend_kernel_hash(name: str) -> str | None:
+    """The running kernel source hash of backend `name` (None for the oracle). Raises
+    ValueError when the backend cannot be imported."""
+    try:
+        be = get_backend(name)
+    except ImportError as e:
+        raise ValueError(f"backend {name!r} cannot be imported: {e}") from None
+    return be.kernel_hash()
+
+
+def provenance_mismatches(tuned: TunedDefaults, device: torch.device | str,
+                          deployment: str | None = None) -> list[str]:
+    """What differs between where `tuned` was measured and what runs here, one line each,
+    naming the file and the key. Empty when everything matches."""
+    src = tuned.source
+    out = []
+    want_arch = device_arch(device)
+    if tuned.provenance.get("arch") != want_arch:
+        out.append(f"{src}: provenance.arch: tuned on {tuned.provenance.get('arch')!r}, "
+                   f"this device is {want_arch!r}")
+    hashes = tuned.provenance.get("kernel_hash") or {}
+    for name in sorted({e.backend for e in tuned.entries}):
+        try:
+            running = backend_kernel_hash(name)
+        except ValueError as e:
+            out.append(f"{src}: entries: backend {name!r} is unavailable here ({e})")
+            continue
+        if running is None:
+            if get_backend(name).params_type is not None:  # the oracle has nothing to match
+                warn_once(f"nohash:{name}", f"kvtune: backend {name!r} exposes no kernel_source_hash(); "
+                           f"{src}'s kernel_hash.{name} cannot be checked")
+            continue
+        recorded = hashes.get(name)
+        if recorded is None:
+            out.append(f"{src}: provenance.kernel_hash.{name}: missing (entries use backend {name!r})")
+        elif recorded != running:
+            out.append(f"{src}: provenance.kernel_hash.{name}: tuned against kernel source {recorded!r}, "
+                       f"running {running!r}")
+    if deployment is not None and tuned.deployment != deployment:
+        out.append(f"{src}: deployment: file is for {tuned.deployment!r}, asked for {deployment!r}")
+    return out
+
+
+def check_provenance(tuned: TunedDefaults, device: torch.device | str, *, deployment: str | None = None,
+                     allow_mismatch: bool = False) -> list[str]:
+    """Raise ProvenanceError on any mismatch, or (allow_mismatch) log each once and return them."""
+    bad = provenance_mismatches(tuned, device, deployment)
+    if bad and not allow_mismatch:
+        raise ProvenanceError("tuned defaults do not match this machine (pass allow_mismatch=True to use them "
+                              "anyway):\n  " + "\n  ".join(bad))
+    for line in bad:
+        warn_once(f"prov:{line}", f"kvtune: using mismatched tuned defaults: {line}")
+    if not bad and tuned.provenance.get("device_name") not in (None, device_name(device)):
+        # same arch and kernel, other SKU (H100 vs H200): legal, but the tuning may not be optimal
+        warn_once(f"sku:{tuned.source}", f"kvtune: {tuned.source} was tuned on "
+                   f"{tuned.provenance.get('device_name')!r}, running on {device_name(device)!r}",
+                   logging.INFO)
+    return bad
+
+
+def load_defaults(path: str | os.PathLike | None = None, *, deployment: str | None = None,
+                  model: str | None = None, device: torch.device | str | None = None,
+                  allow_mismatch: bool = False) -> TunedDefaults | None:
+    """Find, validate and provenance-check an exported defaults file.
+
+    path: a YAML file (loaded as is), a folder (searched for `<deployment>.yaml`, then
+        `<model>__<device>.yaml`) or None (search `config_dirs()`).
+    deployment: the deployment name; also checked against the file's `deployment` key.
+    device: the device the kernel will run on (default: the current CUDA device, else cpu).
+    allow_mismatch: use a file tuned for another arch / kernel source / deployment, logging
+        each difference once, instead of raising ProvenanceError.
+
+    Returns None (after logging once) when no file matches; raises SchemaError for a file
+    that breaks the schema (the message names the file and the key).
+    """
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if path is not None and Path(path).is_file():
+        found = Path(path)
+    elif path is not None and not Path(path).exists():
+        raise SchemaError(f"{path}: no such file or folder")
+    else:
+        dirs = None if path is None else [path]
+        if not deployment and not model:
+            raise ValueError(f"deployment: name the deployment (or the model) to look up tuned defaults in "
+                             f"{[str(d) for d in (config_dirs() if dirs is None else dirs)]}, or pass a file")
+        found = find_defaults(deployment, model=model, device_name=device_name(device), dirs=dirs)
+        if found is None:
+            where = [str(d) for d in (config_dirs() if dirs is None else dirs)]
+            names = defaults_file_names(deployment, model, device_name(device))
+            warn_once(f"nofile:{names}:{where}", f"kvtune: no tuned defaults {names} in {where}; "
+                       "falling back to the backend's untuned default parameters")
+            return None
+    tuned = load_tuned(found)
+    check_provenance(tuned, device, deployment=deployment, allow_mismatch=allow_mismatch)
+    return tuned
