@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 from kvtune.kernels.tuned import SchemaError, load_tuned
 
-from ..config import REPO_ROOT, ConfigError, load_deployment
+from ..config import REPO_ROOT, ConfigError, load_deployment, redact_url
 from ..export import _latencies  # the latency of a config exactly as `kvtune export` computes it
 from ..table import LEAD, PROVENANCE, RESULT, read_trials
 
@@ -189,6 +189,8 @@ def search_trials(df: pd.DataFrame) -> pd.DataFrame:
     return df[df["phase"].astype(str) != "remeasure"] if "phase" in df else df
 
 def storage_name(res: Results) -> str:
-    """The study storage as the review names it: `<folder>/studies.db`, else its URL."""
+    """The study storage as the review names it: `<folder>/studies.db`, else its URL (password hidden)."""
     db = res.folder / "studies.db"
-    return f"{res.folder.name}/studies.db" if res.storage == f"sqlite:///{db.resolve()}" else str(res.storage)
+    if res.storage == f"sqlite:///{db.resolve()}":
+        return f"{res.folder.name}/studies.db"
+    return redact_url(str(res.storage))
