@@ -7,18 +7,10 @@ from typing import Callable
 
 import pandas as pd
 
+from . import tables
 from .data import OUTCOMES, Results, ctx_label, search_trials, study_table
 from .figures import fig_history, fig_importance, fig_latency, fig_nsplit, fig_outcomes, fig_speedup
 from .studies import history_frame, importance_frame, importance_summary
-from .tables import (
-    best_params_table,
-    exported_table,
-    nsplit_table,
-    problem_trials,
-    provenance_table,
-    runs_table,
-    summary_table,
-)
 
 
 @dataclass
@@ -38,7 +30,7 @@ def section_summary(res: Results) -> Section:
                    "config found (re-measured against the default where the sweep did so) and the floor "
                    "max(bytes / read bandwidth, flops / MMA rate) of the device profile; "
                    "% floor = floor / latency x 100.")
-    tab = summary_table(res)
+    tab = tables.summary_table(res)
     if tab.empty:
         s.notes.append("No study in the trials table.")
     else:
@@ -48,7 +40,7 @@ def section_summary(res: Results) -> Section:
             s.notes.append(f"{len(dead)} of {len(nok)} studies have no ok trial (see 'Failed, wrong and pruned "
                            "trials'): their tuned columns are empty.")
         s.tables.append(("tuned vs default vs floor", tab))
-        s.tables.append(("winning parameters per study", best_params_table(res)))
+        s.tables.append(("winning parameters per study", tables.best_params_table(res)))
     return s
 
 
@@ -79,7 +71,7 @@ def section_nsplit(res: Results) -> Section:
     if s.figure is None:
         s.notes.append("No winning config with an NSPLIT parameter.")
     else:
-        t = nsplit_table(res)
+        t = tables.nsplit_table(res)
         t.columns = [ctx_label(c) for c in t.columns]
         s.tables.append(("best NSPLIT", t.reset_index()))
     return s
@@ -111,7 +103,7 @@ def section_importance(res: Results) -> Section:
 
 def section_problems(res: Results) -> Section:
     s = Section("outcomes", "Failed, wrong and pruned trials")
-    counts, reasons = problem_trials(res)
+    counts, reasons = tables.problem_trials(res)
     s.figure = fig_outcomes(res)
     trials = search_trials(res.trials)
     n = {o: int((trials["outcome"] == o).sum()) for o in OUTCOMES}
@@ -135,7 +127,7 @@ def section_export(res: Results) -> Section:
     else:
         s.notes.append(f"{res.tuned_path.name}: one row per context bucket, beside the best and default "
                        "latency of the same (backend, tp, batch, context) in the trials table.")
-        s.tables.append(("exported buckets vs trials", exported_table(res)))
+        s.tables.append(("exported buckets vs trials", tables.exported_table(res)))
     return s
 
 
@@ -144,8 +136,8 @@ def section_provenance(res: Results) -> Section:
     s.notes.append("Where the numbers come from: the trials table's provenance columns beside the exported "
                    "YAML's, and every `kvtune sweep` run into this folder (runs.jsonl: command, status, "
                    "wall-clock time).")
-    s.tables.append(("provenance", provenance_table(res)))
-    runs = runs_table(res)
+    s.tables.append(("provenance", tables.provenance_table(res)))
+    runs = tables.runs_table(res)
     if runs.empty:
         s.notes.append("No runs.jsonl in this folder.")
     else:
