@@ -71,8 +71,9 @@ def _all_trials(storage):
 
 
 def _kill_one_inside_a_trial(storage, procs, pids_to_spare, lock_path=None, timeout=240):
-    """SIGSTOP a worker that holds a RUNNING trial, check (it can change nothing now) that the
-    trial is still running and held by it, then SIGKILL it. Returns (pid, study, trial number)."""
+    """SIGSTOP a worker that holds a RUNNING trial with its config (a worker holds a trial a
+    moment before it asks the config), check (it can change nothing now) that the trial is still
+    running and held by it, then SIGKILL it. Returns (pid, study, trial number)."""
     import optuna
     RUNNING, COMPLETE = optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.COMPLETE
     deadline = time.time() + timeout
@@ -85,7 +86,7 @@ def _kill_one_inside_a_trial(storage, procs, pids_to_spare, lock_path=None, time
             for name, ts in trials.items():
                 for t in ts:
                     who = t.user_attrs.get("worker")
-                    if t.state != RUNNING or not who:
+                    if t.state != RUNNING or not who or not t.params:
                         continue
                     pid = int(who.rsplit(":", 1)[1])
                     if pid in pids_to_spare:
@@ -94,7 +95,7 @@ def _kill_one_inside_a_trial(storage, procs, pids_to_spare, lock_path=None, time
                     time.sleep(0.3)
                     now = next(x for x in _study(storage, name).get_trials(deepcopy=False) if x.number == t.number)
                     holds_lock = lock_path is not None and os.path.lexists(lock_path)
-                    if now.state == RUNNING and now.user_attrs.get("worker") == who and not holds_lock:
+                    if now.state == RUNNING and now.user_attrs.get("worker") == who and now.params and not holds_lock:
                         os.kill(pid, signal.SIGKILL)
                         return pid, name, t.number
                     os.kill(pid, signal.SIGCONT)
@@ -274,8 +275,8 @@ def test_postgres_workers_survive_a_killed_worker(tmp_path, postgres_db):
         while not storage.get_all_studies() and time.time() < deadline and sweep.poll() is None:
             time.sleep(0.2)
         # the joiner keeps its own trials table, as on another host: its rows reach the sweep's from the storage
-        joiner = subprocess.Popen(_cli("worker", dep, *common, "--out", tmp_path / "other-host"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, cwd=tmp_path)
+        joiner = subprocess.Popen(_cli("worker", dep, *common, "--out", tmp_path / "other-host"),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
         victim = _kill_one_inside_a_trial(storage, [sweep, joiner], {sweep.pid})
     finally:
         logs = _finish([p for p in (sweep, joiner) if p is not None])
