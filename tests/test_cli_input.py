@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import types
 from pathlib import Path
 
 import pytest
@@ -137,19 +136,27 @@ def test_redact_url():
     assert "s3cr3t-pw" not in red and red.count("kvtune:***@db.example") == 2
 
 
-def test_run_record_hides_the_password(monkeypatch):
-    monkeypatch.setattr("sys.argv", ["kvtune", "sweep", "d.yaml", "--storage", URL])
-    fake = types.SimpleNamespace(dep=types.SimpleNamespace(name="d"), device="cpu", status="complete", wall_s=1.0,
-                                 measured_now=0, skipped={}, results=[], storage_url=URL, executor=None, info={})
-    rec = Sweep._run_record(fake, 0.0)
-    assert "s3cr3t-pw" not in json.dumps(rec)
+def test_run_record_hides_the_password(tmp_path, monkeypatch, capsys):
+    """A command line that names a storage URL with a password (here overridden by a later
+    --storage, so the sweep runs without a server): runs.jsonl and the output show it redacted.
+    The record's storage field with a password is checked against a real server in
+    test_tuner_workers.py (PostgreSQL)."""
+    argv = ["sweep", str(_dep(tmp_path)), "--device", "cpu", "--out", str(tmp_path / "out"), "--storage", URL,
+            "--storage", f"journal:{tmp_path / 'studies.journal'}", "--max-minutes", "1e-6", "--in-process",
+            "--no-progress"]
+    monkeypatch.setattr("sys.argv", ["kvtune", *argv])
+    main(argv)
+    out = capsys.readouterr()
+    text = (tmp_path / "out" / "tiny" / "runs.jsonl").read_text()
+    rec = json.loads(text.splitlines()[-1])
+    assert "s3cr3t-pw" not in text + out.out + out.err
     assert "--storage postgresql://kvtune:***@db.example" in rec["command"]
 
 
 def test_no_storage_url_is_printed_unredacted():
     """Every f-string of the tuner that shows a storage URL goes through redact_url."""
     bad = []
-    for f in (REPO / "tuner").glob("*.py"):
+    for f in (REPO / "tuner").rglob("*.py"):
         for i, line in enumerate(f.read_text().splitlines(), 1):
             if re.search(r"\{[\w.]*(storage_url|url)\}", line):
                 bad.append(f"{f.name}:{i}: {line.strip()}")

@@ -84,14 +84,25 @@ def test_skipped_gpu_tests_are_explained(tmp_path):
         assert "2 skipped: the GPU tests (marked `gpu`)" in r.stdout and "scripts/test.sh" in r.stdout, r.stdout
 
 
-def test_progress_off_a_terminal_is_one_line_per_study(capsys):
-    from kvtune.tuner.sweep import _LineProgress
-    bar = _LineProgress(total=8, file=sys.stderr)
-    for study, bests in (("triton tp8 bs1 ctx64", [3.0, 2.0, 1.5]), ("triton tp8 bs1 ctx300", [9.0, 8.0])):
-        for b in bests:
-            bar.update(1)
-            bar.set_postfix_str(f"{study}: best {b:.1f} us (1.0% of floor)")
-    bar.close()
-    lines = capsys.readouterr().err.splitlines()
-    assert lines == ["[3/8 trials] triton tp8 bs1 ctx64: best 1.5 us (1.0% of floor)",
-                     "[5/8 trials] triton tp8 bs1 ctx300: best 8.0 us (1.0% of floor)"]
+def test_progress_off_a_terminal_is_one_line_per_study(tmp_path):
+    """`kvtune sweep` with stderr to a file (not a terminal): one progress line per study, each
+    naming the study and the trials done of the sweep's total, and no bar redraws."""
+    import re
+
+    import yaml
+    dep = tmp_path / "tiny.yaml"
+    dep.write_text(yaml.safe_dump({"name": "tiny", "model": {"name": "tiny-mla", "num_heads": 8, "draft_tokens": 4,
+                                                             "tree": "random"},
+                                   "device": "cpu", "tp": [8], "contexts": [64, 128], "batches": [1],
+                                   "backends": ["triton"], "trials": 2, "timing": "eager"}))
+    with (tmp_path / "stderr.log").open("w") as log:
+        r = subprocess.run([sys.executable, "-m", "kvtune.tuner.cli", "sweep", str(dep), "--device", "cpu", "--out",
+                            str(tmp_path / "out"), "--rounds", "0", "--remeasure-top", "0", "--in-process"],
+                           stdout=subprocess.DEVNULL, stderr=log, timeout=600)
+    err = (tmp_path / "stderr.log").read_text()
+    assert r.returncode == 0, err
+    assert "\r" not in err, "a bar's redraws in a log file"
+    lines = re.findall(r"\[(\d+)/(\d+) trials\] (triton tp8 bs1 ctx\d+): best", err)
+    # 2 studies of 2 trials each: a line as each study ends, naming it
+    assert [(int(k), int(n), s) for k, n, s in lines] == [(2, 4, "triton tp8 bs1 ctx64"),
+                                                         (4, 4, "triton tp8 bs1 ctx128")]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -70,19 +71,43 @@ def test_replay_measures_the_budget_on_the_gpu_and_no_more():
     assert (df["measured"] <= 12 + 1).all() and (df["measured"] >= 12).all()   # + at most one cross-bucket trial
 
 
-def test_replay_triton_within_3pct_of_the_grid_best():
-    """Triton 4k, where one config of 48 is within 3% of the best: at the deployment's budget
-    (24) every seed finds it, and at the budget of the GPU comparison (12) most do. The search
-    before the replay fails the same check (so the check can fail)."""
-    seeds = list(range(10))
-    at24 = _replay(DEFAULT, seeds, 24, ["triton"])
-    assert (at24["gap_pct"] <= 3).all(), at24[at24["gap_pct"] > 3]
-    at12 = _replay(DEFAULT, seeds, 12, ["triton"])
-    k4 = at12[at12["ctx"] == 4096]
-    assert (k4["gap_pct"] <= 3).sum() >= 7 and k4["gap_pct"].mean() < 3, k4
-    assert (at12[at12["ctx"] == 65536]["gap_pct"] <= 3).all()
-    old = _replay(BEFORE, seeds, 24, ["triton"])
-    assert (old["gap_pct"] > 3).any()
+def _random_sampling(latencies, k: int, tol_pct: float = 3.0) -> tuple[float, float]:
+    """k configs drawn at random (uniformly, without repeats) from a grid of measured latencies:
+    the expected gap (%) of their best to the grid's best, and the chance one is within tol_pct.
+    Exact: the i-th fastest config is the best drawn with probability C(N-1-i, k-1) / C(N, k)."""
+    lat = sorted(latencies)
+    n = len(lat)
+    gaps = [100.0 * (x / lat[0] - 1) for x in lat]
+    mean_gap = sum(g * math.comb(n - 1 - i, k - 1) for i, g in enumerate(gaps)) / math.comb(n, k)
+    near = sum(g <= tol_pct for g in gaps)
+    return mean_gap, 1 - math.comb(n - near, k) / math.comb(n, k)
+
+
+def test_replay_triton_beats_random_sampling():
+    """Triton at 4k (one config of the 48 within 3% of the best) and 64k, at the deployment's
+    budget (24) and the GPU comparison's (12), over 20 seeds: the search's mean gap to the grid's
+    best is at most half of what as many configs drawn at random give, and it lands within 3% at
+    least as often; random sampling worked out exactly from the grid here. The search before the
+    replay (TPE alone) does no better than random at 4k with 12 trials, so the check can fail."""
+    import pandas as pd
+    grid = pd.read_csv(GRID)
+    grid = grid[(grid["phase"] == "search") & (grid["outcome"] == "ok") & (grid["backend"] == "triton")
+                & (grid["tp"] == 8) & (grid["bs"] == 1)]
+    seeds = list(range(20))
+
+    def beats_random(df, budget):
+        for ctx, g in df.groupby("ctx"):
+            mean_gap, p_near = _random_sampling(grid[grid["ctx"] == ctx]["median_us"], budget)
+            assert len(g) == len(seeds)
+            if not (g["gap_pct"].mean() <= mean_gap / 2 and (g["gap_pct"] <= 3).mean() >= p_near):
+                return False
+        return True
+
+    for budget in (24, 12):
+        df = _replay(DEFAULT, seeds, budget, ["triton"])
+        assert sorted(df["ctx"].unique()) == [4096, 65536]
+        assert beats_random(df, budget), df.groupby("ctx")["gap_pct"].describe()
+    assert not beats_random(_replay(BEFORE, seeds, 12, ["triton"]), 12)
 
 
 def test_a_study_whose_search_found_nothing_is_a_miss(monkeypatch):

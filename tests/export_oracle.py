@@ -1,0 +1,103 @@
+"""What `kvtune export` must choose, worked out by brute force from a trials table with plain
+pandas, from the rule the README states: per tp and batch bucket, one backend and one set of
+compile-time parameters (every parameter but NSPLIT) that has a correct measurement at every
+context bucket and is never slower than that backend's default at any bucket; the least total
+latency over the buckets wins, with the fastest NSPLIT per bucket. A config's latency is the
+median of its interleaved re-measurements where the sweep took them, else of its search
+measurements. A config whose serving check (phase `serve`) was not ok is not served.
+
+Nothing here imports kvtune: the tests compare the export against this, not against itself.
+Tables from one device only (the tests' sweeps).
+"""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+
+# the YAML rounds latencies to 3 decimals
+TOL_US = 1e-3
+
+
+def _key(params: dict) -> str:
+    return json.dumps(params, sort_keys=True)
+
+
+def _compile_part(params: dict) -> str:
+    return _key({k: v for k, v in params.items() if k != "NSPLIT"})
+
+
+def config_latencies(trials: pd.DataFrame) -> pd.DataFrame:
+    """One row per (backend, tp, bs, ctx, config) measured ok: its latency, whether it is the
+    backend's default (role baseline) and its compile-time part. `trials` as pd.read_csv gives it."""
+    ok = trials[(trials["outcome"] == "ok") & trials["phase"].isin(["search", "remeasure"])].copy()
+    ok["params"] = [p if isinstance(p, dict) else json.loads(p) for p in ok["params"]]
+    ok["config"] = ok["params"].map(_key)
+    rows = []
+    for (be, tp, bs, ctx, config), g in ok.groupby(["backend", "tp", "bs", "ctx", "config"]):
+        again = g[g["phase"] == "remeasure"]["median_us"].astype(float)
+        lat = float(again.median()) if len(again) else float(g["median_us"].astype(float).median())
+        p = json.loads(config)
+        rows.append({"backend": be, "tp": int(tp), "bs": int(bs), "ctx": int(ctx), "config": config,
+                     "compile": _compile_part(p), "NSPLIT": p.get("NSPLIT"), "latency_us": lat,
+                     "default": bool((g["role"] == "baseline").any())})
+    return pd.DataFrame(rows, columns=["backend", "tp", "bs", "ctx", "config", "compile", "NSPLIT", "latency_us",
+                                       "default"])
+
+
+def eligible_groups(trials: pd.DataFrame, tp: int, bs: int) -> dict:
+    """(backend, compile-time part) -> {ctx: (NSPLIT, latency)} with the fastest NSPLIT per
+    context, for every group that may serve (tp, bs): correct at each context bucket swept there,
+    never slower than its backend's default, serving check not failed."""
+    search = trials[(trials["phase"] == "search") & (trials["tp"] == tp) & (trials["bs"] == bs)]
+    contexts = sorted({int(c) for c in search["ctx"]})
+    lat = config_latencies(trials)
+    lat = lat[(lat["tp"] == tp) & (lat["bs"] == bs)]
+    serve = trials[(trials["phase"] == "serve") & (trials["tp"] == tp) & (trials["bs"] == bs)]
+    unserved = {(b, _compile_part(p if isinstance(p, dict) else json.loads(p)))
+                for b, p, o in zip(serve["backend"], serve["params"], serve["outcome"]) if o != "ok"}
+    out = {}
+    for (be, comp), g in lat.groupby(["backend", "compile"]):
+        if (be, comp) in unserved or set(contexts) - set(g["ctx"]):
+            continue
+        default = lat[(lat["backend"] == be) & lat["default"]].set_index("ctx")["latency_us"]
+        best = {}
+        for ctx in contexts:
+            r = g[g["ctx"] == ctx].sort_values("latency_us").iloc[0]
+            best[ctx] = (r["NSPLIT"], r["latency_us"])
+        if all(ctx not in default.index or best[ctx][1] <= default[ctx] for ctx in contexts):
+            out[(be, comp)] = best
+    return out
+
+
+def check_export(tuned: dict, trials: pd.DataFrame) -> None:
+    """Asserts that the exported YAML (`tuned`, as yaml.safe_load reads it) is the brute-force
+    choice of `trials` (pd.read_csv of trials.csv) at every (tp, batch) it covers, and covers every
+    (tp, batch) that has a config to serve."""
+    entries = {(e["tp"], e["max_batch"]): e for e in tuned["entries"]}
+    swept = trials[trials["phase"] == "search"][["tp", "bs"]].drop_duplicates()
+    lat = config_latencies(trials)
+    for tp, bs in zip(swept["tp"].astype(int), swept["bs"].astype(int)):
+        groups = eligible_groups(trials, tp, bs)
+        assert ((tp, bs) in entries) == bool(groups), f"tp={tp} bs={bs}: {len(groups)} groups could serve"
+        if not groups:
+            continue
+        e = entries[(tp, bs)]
+        buckets = {b["max_context"]: b for b in e["buckets"]}
+        best_total = min(sum(lt for _, lt in g.values()) for g in groups.values())
+        got_total = sum(b["latency_us"] for b in buckets.values())
+        assert abs(got_total - best_total) <= TOL_US * len(buckets), (tp, bs, got_total, best_total)
+        comp = _compile_part(e["params"])
+        assert (e["backend"], comp) in groups, f"tp={tp} bs={bs}: {e['backend']} {comp} may not serve"
+        mine = groups[(e["backend"], comp)]
+        assert sorted(buckets) == sorted(mine)
+        assert e["params"]["NSPLIT"] == max(b["NSPLIT"] for b in buckets.values()), "NSPLIT is the grid size"
+        at = lat[(lat["backend"] == e["backend"]) & (lat["tp"] == tp) & (lat["bs"] == bs)]
+        for ctx, b in buckets.items():
+            assert abs(b["latency_us"] - mine[ctx][1]) <= TOL_US, (tp, bs, ctx, b, mine[ctx])
+            config = _key({**json.loads(comp), "NSPLIT": b["NSPLIT"]})
+            measured = at[(at["ctx"] == ctx) & (at["config"] == config)]["latency_us"]
+            assert len(measured) and abs(measured.iloc[0] - b["latency_us"]) <= TOL_US, (tp, bs, ctx, config)
+            default = at[(at["ctx"] == ctx) & at["default"]]["latency_us"]
+            if len(default):
+                assert abs(b["default_latency_us"] - default.iloc[0]) <= TOL_US, (tp, bs, ctx, b)
