@@ -27,24 +27,15 @@ def _need_tensor(x, name: str) -> torch.Tensor:
     return x
 
 
-def describe_problem(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale,
-                     kv_lora_rank: int = DEFAULT_KV_LORA_RANK) -> VerifyProblem:
-    """Check the metadata of a verify call and return its `VerifyProblem`.
-
-    Raises ValueError naming the offending argument. Reads no tensor values.
-    """
-    q = _need_tensor(q, "q")
-    kv_cache = _need_tensor(kv_cache, "kv_cache")
-    kv_indptr = _need_tensor(kv_indptr, "kv_indptr")
-    kv_indices = _need_tensor(kv_indices, "kv_indices")
-    tree_mask = _need_tensor(tree_mask, "tree_mask")
+def _check_q_and_cache(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank) -> None:
+    """Shapes, dtypes and strides of q `[B*T, H, Dk]` and kv_cache `[num_slots, Dk]` (bf16, last
+    dimension contiguous), and 0 < kv_lora_rank <= Dk; a ValueError naming the argument."""
     if q.dim() != 3:
         raise ValueError(f"q: expected [B*T, H, Dk], got shape {tuple(q.shape)}")
     if q.dtype != torch.bfloat16:
         raise ValueError(f"q: expected dtype torch.bfloat16, got {q.dtype}")
     if q.stride(-1) != 1:
         raise ValueError("q: the last (Dk) dimension must be contiguous (stride 1)")
-    device = q.device
     if kv_cache.dim() != 2:
         raise ValueError(f"kv_cache: expected [num_slots, Dk], got shape {tuple(kv_cache.shape)}")
     if kv_cache.dtype != torch.bfloat16:
@@ -56,6 +47,21 @@ def describe_problem(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale,
         raise ValueError(f"kv_cache: row width {kv_cache.shape[1]} != q's Dk {Dk}")
     if not isinstance(kv_lora_rank, int) or not 0 < kv_lora_rank <= Dk:
         raise ValueError(f"kv_lora_rank: must be an int in (0, Dk={Dk}], got {kv_lora_rank!r}")
+
+
+def describe_problem(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale,
+                     kv_lora_rank: int = DEFAULT_KV_LORA_RANK) -> VerifyProblem:
+    """Check the metadata of a verify call and return its `VerifyProblem`.
+
+    Raises ValueError naming the offending argument. Reads no tensor values.
+    """
+    q = _need_tensor(q, "q")
+    kv_cache = _need_tensor(kv_cache, "kv_cache")
+    kv_indptr = _need_tensor(kv_indptr, "kv_indptr")
+    kv_indices = _need_tensor(kv_indices, "kv_indices")
+    tree_mask = _need_tensor(tree_mask, "tree_mask")
+    _check_q_and_cache(q, kv_cache, kv_lora_rank)
+    device, Dk = q.device, q.shape[2]
     for name, t in (("kv_cache", kv_cache), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
                     ("tree_mask", tree_mask)):
         if t.device != device:

@@ -309,8 +309,8 @@ class SGLangVerifyAdapter:
         dev, rows = v.device, step.B * v.T
         for name, t, shape in (("q_extend", q_extend, (rows, v.H, v.Dk)), ("o_extend", o_extend, (rows, v.H, v.Dv))):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
-                raise ValueError(f"{name}: expected {list(shape)} for the planned B={step.B}, T={v.T}, got "
-                                 f"{list(getattr(t, 'shape', [])) if isinstance(t, torch.Tensor) else type(t).__name__}")
+                got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name}: expected {list(shape)} for the planned B={step.B}, T={v.T}, got {got}")
         kv = self._pool(k_buffer, v_buffer, v.Dk, v.Dv, dev)
         if kv.shape[0] >= 2**31:
             raise ValueError(f"k_buffer: {kv.shape[0]} slots exceed int32 indexing")
@@ -379,7 +379,8 @@ class SGLangVerifyAdapter:
                                  "SGLang without k_scale/v_scale arguments pass sm_scale= by keyword")
         if not isinstance(q_extend, torch.Tensor) or q_extend.dim() != 3:
             raise ValueError("q_extend: expected a [B*T, H, Dk] tensor")
-        if isinstance(qo_indptr, torch.Tensor) and qo_indptr.dim() == 1 and q_extend.shape[0] != (qo_indptr.numel() - 1) * v.T:
+        if isinstance(qo_indptr, torch.Tensor) and qo_indptr.dim() == 1 and \
+                q_extend.shape[0] != (qo_indptr.numel() - 1) * v.T:
             raise ValueError(f"q_extend: {q_extend.shape[0]} rows, expected B*T = {qo_indptr.numel() - 1}*{v.T} "
                              "(B from qo_indptr)")
         kv = self._pool(k_buffer, v_buffer, v.Dk, v.Dv, q_extend.device)
@@ -403,7 +404,8 @@ class SGLangVerifyAdapter:
         elif k_buffer.dim() == 2:
             kv = k_buffer
         else:
-            raise ValueError(f"k_buffer: expected [num_slots, 1, {Dk}] (one MLA latent head), got {list(k_buffer.shape)}")
+            raise ValueError(f"k_buffer: expected [num_slots, 1, {Dk}] (one MLA latent head), "
+                             f"got {list(k_buffer.shape)}")
         if kv.shape[1] != Dk:
             raise ValueError(f"k_buffer: row width {kv.shape[1]}, expected Dk={Dk}")
         if v_buffer is not None:

@@ -168,7 +168,8 @@ def parse_tuned(data: Any, source: str = "<memory>", check_params: bool = True,
         _int(src, f"model.{k}", model[k])
     if _opt_float(src, "model.sm_scale", model["sm_scale"]) is None or model["sm_scale"] <= 0:
         raise _err(src, "model.sm_scale", f"expected a positive number, got {model['sm_scale']!r}")
-    prov = check_keys(src, "provenance", d["provenance"], PROVENANCE_KEYS, ("device_name", "arch", "kernel_hash", "date"))
+    prov = check_keys(src, "provenance", d["provenance"], PROVENANCE_KEYS,
+                      ("device_name", "arch", "kernel_hash", "date"))
     if not isinstance(prov["arch"], str) or not (prov["arch"].startswith("sm_") or prov["arch"] == "cpu"):
         raise _err(src, "provenance.arch", f"expected e.g. 'sm_90' (or 'cpu'), got {prov['arch']!r}")
     _mapping(src, "provenance.kernel_hash", prov["kernel_hash"])

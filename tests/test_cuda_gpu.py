@@ -51,9 +51,11 @@ def test_ragged_batch(T, H, tree):
 
 
 @pytest.mark.parametrize("over", [dict(BLOCK_N=16, NSPLIT=64), dict(BLOCK_N=64, NUM_WARPS=16, HEADS_PER_BLOCK=2),
-                                  dict(VEC=4, STAGES=3, HEADS_PER_BLOCK=4), dict(VEC=2, NUM_WARPS=16, HEADS_PER_BLOCK=4),
+                                  dict(VEC=4, STAGES=3, HEADS_PER_BLOCK=4),
+                                  dict(VEC=2, NUM_WARPS=16, HEADS_PER_BLOCK=4),
                                   dict(HEADS_PER_BLOCK=3, NSPLIT=5), dict(STAGES=4, BLOCK_N=16, NSPLIT=2),
-                                  dict(NUM_WARPS=32, NSPLIT=1), dict(HEADS_PER_BLOCK=2, BLOCK_N=16, STAGES=3, CTAS_PER_SM=2),
+                                  dict(NUM_WARPS=32, NSPLIT=1),
+                                  dict(HEADS_PER_BLOCK=2, BLOCK_N=16, STAGES=3, CTAS_PER_SM=2),
                                   dict(HEADS_PER_BLOCK=4, BLOCK_N=16, NUM_WARPS=4, CTAS_PER_SM=2, NSPLIT=7)])
 def test_configs_and_more_splits_than_tiles(over):
     x = make_inputs(2, 9, 8, [97, 7], tree="random", device="cuda")

@@ -136,8 +136,8 @@ def test_sigkill_at_every_kind_of_write_loses_nothing(tmp_path):
     assert (out / "fault" / "fault.yaml").is_file()
     aside = (out / "fault" / "trials.csv.torn")
     print(f"\nfault test: {kills} SIGKILLs of a real sweep ({kills - log_kills} at trials.csv appends, "
-          f"{log_kills} at the runs.jsonl append; before / mid-row / after the write in turn); {mid_in_table} left a torn row in "
-          f"trials.csv and {torn_set_aside} torn rows were set aside on resume "
+          f"{log_kills} at the runs.jsonl append; before / mid-row / after the write in turn); "
+          f"{mid_in_table} left a torn row in trials.csv and {torn_set_aside} torn rows were set aside on resume "
           f"({aside.stat().st_size if aside.exists() else 0} bytes kept in trials.csv.torn), {torn_log} torn "
           f"runs.jsonl line(s) set aside; {len(finished)} trials finished before some kill, {len(rows)} rows in "
           f"the final table; trials lost: {len(lost)}, written twice: {len(dup)}")

@@ -166,7 +166,7 @@ def test_provenance_mismatch_is_an_error_unless_allowed(tmp_path, device, caplog
 
 
 def test_deployment_name_mismatch(tmp_path, device):
-    path = write(tmp_path, tuned_dict(device, deployment="other"), name="tiny-test.yaml")
+    write(tmp_path, tuned_dict(device, deployment="other"), name="tiny-test.yaml")
     with pytest.raises(ProvenanceError, match="deployment: file is for 'other'"):
         load_defaults(tmp_path, deployment="tiny-test", device=device)
 

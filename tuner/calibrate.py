@@ -43,7 +43,7 @@ def measure_ceilings(device: str = "cuda", read_bytes: int | None = None, mm: in
     x = torch.randn(read_bytes // 2, device=device).to(torch.bfloat16)
     t_read = min(_time(lambda: torch.sum(x, dtype=torch.float32), reps, cuda))
     gbps = x.numel() * 2 / t_read / 1e9
-    del x
+    x = None  # free the read buffer before the matmul's operands
     n = mm or (8192 if cuda else 1024)
     a = torch.randn(n, n, device=device).to(torch.bfloat16)
     b = torch.randn(n, n, device=device).to(torch.bfloat16)
