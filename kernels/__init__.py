@@ -10,6 +10,7 @@ from .inputs import VerifyInputs, make_inputs, rel_error
 from .reference import reference_attention
 from .shapes import ModelShape, VerifyProblem
 from .tree import chain_parents, random_parents, tree_mask_from_parents
+from .triton_params import TritonParams
 
 __all__ = [
     "verify_attention", "workspace_bytes", "describe_problem", "tree_mask_from_parents", "chain_parents",
@@ -18,10 +19,3 @@ __all__ = [
     "reference_attention", "TritonParams",
 ]
 
-
-def __getattr__(name):
-    # Triton is imported only when its parameters are asked for.
-    if name == "TritonParams":
-        from .triton_kernel import TritonParams
-        return TritonParams
-    raise AttributeError(name)

@@ -1,6 +1,6 @@
 """Triton reference kernel for MLA verify attention: split-K flash-decode.
 
-Reads top to bottom: the parameters, stage 1 (one key range of one request for a group of
+Reads top to bottom: stage 1 (one key range of one request for a group of
 heads, all `heads x T` query rows folded into one tile so each key row is loaded once per
 split and head group), stage 2 (log-sum-exp merge of the NSPLIT partials), the launcher and
 the backend.
@@ -8,7 +8,6 @@ the backend.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -16,41 +15,9 @@ import triton.language as tl
 
 from .backends import Backend, LaunchArgs
 from .shapes import VerifyProblem, cdiv, next_pow2
+from .triton_params import TRITON_PARAMS, TritonParams
 
 LOG2E = 1.4426950408889634
-
-
-@dataclass(frozen=True)
-class TritonParams:
-    """Compile-time parameters of the Triton kernel (NSPLIT is the stage-1 grid's split count).
-
-    NSPLIT: key-range splits per request (1..256); BLOCK_N: keys per tile (16..256, pow2);
-    HEADS_PER_BLOCK: heads per program (1..64; the tile has next_pow2(HEADS_PER_BLOCK*T) rows, at least 16);
-    NUM_WARPS: 1..16, pow2 (Triton's num_warps); STAGES: 1..5 (Triton's num_stages).
-    """
-
-    NSPLIT: int = 16
-    BLOCK_N: int = 32
-    HEADS_PER_BLOCK: int = 2
-    NUM_WARPS: int = 4
-    STAGES: int = 2
-
-    def __post_init__(self):
-        def need(ok, msg):
-            if not ok:
-                raise ValueError(f"TritonParams: {msg}")
-        for f in ("NSPLIT", "BLOCK_N", "HEADS_PER_BLOCK", "NUM_WARPS", "STAGES"):
-            v = getattr(self, f)
-            need(isinstance(v, int) and not isinstance(v, bool), f"{f} must be an int, got {v!r}")
-        need(1 <= self.NSPLIT <= 256, f"NSPLIT must be in [1, 256], got {self.NSPLIT}")
-        need(self.BLOCK_N in (16, 32, 64, 128, 256), f"BLOCK_N must be a power of two in [16, 256], got {self.BLOCK_N}")
-        need(1 <= self.HEADS_PER_BLOCK <= 64, f"HEADS_PER_BLOCK must be in [1, 64], got {self.HEADS_PER_BLOCK}")
-        need(self.NUM_WARPS in (1, 2, 4, 8, 16), f"NUM_WARPS must be 1, 2, 4, 8 or 16, got {self.NUM_WARPS}")
-        need(1 <= self.STAGES <= 5, f"STAGES must be in [1, 5], got {self.STAGES}")
-
-    def block_m(self, T: int) -> int:
-        """Rows of the stage-1 tile: HEADS_PER_BLOCK*T padded to a power of two (>= 16 for tl.dot)."""
-        return max(16, next_pow2(self.HEADS_PER_BLOCK * T))
 
 
 @triton.jit
@@ -248,9 +215,7 @@ class TritonBackend(Backend):
         if problem.Dv != next_pow2(problem.Dv) or dpe != next_pow2(dpe) or dpe < 16 or problem.Dv < 16:
             raise ValueError(f"triton backend needs power-of-two Dv and Dk-Dv >= 16, got Dk={problem.Dk}, "
                              f"Dv={problem.Dv}")
-        if params.block_m(problem.T) > 256:
-            raise ValueError(f"TritonParams: HEADS_PER_BLOCK*T = {params.HEADS_PER_BLOCK * problem.T} rows per tile "
-                             "exceeds 256")
+        TRITON_PARAMS.check_problem(vars(params), T=problem.T, Dk=problem.Dk, Dv=problem.Dv)
         if params.HEADS_PER_BLOCK > problem.H:
             # legal (the padding rows are masked) but wasted work, and often a config meant for
             # another tp; a warning, not an error, since TritonParams() defaults to 2 heads

@@ -150,7 +150,7 @@ def parse_tuned(data: Any, source: str = "<memory>", check_params: bool = True,
                 legacy_names: bool = False) -> TunedDefaults:
     """Validate a parsed YAML document and build `TunedDefaults` (SchemaError on any problem).
 
-    check_params: also build each entry's parameter dataclass (imports that backend).
+    check_params: also build each entry's parameter dataclass (its declaration checks it).
     legacy_names: give parameters a backend has renamed (`backends.RENAMED_PARAMS`, e.g.
         Triton's BLOCK_H -> HEADS_PER_BLOCK) their current names, for reading committed
         evidence written before the rename. Off (serving): an old name is an error naming
@@ -198,10 +198,10 @@ def parse_tuned(data: Any, source: str = "<memory>", check_params: bool = True,
             params = rename_legacy_params(e["backend"], params)
         grid_nsplit = params.get("NSPLIT")
         if check_params and e["backend"] != "reference":
-            from .backends import get_backend, params_from_dict
+            from .backends import params_from_dict
+            from .params import params_type
             try:
-                params_from_dict(get_backend(e["backend"]).params_type, params, where=f"{src}: {key}.params",
-                                 complete=True)
+                params_from_dict(params_type(e["backend"]), params, where=f"{src}: {key}.params", complete=True)
             except ValueError as exc:
                 raise SchemaError(str(exc) if str(exc).startswith(src) else f"{src}: {key}.params: {exc}") from None
         braw = e["buckets"]

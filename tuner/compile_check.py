@@ -7,12 +7,8 @@ non-zero when the arch's default config fails to compile or spills.
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
-
-TEMPLATE_FIELDS = ("VEC", "BLOCK_N", "NUM_WARPS", "HEADS_PER_BLOCK", "STAGES")
 
 # used without --space: every VEC, tile sizes, warp counts, head groups and pipeline depths
 BUILTIN_SPREAD = [
@@ -28,37 +24,25 @@ BUILTIN_SPREAD = [
 ]
 
 
-def _space_configs(path: Path) -> list[dict]:
-    """Template-value combinations of a search-space YAML (`params:` or `parameters:` with
-    `choices`); NSPLIT and constraints do not change what is compiled."""
-    import yaml
-    doc = yaml.safe_load(path.read_text())
-    if not isinstance(doc, dict):
-        raise ValueError(f"{path}: expected a mapping")
-    if doc.get("backend", "cuda") != "cuda":
-        raise ValueError(f"{path}: backend is {doc.get('backend')!r}, compile-check needs a cuda space")
-    params = doc.get("params", doc.get("parameters"))
-    if not isinstance(params, dict):
-        raise ValueError(f"{path}: no 'params' mapping")
-    values = []
-    for f in TEMPLATE_FIELDS:
-        spec = params.get(f)
-        if spec is None:
-            raise ValueError(f"{path}: params.{f} missing")
-        if "choices" in spec:
-            values.append(list(spec["choices"]))
-        elif "range" in spec:
-            r = spec["range"]
-            values.append(list(range(r["low"], r["high"] + 1, r.get("step", 1))))
-        else:
-            raise ValueError(f"{path}: params.{f} needs 'choices' or 'range'")
-    return [dict(zip(TEMPLATE_FIELDS, combo)) for combo in itertools.product(*values)]
+def template_configs(space) -> list[dict]:
+    """The distinct template-value combinations of a CUDA search space (`space.load_space` or
+    `read_space`), in grid order: launch-time values (NSPLIT) and constraints do not change
+    what is compiled."""
+    from kvtune.kernels.cuda.params import CUDA_PARAMS
+    if space.backend != "cuda":
+        raise ValueError(f"{space.source}: backend is {space.backend!r}, compile-check needs a cuda space")
+    out: dict[tuple, dict] = {}
+    for g in space.grid():
+        cfg = {n: g[n] for n in CUDA_PARAMS.template_names}
+        out.setdefault(tuple(cfg.values()), cfg)
+    return list(out.values())
 
 
 def check_one(cfg: dict, T: int, heads: int, arch: str) -> dict:
-    """Compile one config; returns its resource report and verdict (never raises)."""
-    from kvtune.kernels.cuda.backend import (CudaParams, KernelGeometry, arch_limits, check_static,
-                                             compile_params, split_expr)
+    """Compile one config; returns its resource report and the verdict of `reject_reason`,
+    the judgement the sweep prunes by (never raises)."""
+    from kvtune.kernels.cuda.backend import (CudaParams, KernelGeometry, check_static, compile_params,
+                                             reject_reason, split_expr)
     from kvtune.kernels.cuda.nvrtc import NvrtcError
     row = dict(cfg, registers=None, spills=None, stack=None, smem=None, fits=False, reason="")
     try:
@@ -70,9 +54,7 @@ def check_one(cfg: dict, T: int, heads: int, arch: str) -> dict:
     if p.HEADS_PER_BLOCK > heads:
         row["reason"] = f"HEADS_PER_BLOCK > heads ({heads})"
         return row
-    lim = arch_limits(arch)
-    geo = KernelGeometry.of(p, T)
-    row["smem"] = geo.smem_bytes
+    row["smem"] = KernelGeometry.of(p, T).smem_bytes
     try:
         mod = compile_params(p, T, arch)
     except NvrtcError as e:
@@ -81,33 +63,27 @@ def check_one(cfg: dict, T: int, heads: int, arch: str) -> dict:
         return row
     res = mod.resources[split_expr(p, T)]
     row.update(registers=res.registers, spills=res.spills, stack=res.stack)
-    why = []
-    if geo.smem_bytes > lim.smem_per_block:
-        why.append(f"smem {geo.smem_bytes} > {lim.smem_per_block}")
-    if res.spills:
-        why.append(f"spills {res.spill_stores}/{res.spill_loads} B")
-    if res.registers * p.threads > lim.regs_per_sm:
-        why.append(f"regs {res.registers}x{p.threads} > {lim.regs_per_sm}")
-    if p.threads > lim.threads_per_sm:
-        why.append(f"threads {p.threads} > {lim.threads_per_sm}")
-    row["fits"] = not why
-    row["reason"] = "; ".join(why)
+    why = reject_reason(p, T, arch)          # the module above comes from the cache
+    row["fits"] = why is None
+    row["reason"] = why or ""
     return row
 
 
 def _run(args) -> int:
     from kvtune.kernels.cuda.backend import ARCH_LIMITS, default_for_arch
+    from kvtune.kernels.cuda.params import CUDA_PARAMS
     from kvtune.kernels.cuda.nvrtc import kernel_source_hash, nvrtc_version
     if args.arch not in ARCH_LIMITS:
         raise ValueError(f"--arch: {args.arch!r} has no limits table; known: {sorted(ARCH_LIMITS)}")
     T, H = args.T, args.heads
     default = default_for_arch(T, max(1, min(H, 72 // T)), args.arch)
-    default_cfg = {f: getattr(default, f) for f in TEMPLATE_FIELDS}
+    default_cfg = {f: getattr(default, f) for f in CUDA_PARAMS.template_names}
     if args.space:
-        configs = _space_configs(Path(args.space))
+        from .space import read_space
+        configs = template_configs(read_space(args.space, "cuda"))
     else:
         configs = [dict(c) for c in BUILTIN_SPREAD]
-    configs = [default_cfg] + [c for c in configs if c != default_cfg]
+    configs = [default_cfg] + [c for c in configs if {**default_cfg, **c} != default_cfg]
     lim = ARCH_LIMITS[args.arch]
     print(f"compile-check {args.arch} (smem/block {lim.smem_per_block} B, {lim.threads_per_sm} threads/SM, "
           f"{lim.regs_per_sm} regs/SM), T={T}, heads={H}, NVRTC {nvrtc_version()}, source {kernel_source_hash()}")
@@ -117,13 +93,14 @@ def _run(args) -> int:
                                [args.arch] * len(configs)))
     else:
         rows = [check_one(c, T, H, args.arch) for c in configs]
-    hdr = (f"{'VEC':>3} {'BN':>3} {'W':>2} {'HPB':>3} {'ST':>2} {'regs':>4} {'spill':>5} {'stack':>5} "
+    hdr = (f"{'VEC':>3} {'BN':>3} {'W':>2} {'HPB':>3} {'ST':>2} {'C':>1} {'regs':>4} {'spill':>5} {'stack':>5} "
            f"{'smem':>7} fits  note")
     print(hdr)
     for i, r in enumerate(rows):
         fmt = lambda v: "-" if v is None else str(v)  # noqa: E731
         tag = "  (default)" if i == 0 else ""
         print(f"{r['VEC']:>3} {r['BLOCK_N']:>3} {r['NUM_WARPS']:>2} {r['HEADS_PER_BLOCK']:>3} {r['STAGES']:>2} "
+              f"{r.get('CTAS_PER_SM', 1):>1} "
               f"{fmt(r['registers']):>4} {fmt(r['spills']):>5} {fmt(r['stack']):>5} {fmt(r['smem']):>7} "
               f"{'yes' if r['fits'] else 'no ':<4} {r['reason']}{tag}")
     n_fit = sum(r["fits"] for r in rows)
@@ -140,7 +117,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("compile-check", help="compile CUDA configs with NVRTC for an arch (no GPU needed)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", required=True, help="target, e.g. sm_80, sm_86, sm_89, sm_90, sm_120")
-    p.add_argument("--space", default=None, help="search-space YAML (default: a built-in spread of configs)")
+    p.add_argument("--space", default=None, help="a CUDA search-space YAML file, e.g. search_spaces/sm_120/cuda.yaml "
+                   "(default: a built-in spread of configs)")
     p.add_argument("--T", type=int, default=9, help="draft tokens per request (a template value)")
     p.add_argument("--heads", type=int, default=8, help="query heads per rank (bounds HEADS_PER_BLOCK)")
     p.add_argument("--jobs", type=int, default=1, help="parallel compiler processes")

@@ -123,27 +123,58 @@ class DeviceProfile:
         return self.arch == "cpu"
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "device_name": self.device_name, "arch": self.arch, "sm_count": self.sm_count,
-                "l2_bytes": self.l2_bytes,
-                "limits": {"smem_per_block_bytes": self.smem_per_block_bytes,
-                           "smem_per_sm_bytes": self.smem_per_sm_bytes, "regs_per_sm": self.regs_per_sm,
-                           "threads_per_sm": self.threads_per_sm},
-                "ceilings": {"read_gbps": self.read_gbps, "bf16_tflops": self.bf16_tflops,
-                             "source": self.ceilings_source}}
+        """The profile as its YAML file holds it (`limits` only for an arch without an
+        ARCH_LIMITS entry)."""
+        out = {"name": self.name, "device_name": self.device_name, "arch": self.arch, "sm_count": self.sm_count,
+               "l2_bytes": self.l2_bytes,
+               "limits": {"smem_per_block_bytes": self.smem_per_block_bytes,
+                          "smem_per_sm_bytes": self.smem_per_sm_bytes, "regs_per_sm": self.regs_per_sm,
+                          "threads_per_sm": self.threads_per_sm},
+               "ceilings": {"read_gbps": self.read_gbps, "bf16_tflops": self.bf16_tflops,
+                            "source": self.ceilings_source}}
+        if _arch_table(self.arch) is not None:
+            del out["limits"]
+        return out
 
 
 _DEVICE_KEYS = ("name", "device_name", "arch", "sm_count", "l2_bytes", "limits", "ceilings")
 _LIMIT_KEYS = ("smem_per_block_bytes", "smem_per_sm_bytes", "regs_per_sm", "threads_per_sm")
 
 
+def _arch_table(arch: str) -> dict | None:
+    """The limits of `arch` in the CUDA kernel's table (ARCH_LIMITS), under the profile's keys."""
+    from kvtune.kernels.cuda.params import ARCH_LIMITS
+    a = ARCH_LIMITS.get(arch)
+    return None if a is None else {"smem_per_block_bytes": a.smem_per_block, "smem_per_sm_bytes": a.smem_per_sm,
+                                   "regs_per_sm": a.regs_per_sm, "threads_per_sm": a.threads_per_sm}
+
+
+def _limits(src, d) -> dict:
+    """A profile's `limits`: an arch in ARCH_LIMITS takes that table's (one declaration, which
+    compile-check and static_reject judge by; a `limits` block given must agree with it);
+    any other arch (the CPU) gives its own."""
+    table = _arch_table(d["arch"])
+    if "limits" not in d:
+        if table is None:
+            raise _err(src, "limits", f"required for arch {d['arch']!r}, which kernels/cuda/params.py's "
+                                      "ARCH_LIMITS does not list")
+        return table
+    lim = check_keys(src, "limits", d["limits"], _LIMIT_KEYS, _LIMIT_KEYS)
+    for k in _LIMIT_KEYS if table is not None else ():
+        if lim[k] != table[k]:
+            raise _err(src, f"limits.{k}", f"{lim[k]!r} disagrees with ARCH_LIMITS[{d['arch']!r}] ({table[k]}) in "
+                                           "kernels/cuda/params.py; leave `limits` out to take the table's")
+    return lim
+
+
 def parse_device(d: Any, src: str) -> DeviceProfile:
-    check_keys(src, "<top>", d, _DEVICE_KEYS, _DEVICE_KEYS)
+    check_keys(src, "<top>", d, _DEVICE_KEYS, [k for k in _DEVICE_KEYS if k != "limits"])
     for k in ("name", "device_name", "arch"):
         if not isinstance(d[k], str) or not d[k]:
             raise _err(src, k, f"expected a non-empty string, got {d[k]!r}")
     if not (d["arch"].startswith("sm_") or d["arch"] == "cpu"):
         raise _err(src, "arch", f"expected e.g. 'sm_90' or 'cpu', got {d['arch']!r}")
-    lim = check_keys(src, "limits", d["limits"], _LIMIT_KEYS, _LIMIT_KEYS)
+    lim = _limits(src, d)
     ceil = check_keys(src, "ceilings", d["ceilings"], ("read_gbps", "bf16_tflops", "source"),
                       ("read_gbps", "bf16_tflops"))
     return DeviceProfile(

@@ -1,95 +1,42 @@
-"""Search spaces: `search_spaces/<backend>.yaml`, one per backend.
+"""Search spaces: `search_spaces/<backend>.yaml`, one per backend, each narrowing the
+backend's parameter declaration (`kvtune.kernels.params`, declared beside its kernel) for a
+class of hardware.
 
     backend: triton
-    params:                       # every field of the backend's parameter dataclass
+    params:                       # every declared parameter: the values this space tries
       NSPLIT:   {choices: [1, 2, 4, 8, 16, 32, 64]}
       BLOCK_N:  {range: {low: 16, high: 128, step: 16}}
     constraints:                  # expressions over params and the problem; False = pruned
       - {name: no_empty_splits, expr: "NSPLIT <= cdiv(keys, BLOCK_N)", reason: "..."}
 
-Names a constraint may use: the parameters, the problem (`T`, `H`, `B`, `context` = prefix
-tokens, `keys` = context + T, `Dk`, `Dv`), the device (`sm_count`, `smem_per_block`,
+A value outside the declaration's legal values is an error naming the file and the key. The
+declaration's rules (the kernel's static_asserts) are constraints of every space; a file adds
+its own. Names a constraint may use: the parameters, the problem (`T`, `H`, `B`, `context` =
+prefix tokens, `keys` = context + T, `Dk`, `Dv`), the device (`sm_count`, `smem_per_block`,
 `smem_per_sm`, `regs_per_sm`, `threads_per_sm`), integers, arithmetic, comparisons,
 `and`/`or`/`not`, and the functions `min`, `max`, `cdiv`, `next_pow2`, `log2`.
 Unknown or missing parameters, and unknown names in a constraint, are errors naming the
 file and the key.
+
+`load_space` is the one reader: the sweep, the workers, replay and compile-check take their
+spaces from it.
 """
 from __future__ import annotations
 
-import ast
 import itertools
 import math
-import operator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from kvtune.kernels.backends import renamed_hint
+from kvtune.kernels.params import Declaration, Expr, declaration
 
 from .config import REPO_ROOT, ConfigError, check_keys, read_yaml
 
 SPACE_DIR = REPO_ROOT / "search_spaces"
 PROBLEM_NAMES = ("T", "H", "B", "context", "keys", "Dk", "Dv")
 DEVICE_NAMES = ("sm_count", "smem_per_block", "smem_per_sm", "regs_per_sm", "threads_per_sm")
-FUNCS = {"min": min, "max": max, "cdiv": lambda a, b: -(-a // b),
-         "next_pow2": lambda x: 1 << max(0, (int(x) - 1).bit_length()), "log2": lambda x: int(math.log2(x))}
-_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
-           ast.Mod: operator.mod, ast.Div: operator.truediv, ast.Pow: operator.pow}
-_CMPOPS = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge,
-           ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.In: lambda a, b: a in b,
-           ast.NotIn: lambda a, b: a not in b}
-
-
-class Expr:
-    """A small, safe arithmetic/boolean expression (no attribute access, no calls but FUNCS)."""
-
-    def __init__(self, text: str, allowed: Iterable[str], where: str):
-        self.text = text
-        try:
-            self.tree = ast.parse(text, mode="eval").body
-        except SyntaxError as e:
-            raise ConfigError(f"{where}: cannot parse {text!r}: {e.msg}") from None
-        allowed = set(allowed)
-        for node in ast.walk(self.tree):
-            if isinstance(node, ast.Name) and node.id not in allowed and node.id not in FUNCS:
-                raise ConfigError(f"{where}: unknown name {node.id!r} in {text!r}; known: "
-                                  f"{sorted(allowed)} and functions {sorted(FUNCS)}")
-            if not isinstance(node, (ast.Expression, ast.BoolOp, ast.BinOp, ast.UnaryOp, ast.Compare, ast.Call,
-                                     ast.Name, ast.Constant, ast.Load, ast.And, ast.Or, ast.Not, ast.USub,
-                                     ast.Tuple, ast.List, *_BINOPS, *_CMPOPS)):
-                raise ConfigError(f"{where}: {type(node).__name__} is not allowed in {text!r}")
-            if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id in FUNCS):
-                raise ConfigError(f"{where}: only {sorted(FUNCS)} may be called in {text!r}")
-
-    def __call__(self, env: dict) -> Any:
-        return self._eval(self.tree, env)
-
-    def _eval(self, n, env):
-        if isinstance(n, ast.Constant):
-            return n.value
-        if isinstance(n, ast.Name):
-            return env[n.id] if n.id in env else FUNCS[n.id]
-        if isinstance(n, ast.BinOp):
-            return _BINOPS[type(n.op)](self._eval(n.left, env), self._eval(n.right, env))
-        if isinstance(n, ast.UnaryOp):
-            v = self._eval(n.operand, env)
-            return (not v) if isinstance(n.op, ast.Not) else -v
-        if isinstance(n, ast.BoolOp):
-            vals = (self._eval(v, env) for v in n.values)
-            return all(vals) if isinstance(n.op, ast.And) else any(vals)
-        if isinstance(n, ast.Compare):
-            left = self._eval(n.left, env)
-            for op, r in zip(n.ops, n.comparators):
-                right = self._eval(r, env)
-                if not _CMPOPS[type(op)](left, right):
-                    return False
-                left = right
-            return True
-        if isinstance(n, ast.Call):
-            return FUNCS[n.func.id](*(self._eval(a, env) for a in n.args))
-        if isinstance(n, (ast.Tuple, ast.List)):
-            return [self._eval(e, env) for e in n.elts]
-        raise ValueError(f"cannot evaluate {ast.dump(n)}")
 
 
 @dataclass(frozen=True)
@@ -112,10 +59,6 @@ class SearchSpace:
     def names(self) -> list[str]:
         return list(self.choices)
 
-    @property
-    def size(self) -> int:
-        return math.prod(len(v) for v in self.choices.values())
-
     def violation(self, params: dict, env: dict) -> str | None:
         """The first constraint `params` breaks on this problem/device, as a reason, or None."""
         scope = dict(env)
@@ -131,11 +74,6 @@ class SearchSpace:
                     f"constraint {c.name} ({c.expr.text}) broken"
         return None
 
-    def grid(self) -> list[dict]:
-        """Every combination of the choices (constraints not applied)."""
-        names = self.names
-        return [dict(zip(names, vals)) for vals in itertools.product(*(self.choices[n] for n in names))]
-
     def distributions(self, extra: dict | None = None) -> dict:
         """Choices per parameter, widened by the values in `extra` (the backend's default for
         this problem, which must be a legal point of every study)."""
@@ -146,6 +84,17 @@ class SearchSpace:
                 vals = sorted(vals + [extra[n]])
             out[n] = tuple(vals)
         return out
+
+    def size(self, extra: dict | None = None) -> int:
+        """How many points `grid(extra)` has, without listing them."""
+        return math.prod(len(v) for v in self.distributions(extra).values())
+
+    def grid(self, extra: dict | None = None) -> list[dict]:
+        """Every combination of the choices (widened by `extra`, as `distributions`), in the
+        declaration's parameter order, the last parameter varying fastest; constraints not
+        applied."""
+        dists = self.distributions(extra)
+        return [dict(zip(dists, vals)) for vals in itertools.product(*dists.values())]
 
 
 def _choices(src: str, key: str, spec: Any) -> tuple:
@@ -180,24 +129,55 @@ def _choices(src: str, key: str, spec: Any) -> tuple:
     return tuple(range(low, high + 1, step))
 
 
-def parse_space(d: Any, src: str, backend: str, fields: list[str]) -> SearchSpace:
-    """Validate a search-space document against the backend's parameter field names."""
+def _narrowed(src: str, key: str, vals: tuple, decl: Declaration, name: str, ranged: bool) -> tuple:
+    """`vals` once each is one of the declaration's legal values for `name`."""
+    p = decl.params[name]
+    for i, v in enumerate(vals):
+        why = p.violation(v)
+        if why:
+            at = f"{key}.range" if ranged else f"{key}.choices[{i}]"
+            raise ConfigError(f"{src}: {at}: {v!r} is outside the declaration of {decl.type_name}.{name} "
+                              f"({why}); a search space may only narrow it")
+    return vals
+
+
+def parse_space(d: Any, src: str, backend: str, fields: list[str] | None = None) -> SearchSpace:
+    """Validate a search-space document against `backend`'s parameter declaration.
+
+    fields: the parameters the space must give, in order (default: every declared one); a
+    replayed trials table may predate a parameter, and its space then leaves it out. The
+    declaration's rules over parameters outside `fields` do not apply."""
+    decl = declaration(backend)
+    declared = decl.names
+    if fields is not None:
+        stray = [f for f in fields if f not in declared]
+        if stray:
+            raise ConfigError(f"{src}: backend {backend!r} reports parameter(s) {stray} that its declaration "
+                              f"({decl.type_name}) lacks; declared: {declared}")
+        declared = list(fields)
     check_keys(src, "<top>", d, ("backend", "params", "constraints", "description"), ("backend", "params"))
     if d["backend"] != backend:
         raise ConfigError(f"{src}: backend: file is for {d['backend']!r}, expected {backend!r}")
     params = d["params"]
     if not isinstance(params, dict) or not params:
         raise ConfigError(f"{src}: params: expected a mapping of parameter names to choices")
-    unknown = sorted(set(params) - set(fields))
+    unknown = sorted(set(params) - set(declared))
+    if unknown and fields is not None and not set(unknown) - set(decl.names):
+        raise ConfigError(f"{src}: params.{unknown[0]}: parameter(s) {unknown} of {decl.type_name} are not "
+                          f"measured here; this space may only give {declared}")
     if unknown:
         raise ConfigError(f"{src}: params.{unknown[0]}: unknown parameter(s) {unknown} for backend {backend!r}; "
-                          f"its parameters are {fields}{renamed_hint(unknown, fields)}")
-    missing = [f for f in fields if f not in params]
+                          f"its parameters are {declared}{renamed_hint(unknown, declared)}")
+    missing = [f for f in declared if f not in params]
     if missing:
         raise ConfigError(f"{src}: params: missing parameter(s) {missing} for backend {backend!r} "
-                          "(every field of its parameter dataclass needs choices)")
-    choices = {f: _choices(src, f"params.{f}", params[f]) for f in fields}
-    names = list(fields) + list(PROBLEM_NAMES) + list(DEVICE_NAMES)
+                          "(every declared parameter needs choices)")
+    choices = {}
+    for f in declared:
+        key = f"params.{f}"
+        choices[f] = _narrowed(src, key, _choices(src, key, params[f]), decl, f,
+                               ranged=isinstance(params[f], dict) and "range" in params[f])
+    names = list(declared) + list(PROBLEM_NAMES) + list(DEVICE_NAMES)
     cons = []
     raw = d.get("constraints") or []
     if not isinstance(raw, list):
@@ -209,12 +189,28 @@ def parse_space(d: Any, src: str, backend: str, fields: list[str]) -> SearchSpac
         check_keys(src, key, c, ("name", "expr", "reason"), ("expr",))
         if not isinstance(c["expr"], str):
             raise ConfigError(f"{src}: {key}.expr: expected a string, got {c['expr']!r}")
-        cons.append(Constraint(str(c.get("name", f"c{i}")), Expr(c["expr"], names, f"{src}: {key}.expr"),
-                               str(c.get("reason", ""))))
+        cons.append(Constraint(str(c.get("name", f"c{i}")), Expr(c["expr"], names, f"{src}: {key}.expr",
+                                                                  ConfigError), str(c.get("reason", ""))))
+    # the kernel's own rules: a point that breaks one is pruned before it costs a compile
+    cons += [Constraint(r.name, r.expr, f"{r.reason} ({decl.type_name})") for r in decl.rules
+             if r.expr.names <= set(declared) | set(PROBLEM_NAMES)]
     return SearchSpace(backend, choices, tuple(cons), src)
 
 
-def load_space(backend: str, fields: list[str], space_dir: str | Path | None = None) -> SearchSpace:
+def read_space(path: str | Path, backend: str | None = None) -> SearchSpace:
+    """One search-space file (backend: the one it must be for; default: the one it names)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such search-space file")
+    d = read_yaml(path)
+    if backend is None:
+        backend = d.get("backend") if isinstance(d, dict) else None
+        if not isinstance(backend, str):
+            raise ConfigError(f"{path}: backend: missing (the backend whose parameters the file narrows)")
+    return parse_space(d, str(path), backend)
+
+
+def load_space(backend: str, fields: list[str] | None = None, space_dir: str | Path | None = None) -> SearchSpace:
     """`<space_dir>/<backend>.yaml` (default: the repository's search_spaces/)."""
     path = Path(space_dir or SPACE_DIR) / f"{backend}.yaml"
     if not path.is_file():

@@ -1,10 +1,12 @@
-"""The CUDA backend: `CudaParams`, per-arch limits, and the NVRTC-compiled launch.
+"""The CUDA backend: the NVRTC-compiled launch of `verify.cu`.
 
 The kernel lives in `verify.cu` (split kernel + log-sum-exp merge, work balanced by keys
-across the batch); `nvrtc.py` compiles it to CUBIN for the exact arch and caches it. This module mirrors the kernel's static_asserts
-(`CudaParams` validation, `check_params`), sizes its shared memory and workspace, judges a
-config statically for any arch (`static_reject`, no GPU needed) and launches it on torch's
-current stream with no allocation and no host sync, so a CUDA graph can capture it.
+across the batch); `nvrtc.py` compiles it to CUBIN for the exact arch and caches it; its
+parameters, the rules mirroring its static_asserts and the per-arch limits are declared in
+`params.py`. This module mirrors the kernel's shared-memory layout and QK^T tiling, sizes its
+workspace, judges a config statically for any arch (`static_reject`, no GPU needed) and
+launches it on torch's current stream with no allocation and no host sync, so a CUDA graph
+can capture it.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 
 from ..backends import Backend, LaunchArgs
 from ..shapes import VerifyProblem, cdiv
+from .params import ARCH_LIMITS, CUDA_PARAMS, ArchLimits, CudaParams, arch_limits  # noqa: F401 (re-exported)
 
 DK, DV = 576, 512
 KV_BITS = 16  # the cached K/V element type (a template value of verify.cu): bf16; fp8 e4m3 comes next
@@ -22,85 +25,9 @@ MERGE_SPLIT_GROUPS = 16  # the merge kernel's SG: split groups merged in paralle
 # 16 threads each (8 columns per thread)
 
 
-@dataclass(frozen=True)
-class ArchLimits:
-    """Per-SM and per-block resources of one compute capability (bytes, threads, registers)."""
-
-    smem_per_block: int
-    smem_per_sm: int
-    threads_per_sm: int
-    regs_per_sm: int = 65536
-    max_regs_per_thread: int = 255
-    max_threads_per_block: int = 1024
-
-
-#: The table the tuner and compile-check judge configs against (opt-in dynamic smem limits).
-ARCH_LIMITS: dict[str, ArchLimits] = {
-    "sm_80": ArchLimits(smem_per_block=163 * 1024, smem_per_sm=164 * 1024, threads_per_sm=2048),
-    "sm_86": ArchLimits(smem_per_block=99 * 1024, smem_per_sm=100 * 1024, threads_per_sm=1536),
-    "sm_89": ArchLimits(smem_per_block=99 * 1024, smem_per_sm=100 * 1024, threads_per_sm=1536),
-    "sm_90": ArchLimits(smem_per_block=227 * 1024, smem_per_sm=228 * 1024, threads_per_sm=2048),
-    "sm_120": ArchLimits(smem_per_block=99 * 1024, smem_per_sm=100 * 1024, threads_per_sm=1536),
-}
-
-
-def arch_limits(arch: str) -> ArchLimits:
-    if arch not in ARCH_LIMITS:
-        raise ValueError(f"arch: no limits known for {arch!r}; known: {sorted(ARCH_LIMITS)}")
-    return ARCH_LIMITS[arch]
-
-
 def device_arch(device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm_{major}{minor}"
-
-
-@dataclass(frozen=True)
-class CudaParams:
-    """Parameters of the CUDA kernel (all but NSPLIT are template arguments).
-
-    NSPLIT: key-range splits per head group across the batch (a launch-time value, 1..1024):
-        the batch's keys are cut into at most max(NSPLIT, B) splits (whole tiles): chunk is
-        the least multiple of BLOCK_N with sum_b ceil(L_b / chunk) <= max(NSPLIT, B), and
-        request b is cut into ceil(L_b / chunk) equal pieces; for one request, its split count.
-    VEC: bf16 elements per gathered vector load: 2, 4 or 8 (4/8/16-byte cp.async).
-    BLOCK_N: keys per tile: 16, 32, 64 or 128.
-    NUM_WARPS: warps per block: 4, 8, 16 or 32 (each warp owns DV / NUM_WARPS value columns).
-    HEADS_PER_BLOCK: heads whose HEADS_PER_BLOCK x T query rows share one CTA (1..64).
-    STAGES: cp.async pipeline depth, 2..4.
-    CTAS_PER_SM: CTAs per SM the kernel's registers are capped for (1..4; the launch bound's
-        minimum blocks): 2 lets one CTA's QK^T overlap another's softmax, if the shared memory
-        of both fits the SM.
-    """
-
-    NSPLIT: int = 64
-    VEC: int = 8
-    BLOCK_N: int = 32
-    NUM_WARPS: int = 8
-    HEADS_PER_BLOCK: int = 8
-    STAGES: int = 2
-    CTAS_PER_SM: int = 1
-
-    def __post_init__(self):
-        def need(ok, field, msg):
-            if not ok:
-                raise ValueError(f"CudaParams.{field}: {msg}")
-        for f in ("NSPLIT", "VEC", "BLOCK_N", "NUM_WARPS", "HEADS_PER_BLOCK", "STAGES", "CTAS_PER_SM"):
-            v = getattr(self, f)
-            need(isinstance(v, int) and not isinstance(v, bool), f, f"must be an int, got {v!r}")
-        need(1 <= self.NSPLIT <= 1024, "NSPLIT", f"must be in [1, 1024], got {self.NSPLIT}")
-        need(self.VEC in (2, 4, 8), "VEC", f"must be 2, 4 or 8 bf16 elements, got {self.VEC}")
-        need(self.BLOCK_N in (16, 32, 64, 128), "BLOCK_N", f"must be 16, 32, 64 or 128, got {self.BLOCK_N}")
-        need(self.NUM_WARPS in (4, 8, 16, 32), "NUM_WARPS", f"must be 4, 8, 16 or 32, got {self.NUM_WARPS}")
-        need(1 <= self.HEADS_PER_BLOCK <= 64, "HEADS_PER_BLOCK", f"must be in [1, 64], got {self.HEADS_PER_BLOCK}")
-        need(2 <= self.STAGES <= 4, "STAGES", f"must be in [2, 4], got {self.STAGES}")
-        need(1 <= self.CTAS_PER_SM <= 4, "CTAS_PER_SM", f"must be in [1, 4], got {self.CTAS_PER_SM}")
-        need(self.NUM_WARPS * 32 >= self.BLOCK_N, "BLOCK_N",
-             f"{self.BLOCK_N} keys per tile need at least as many threads (NUM_WARPS={self.NUM_WARPS})")
-
-    @property
-    def threads(self) -> int:
-        return self.NUM_WARPS * 32
 
 
 def qk_tiling(p: CudaParams, T: int) -> tuple[int, int, int]:
@@ -184,16 +111,9 @@ def compile_params(p: CudaParams, T: int, arch: str):
 
 
 def check_static(p: CudaParams, T: int) -> None:
-    """The kernel's static_asserts that depend on T, as ValueErrors naming the field."""
-    if not 1 <= T <= 64:
-        raise ValueError(f"T: {T} draft tokens; the CUDA kernel supports 1..64")
-    g = KernelGeometry.of(p, T)
-    if g.rows > 256:
-        raise ValueError(f"CudaParams.HEADS_PER_BLOCK: {p.HEADS_PER_BLOCK} heads x T={T} = {g.rows} rows per "
-                         "CTA exceeds 256")
-    if g.acc_regs > 192:
-        raise ValueError(f"CudaParams.NUM_WARPS: the O accumulator needs {g.acc_regs} registers per thread "
-                         f"(> 192) with {p.NUM_WARPS} warps and {g.rows} rows; use more warps or fewer heads")
+    """The kernel's static_asserts that depend on T (`CUDA_PARAMS`' rules), as ValueErrors
+    naming the field."""
+    CUDA_PARAMS.check_problem(vars(p), T=T, Dk=DK, Dv=DV)
 
 
 # ---------------------------------------------------------------- kernel arguments (mirror verify.cu)

@@ -1,0 +1,70 @@
+"""The CUDA kernel's parameters (`verify.cu`), declared once: legal values, the rules that
+mirror the kernel's static_asserts, and the per-arch limits a config is judged against.
+Imports neither torch nor the NVRTC bindings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..params import Declaration, Param, declared
+
+CUDA_PARAMS = Declaration("CudaParams", [
+    Param("NSPLIT", range(1, 1025), 64,
+          "key-range splits per head group across the batch (a launch-time value): the batch's keys are cut "
+          "into at most max(NSPLIT, B) splits (whole tiles): chunk is the least multiple of BLOCK_N with "
+          "sum_b ceil(L_b / chunk) <= max(NSPLIT, B), and request b is cut into ceil(L_b / chunk) equal "
+          "pieces; for one request, its split count", launch=True),
+    Param("VEC", (2, 4, 8), 8, "bf16 elements per gathered vector load (4/8/16-byte cp.async)"),
+    Param("BLOCK_N", (16, 32, 64, 128), 32, "keys per tile"),
+    Param("NUM_WARPS", (4, 8, 16, 32), 8, "warps per block (each warp owns DV / NUM_WARPS value columns)"),
+    Param("HEADS_PER_BLOCK", range(1, 65), 8, "heads whose HEADS_PER_BLOCK x T query rows share one CTA"),
+    Param("STAGES", range(2, 5), 2, "cp.async pipeline depth"),
+    Param("CTAS_PER_SM", range(1, 5), 1,
+          "CTAs per SM the kernel's registers are capped for (the launch bound's minimum blocks): 2 lets one "
+          "CTA's QK^T overlap another's softmax, if the shared memory of both fits the SM"),
+], rules=[
+    # verify.cu's Config: THREADS >= BLOCK_N && THREADS % BLOCK_N == 0 (powers of two: the first)
+    ("threads_cover_tile", "BLOCK_N", "NUM_WARPS * 32 >= BLOCK_N", "each key of a tile needs a thread"),
+    ("draft_tokens", "T", "1 <= T <= 64", "the CUDA kernel supports 1..64 draft tokens (one int64 mask per row)"),
+    ("rows_per_cta", "HEADS_PER_BLOCK", "HEADS_PER_BLOCK * T <= 256", "HEADS_PER_BLOCK x T rows per CTA exceed 256"),
+    ("o_accumulator", "NUM_WARPS", "Dv // 16 // NUM_WARPS * cdiv(HEADS_PER_BLOCK * T, 8) * 4 <= 192",
+     "the O accumulator needs over 192 registers per thread; use more warps or fewer heads"),
+])
+
+
+@declared(CUDA_PARAMS)
+class CudaParams:
+    """Parameters of the CUDA kernel (all but NSPLIT are template arguments); fields, legal
+    values, defaults and meanings: `CUDA_PARAMS`."""
+
+    @property
+    def threads(self) -> int:
+        return self.NUM_WARPS * 32
+
+
+@dataclass(frozen=True)
+class ArchLimits:
+    """Per-SM and per-block resources of one compute capability (bytes, threads, registers)."""
+
+    smem_per_block: int
+    smem_per_sm: int
+    threads_per_sm: int
+    regs_per_sm: int = 65536
+    max_regs_per_thread: int = 255
+    max_threads_per_block: int = 1024
+
+
+#: What compile-check, static_reject and the device profiles (configs/devices) judge configs
+#: against, per arch (opt-in dynamic shared memory per block).
+ARCH_LIMITS: dict[str, ArchLimits] = {
+    "sm_80": ArchLimits(smem_per_block=163 * 1024, smem_per_sm=164 * 1024, threads_per_sm=2048),
+    "sm_86": ArchLimits(smem_per_block=99 * 1024, smem_per_sm=100 * 1024, threads_per_sm=1536),
+    "sm_89": ArchLimits(smem_per_block=99 * 1024, smem_per_sm=100 * 1024, threads_per_sm=1536),
+    "sm_90": ArchLimits(smem_per_block=227 * 1024, smem_per_sm=228 * 1024, threads_per_sm=2048),
+    "sm_120": ArchLimits(smem_per_block=99 * 1024, smem_per_sm=100 * 1024, threads_per_sm=1536),
+}
+
+
+def arch_limits(arch: str) -> ArchLimits:
+    if arch not in ARCH_LIMITS:
+        raise ValueError(f"arch: no limits known for {arch!r}; known: {sorted(ARCH_LIMITS)}")
+    return ARCH_LIMITS[arch]
