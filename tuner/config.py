@@ -232,6 +232,32 @@ _MODEL_KEYS = ("name", "num_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope
                "draft_tokens", "tree")
 
 
+def _backends(be: Any, src: str) -> list[str]:
+    """The deployment's `backends`: a name or a non-empty list of distinct names, not the oracle."""
+    if isinstance(be, str):
+        be = [be]
+    if not isinstance(be, list) or not be or not all(isinstance(x, str) and x for x in be):
+        raise _err(src, "backends", f"expected a non-empty list of backend names, got {be!r}")
+    if len(set(be)) != len(be):
+        raise _err(src, "backends", f"duplicate backend in {be}")
+    if "reference" in be:
+        raise _err(src, "backends", "'reference' is the oracle, not a tunable backend")
+    return be
+
+
+def _space_dir(sp: Any, src: str, path: Path | None) -> str:
+    """`search_spaces`: a folder name under search_spaces/ (or beside the deployment file), or a path."""
+    if not isinstance(sp, str) or not sp:
+        raise _err(src, "search_spaces", f"expected a folder name or path, got {sp!r}")
+    cands = [Path(sp), Path(__file__).resolve().parent.parent / "search_spaces" / sp]
+    if path is not None:
+        cands.insert(0, path.parent / sp)
+    found = next((c for c in cands if c.is_dir()), None)
+    if found is None:
+        raise _err(src, "search_spaces", f"no folder {sp!r} (looked in {', '.join(str(c) for c in cands)})")
+    return str(found)
+
+
 def parse_deployment(d: Any, src: str, path: Path | None = None) -> Deployment:
     check_keys(src, "<top>", d, _DEP_KEYS, _DEP_REQUIRED)
     name = d["name"]
@@ -266,32 +292,13 @@ def parse_deployment(d: Any, src: str, path: Path | None = None) -> Deployment:
             raise _err(src, f"tp[{i}]", f"tp={t} does not divide model.num_heads={model.num_heads}")
     contexts = int_list(src, "contexts", d["contexts"])
     batches = int_list(src, "batches", d["batches"])
-    be = d["backends"]
-    if isinstance(be, str):
-        be = [be]
-    if not isinstance(be, list) or not be or not all(isinstance(x, str) and x for x in be):
-        raise _err(src, "backends", f"expected a non-empty list of backend names, got {be!r}")
-    if len(set(be)) != len(be):
-        raise _err(src, "backends", f"duplicate backend in {be}")
-    if "reference" in be:
-        raise _err(src, "backends", "'reference' is the oracle, not a tunable backend")
+    be = _backends(d["backends"], src)
     trials = pos_int(src, "trials", d["trials"])
     budget_mb = pos_float(src, "workspace_budget_mb", d.get("workspace_budget_mb", DEFAULT_WORKSPACE_BUDGET_MB))
     timing = d.get("timing", "graph")
     if timing not in TIMINGS:
         raise _err(src, "timing", f"expected one of {list(TIMINGS)}, got {timing!r}")
-    space_dir = None
-    if "search_spaces" in d:  # a folder name under search_spaces/, or a path
-        sp = d["search_spaces"]
-        if not isinstance(sp, str) or not sp:
-            raise _err(src, "search_spaces", f"expected a folder name or path, got {sp!r}")
-        cands = [Path(sp), Path(__file__).resolve().parent.parent / "search_spaces" / sp]
-        if path is not None:
-            cands.insert(0, path.parent / sp)
-        found = next((c for c in cands if c.is_dir()), None)
-        if found is None:
-            raise _err(src, "search_spaces", f"no folder {sp!r} (looked in {', '.join(str(c) for c in cands)})")
-        space_dir = str(found)
+    space_dir = _space_dir(d["search_spaces"], src, path) if "search_spaces" in d else None
     return Deployment(name=name, model_name=m["name"], model=model, tree=tree, device=device, tp=tp,
                       contexts=contexts, batches=batches, backends=tuple(be), trials=trials,
                       workspace_budget_bytes=int(budget_mb * 2**20), timing=timing, space_dir=space_dir,
