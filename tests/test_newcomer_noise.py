@@ -85,12 +85,12 @@ def test_skipped_gpu_tests_are_explained(tmp_path):
 
 
 def test_progress_off_a_terminal_is_one_line_per_study(capsys):
-    from kvtune.tuner.sweep import _LineProgress
-    bar = _LineProgress(total=8, file=sys.stderr)
+    from kvtune.tuner.progress import Progress
+    bar = Progress(total=8, file=sys.stderr)   # captured: not a terminal
     for study, bests in (("triton tp8 bs1 ctx64", [3.0, 2.0, 1.5]), ("triton tp8 bs1 ctx300", [9.0, 8.0])):
         for b in bests:
             bar.update(1)
-            bar.set_postfix_str(f"{study}: best {b:.1f} us (1.0% of floor)")
+            bar.best(study, b, 1.0)
     bar.close()
     lines = capsys.readouterr().err.splitlines()
     assert lines == ["[3/8 trials] triton tp8 bs1 ctx64: best 1.5 us (1.0% of floor)",

@@ -170,7 +170,7 @@ def _finish(procs, timeout=300):
 
 def test_journal_workers_survive_a_killed_worker(tmp_path):
     """`kvtune sweep --workers 2` on the default journal storage; SIGKILL one worker mid-trial."""
-    from kvtune.tuner.sweep import open_storage
+    from kvtune.tuner.storage import open_storage
     name = "jw"
     dep, spaces = _deployment(tmp_path, name)
     out = tmp_path / "results"
@@ -183,13 +183,13 @@ def test_journal_workers_survive_a_killed_worker(tmp_path):
         deadline = time.time() + 120
         while not journal.exists() and time.time() < deadline and sweep.poll() is None:
             time.sleep(0.1)
-        storage, _ = open_storage(f"journal:{journal}", out / name)
+        storage, _ = open_storage(f"journal:{journal}")
         victim = _kill_one_inside_a_trial(storage, [sweep], {sweep.pid}, lock_path=str(journal) + ".lock")
     finally:
         (log,) = _finish([sweep])
     assert sweep.returncode == 0, log
     assert f"pid {victim[0]}" in log and "exited with -9" in log, log
-    storage, _ = open_storage(f"journal:{journal}", out / name)
+    storage, _ = open_storage(f"journal:{journal}")
     _check(storage, out, name, victim)
     _check_export(out, dep, name)
     run = json.loads((out / name / "runs.jsonl").read_text().splitlines()[-1])
@@ -230,9 +230,9 @@ def postgres_db(postgres_server):
     """A fresh database on the server for one test."""
     import sqlalchemy as sa
 
-    from kvtune.tuner.workers import _with_driver
+    from kvtune.tuner.storage import with_driver
     db = f"kvtune_{uuid.uuid4().hex[:10]}"
-    engine = sa.create_engine(_with_driver(postgres_server), isolation_level="AUTOCOMMIT")
+    engine = sa.create_engine(with_driver(postgres_server), isolation_level="AUTOCOMMIT")
     with engine.connect() as c:
         c.execute(sa.text(f"CREATE DATABASE {db}"))
     yield postgres_server.rsplit("/", 1)[0] + f"/{db}"
@@ -244,7 +244,7 @@ def postgres_db(postgres_server):
 def test_postgres_workers_survive_a_killed_worker(tmp_path, postgres_db):
     """`kvtune sweep --workers 1` and a `kvtune worker` joining it (as from another host) on
     PostgreSQL; SIGKILL whichever first holds a trial."""
-    from kvtune.tuner.workers import open_shared_storage
+    from kvtune.tuner.storage import open_shared_storage
     name = "pgw"
     dep, spaces = _deployment(tmp_path, name)
     out = tmp_path / "results"
@@ -282,7 +282,7 @@ def test_ctrl_c_of_workers_resumes(tmp_path):
     """SIGINT to `kvtune sweep --workers 2` mid-sweep: it exits 130, the trials its workers held
     are failed as interrupted (none left running) and queued again; the re-run completes with
     every finished trial counted once and each interrupted trial retried once."""
-    from kvtune.tuner.sweep import open_storage
+    from kvtune.tuner.storage import open_storage
     name = "cw"
     dep, spaces = _deployment(tmp_path, name)
     out = tmp_path / "results"
@@ -294,7 +294,7 @@ def test_ctrl_c_of_workers_resumes(tmp_path):
         deadline = time.time() + 240
         while time.time() < deadline and sweep.poll() is None:
             if journal.exists():
-                storage, _ = open_storage(f"journal:{journal}", out / name)
+                storage, _ = open_storage(f"journal:{journal}")
                 if sum(t.state.is_finished() for ts in _all_trials(storage).values() for t in ts) >= 3:
                     break
             time.sleep(0.2)
@@ -305,12 +305,12 @@ def test_ctrl_c_of_workers_resumes(tmp_path):
     assert sweep.returncode == 130, log
     import optuna
     TS = optuna.trial.TrialState
-    storage, _ = open_storage(f"journal:{journal}", out / name)
+    storage, _ = open_storage(f"journal:{journal}")
     for ts in _all_trials(storage).values():
         assert not [t.number for t in ts if t.state == TS.RUNNING], "a trial was left running"
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert again.returncode == 0, again.stdout + again.stderr
-    storage, _ = open_storage(f"journal:{journal}", out / name)
+    storage, _ = open_storage(f"journal:{journal}")
     trials, counted = _check(storage, out, name)
     for study, ts in trials.items():
         for t in ts:
@@ -332,7 +332,7 @@ def test_tpe_steps_to_neighbours_of_the_best(tmp_path, workers):
     import optuna
 
     from kvtune.tuner.strategy import DEFAULT, neighbours, params_key
-    from kvtune.tuner.sweep import open_storage
+    from kvtune.tuner.storage import open_storage
     TS = optuna.trial.TrialState
     name, budget = "nb", 8
     doc = {"name": name, "model": {"name": "tiny-mla", "num_heads": 8, "draft_tokens": 4, "tree": "random"},
@@ -353,7 +353,7 @@ def test_tpe_steps_to_neighbours_of_the_best(tmp_path, workers):
         cmd += list(map(str, ["--workers", workers, "--heartbeat", HEARTBEAT, "--grace", 60]))
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    storage, _ = open_storage(f"journal:{journal}", out / name)
+    storage, _ = open_storage(f"journal:{journal}")
     trials = _all_trials(storage)
     assert len(trials) == 2
     n_local = 0
