@@ -66,30 +66,25 @@ def subset(sel, allowed, flag, src, allow_extra=False) -> list:
     return list(dict.fromkeys(sel))
 
 
-def positive_int(flag):
-    """argparse type: an integer >= 1, else an error naming `flag`."""
+def _checked(flag, cast, ok, expected):
+    """argparse type: `cast(text)` where `ok` holds, else an error naming `flag` and what it expects."""
     def parse(text):
         try:
-            v = int(text)
+            v = cast(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag}: expected a positive integer, got {text!r}") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{flag}: expected a positive integer, got {v}")
+            raise argparse.ArgumentTypeError(f"{flag}: expected {expected}, got {text!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"{flag}: expected {expected}, got {text}")
         return v
     return parse
+
+
+def positive_int(flag):
+    return _checked(flag, int, lambda v: v >= 1, "a positive integer")
 
 
 def non_negative_minutes(flag):
-    """argparse type: a finite number of minutes >= 0, else an error naming `flag`."""
-    def parse(text):
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag}: expected a number of minutes, got {text!r}") from None
-        if not v >= 0 or v == float("inf"):
-            raise argparse.ArgumentTypeError(f"{flag}: expected a finite number of minutes >= 0, got {text}")
-        return v
-    return parse
+    return _checked(flag, float, lambda v: 0 <= v < float("inf"), "a finite number of minutes >= 0")
 
 
 def add_sweep_arguments(p, worker: bool = False) -> None:
@@ -131,5 +126,6 @@ def options_from_args(args) -> SweepOptions:
                         storage=args.storage, timing=args.timing, seed=args.seed, device=args.device, out=args.out,
                         space_dir=args.space_dir, remeasure_top=getattr(args, "remeasure_top", 3),
                         rounds=getattr(args, "rounds", 3), isolate=not getattr(args, "in_process", False),
-                        trial_timeout_s=args.trial_timeout, progress=not args.no_progress,
+                        trial_timeout_s=args.trial_timeout,
+                        progress=not (args.no_progress or getattr(args, "quiet", 0)),
                         max_minutes=args.max_minutes, compile_workers=args.compile_workers, grid=args.grid)

@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 
 
 class ServingCheck:
-    """Callable `(backend, params, split_table, tp, bs, contexts) -> rows or None` measuring one
-    pick at every bucket (None when this machine cannot: another device)."""
+    """Callable `(backend, params, split_table, tp, bs, contexts, key) -> rows or None`: measures
+    one pick at each of `contexts` and appends its rows (round `key`) to the trials table;
+    None when this machine cannot (another device, or the backend does not run here)."""
 
     def __init__(self, dep: Deployment, table_path, device_name: str, arch: str, timing: str | None, seed: int = 0):
         self.dep, self.table_path, self.seed = dep, table_path, seed

@@ -280,8 +280,7 @@ class StudyLoop:
                 log.info("note: %s: %s", name, self._notes[key])
                 return not st.running, worked
             batch = self._ask_batch(key, plan, study, st, min(owed, cap - self._asks.get(key, 0)), rng)
-            self._measure_batch(key, plan, name, study, seed, st, batch, rng)
-            worked = True
+            worked = self._measure_batch(key, plan, name, study, seed, st, batch, rng) or worked
 
     def _ask_batch(self, key, plan: StudyPlan, study, st: _State, owed: int, rng) -> list:
         """Ask for up to one config per compile worker (`SearchStrategy.width`) and start
@@ -302,11 +301,13 @@ class StudyLoop:
                 self.runner.prefetch.submit(backend, params, asdict(plan.spec))
         return batch
 
-    def _measure_batch(self, key, plan: StudyPlan, name, study, seed, st: _State, batch, rng):
+    def _measure_batch(self, key, plan: StudyPlan, name, study, seed, st: _State, batch, rng) -> bool:
         """Measure a batch in order and tell each result; a config measured already (or, for
-        workers, being measured elsewhere) is told as a duplicate of that trial."""
+        workers, being measured elsewhere) is told as a duplicate of that trial. True when
+        something was measured (or pruned) here."""
         TS = self.optuna.trial.TrialState
         backend, tp, bs, ctx = key
+        worked = False
 
         def repair():
             """After a wasted proposal (measured already, or infeasible) a random feasible config
@@ -345,6 +346,8 @@ class StudyLoop:
                 st.measured[k] = study._storage.get_trial(trial._trial_id)
             if not why:
                 self._progress(m)
+            worked = True
+        return worked
 
     @staticmethod
     def _violation(role, plan: StudyPlan, params):
