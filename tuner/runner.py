@@ -1,6 +1,6 @@
 """Measuring configs of one deployment on this machine, for the sweep and the export's serving check.
 
-A `Runner` holds the trial worker (`tuner.worker`: a process replaced after a GPU fault, or
+A `Runner` holds the trial worker (`tuner/executor.py`: a process replaced after a GPU fault, or
 this process), the pool compiling configs ahead, the device's and backends' provenance, and
 turns one measurement into one row of the trials table (`tuner/table.py`).
 """
@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict
 
 from .config import ConfigError, Deployment
-from .worker import Prefetcher, WorkerError, make_executor
+from .executor import Prefetcher, WorkerError, make_executor
 
 log = logging.getLogger(__name__)
 

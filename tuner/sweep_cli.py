@@ -16,7 +16,7 @@ from pathlib import Path
 from . import sweep, workers
 from .config import ConfigError, Deployment, load_deployment, redact_url
 from .options import SweepOptions, add_sweep_arguments, options_from_args
-from .worker import WorkerError
+from .executor import WorkerError
 
 log = logging.getLogger(__name__)
 
