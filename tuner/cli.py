@@ -21,10 +21,18 @@ COMMAND_MODULES = [
 
 
 class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever `sys.stderr` is at the time (a test's capture, a redirected stream)."""
+    """Writes to whatever `sys.stderr` is at the time (a test's capture, a redirected stream),
+    through tqdm when it is there, so that a line does not tear a progress bar."""
 
-    def __init__(self):
-        super().__init__()
+    def emit(self, record):
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return super().emit(record)
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # noqa: BLE001 - logging must not raise
+            self.handleError(record)
 
     @property
     def stream(self):

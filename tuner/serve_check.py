@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 
 from .config import Deployment
+from .executor import WorkerError
 from .study import study_name
 from .table import TrialsTable
 
@@ -45,12 +46,18 @@ class ServingCheck:
                 return self._cannot("no CUDA GPU is visible here")
             timing = self.timing if self.timing in ("graph", "eager") else None
             self.runner = Runner(self.dep, device, timing=timing, compile_workers=0)
-            self.runner.setup([])
+            try:
+                self.runner.setup([])
+            except WorkerError as e:
+                return self._cannot(f"its trial worker failed ({e})")
             here = str(self.runner.info.get("device_name"))
             if here != self.device_name:
                 return self._cannot(f"this machine is {here}")
         if backend not in self.runner.binfo:
-            self.runner.setup([backend])
+            try:
+                self.runner.setup([backend])
+            except WorkerError as e:
+                return self._cannot(f"its trial worker failed ({e})")
             if backend not in self.runner.binfo:
                 return self._cannot(f"backend {backend} does not run here ({self.runner.skipped.get(backend)})")
         if backend not in self.tables:
