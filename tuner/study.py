@@ -305,7 +305,6 @@ class StudyLoop:
         """Measure a batch in order and tell each result; a config measured already (or, for
         workers, being measured elsewhere) is told as a duplicate of that trial. True when
         something was measured (or pruned) here."""
-        TS = self.optuna.trial.TrialState
         backend, tp, bs, ctx = key
         worked = False
 
@@ -324,16 +323,7 @@ class StudyLoop:
             k = params_key(params)
             if k in st.measured or (k in st.busy and plan.grid is None and not self._is_retry(study, trial)):
                 repair()
-                src = st.measured.get(k)
-                try:
-                    trial.set_user_attr("duplicate_of", src.number if src else st.busy[k])
-                    if src is not None and src.state == TS.COMPLETE:
-                        study.tell(trial, src.value)
-                    else:
-                        study.tell(trial, state=src.state if src is not None else TS.FAIL)
-                except self.optuna.exceptions.UpdateFinishedTrialError:
-                    pass
-                self._release(trial)
+                self._tell_duplicate(study, trial, st.measured.get(k), st.busy.get(k))
                 continue
             st.waiting.discard(k)
             try:
@@ -348,6 +338,20 @@ class StudyLoop:
                 self._progress(m)
             worked = True
         return worked
+
+    def _tell_duplicate(self, study, trial, src, busy_number):
+        """Tell `trial` as a duplicate of `src` (its finished trial), or of the trial numbered
+        `busy_number` running elsewhere (told failed: the other one counts)."""
+        TS = self.optuna.trial.TrialState
+        try:
+            trial.set_user_attr("duplicate_of", src.number if src is not None else busy_number)
+            if src is not None and src.state == TS.COMPLETE:
+                study.tell(trial, src.value)
+            else:
+                study.tell(trial, state=src.state if src is not None else TS.FAIL)
+        except self.optuna.exceptions.UpdateFinishedTrialError:
+            pass
+        self._release(trial)
 
     @staticmethod
     def _violation(role, plan: StudyPlan, params):

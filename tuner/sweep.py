@@ -130,36 +130,16 @@ class Sweep(StudyLoop):
         return sorted((t for t in self._finished(study) if t.user_attrs["outcome"] == "ok"), key=lambda t: t.value)
 
     def cross_measure(self, backend, tp, bs):
-        """Measure the compile-time configs that won some bucket at every other bucket."""
+        """Measure the compile-time configs that won some bucket at every other bucket: per
+        bucket and candidate, its NSPLIT options in turn until one measures correct."""
         studies = {ctx: self._open_study(backend, tp, bs, ctx) for ctx in self.ctxs}
         oks = {ctx: self._ok_trials(s[1]) for ctx, s in studies.items()}
         cands: dict[str, dict] = {}
         for ctx in self.ctxs:
-            for t in oks[ctx][:2]:
+            for t in oks[ctx][:2] + [t for t in oks[ctx] if t.user_attrs.get("role") == "baseline"]:
                 cands.setdefault(compile_key(t.params), dict(t.params))
-            for t in oks[ctx]:
-                if t.user_attrs.get("role") == "baseline":
-                    cands.setdefault(compile_key(t.params), dict(t.params))
-        space = self.spaces[backend]
-        plan = []
-        for ctx in self.ctxs:
-            name, study, seed = studies[ctx]
-            have = {compile_key(t.params) for t in oks[ctx]}
-            tried = {params_key(t.params) for t in self._finished(study)}
-            spec = self.runner.spec(tp, bs, ctx)
-            env = problem_env(spec.draft_tokens, spec.heads, bs, ctx, spec.Dk, spec.kv_lora_rank, self.dep.device)
-            dists = {n: tuple(v) for n, v in study.user_attrs["dists"].items()}
-            nsplits = [oks[ctx][0].params["NSPLIT"]] if oks[ctx] and "NSPLIT" in space.names else []
-            for ck, p in cands.items():
-                if ck in have or any(p.get(n) not in dists[n] for n in dists if n != "NSPLIT"):
-                    continue
-                options = [dict(p, NSPLIT=n) for n in dict.fromkeys(nsplits + [p.get("NSPLIT")]) if n is not None] \
-                    if "NSPLIT" in space.names else [p]
-                options = [q for q in options if params_key(q) not in tried and q.get("NSPLIT", 1) in
-                           dists.get("NSPLIT", (1,)) and not space.violation(q, env)]
-                if options:
-                    plan.append((ctx, options))
-                    self.runner.prefetch.submit(backend, options[0], asdict(spec))
+        plan = [(ctx, options) for ctx in self.ctxs
+                for options in self._cross_options(backend, tp, bs, ctx, studies[ctx][1], oks[ctx], cands)]
         for ctx, options in plan:
             name, study, seed = studies[ctx]
             spec = self.runner.spec(tp, bs, ctx)
@@ -177,6 +157,29 @@ class Sweep(StudyLoop):
                 self._progress(m, count=False)
                 if m["outcome"] == "ok":
                     break
+
+    def _cross_options(self, backend, tp, bs, ctx, study, oks, cands) -> list[list[dict]]:
+        """Per candidate this bucket has no correct config of: the configs to try here (its
+        NSPLIT, or this bucket's best NSPLIT first), untried and feasible; their compiles start."""
+        space = self.spaces[backend]
+        have = {compile_key(t.params) for t in oks}
+        tried = {params_key(t.params) for t in self._finished(study)}
+        spec = self.runner.spec(tp, bs, ctx)
+        env = problem_env(spec.draft_tokens, spec.heads, bs, ctx, spec.Dk, spec.kv_lora_rank, self.dep.device)
+        dists = {n: tuple(v) for n, v in study.user_attrs["dists"].items()}
+        nsplits = [oks[0].params["NSPLIT"]] if oks and "NSPLIT" in space.names else []
+        out = []
+        for ck, p in cands.items():
+            if ck in have or any(p.get(n) not in dists[n] for n in dists if n != "NSPLIT"):
+                continue
+            options = [dict(p, NSPLIT=n) for n in dict.fromkeys(nsplits + [p.get("NSPLIT")]) if n is not None] \
+                if "NSPLIT" in space.names else [p]
+            options = [q for q in options if params_key(q) not in tried and q.get("NSPLIT", 1) in
+                       dists.get("NSPLIT", (1,)) and not space.violation(q, env)]
+            if options:
+                out.append(options)
+                self.runner.prefetch.submit(backend, options[0], asdict(spec))
+        return out
 
     def remeasure(self, backend, tp, bs):
         """Re-measure each bucket's top configs interleaved with the baseline (and the

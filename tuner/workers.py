@@ -307,7 +307,7 @@ class SharedSweep(Sweep):
         """The workers' progress as the storage shows it: counted trials of every study, and a
         study's best once it has its budget (or at the end)."""
         TS = self.optuna.trial.TrialState
-        total = 0
+        total, finished = 0, []
         for s in self.storage.get_all_studies():
             if not s.study_name.startswith(self.dep.name + STUDY_SEP):
                 continue
@@ -317,10 +317,10 @@ class SharedSweep(Sweep):
             ok = [t for t in counted if t.state == TS.COMPLETE]
             if ok and s.study_name not in reported and (final or len(counted) >= self.trials):
                 reported.add(s.study_name)
-                best = min(ok, key=lambda t: t.value)
-                self.bar.best(" ".join(s.study_name.split(STUDY_SEP)[1:]), best.value,
-                              best.user_attrs.get("pct_floor"))
+                finished.append((s.study_name, min(ok, key=lambda t: t.value)))
         self.bar.update(max(0, total - self.bar.n))
+        for name, best in finished:
+            self.bar.best(" ".join(name.split(STUDY_SEP)[1:]), best.value, best.user_attrs.get("pct_floor"))
 
     def _stop_children(self):
         live = [p for p in self.children if p.poll() is None]
