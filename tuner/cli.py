@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
+
+from .log import set_level
 
 # Each module has `register(subparsers)`, which adds its subcommand(s) with `set_defaults(func=...)`.
 COMMAND_MODULES = [
@@ -18,51 +19,6 @@ COMMAND_MODULES = [
     "kvtune.tuner.calibrate",       # kvtune calibrate
     "kvtune.tuner.report",          # kvtune report (review)
 ]
-
-
-class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever `sys.stderr` is at the time (a test's capture, a redirected stream),
-    through tqdm when it is there, so that a line does not tear a progress bar."""
-
-    def emit(self, record):
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            return super().emit(record)
-        try:
-            tqdm.write(self.format(record), file=sys.stderr)
-        except Exception:  # noqa: BLE001 - logging must not raise
-            self.handleError(record)
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, _):
-        pass
-
-
-class _Formatter(logging.Formatter):
-    """`warning: ...` and `error: ...` as the tuner has always written them; info as it is."""
-
-    def format(self, record):
-        msg = super().format(record)
-        if record.levelno >= logging.WARNING or record.levelno < logging.INFO:
-            return f"{record.levelname.lower()}: {msg}"
-        return msg
-
-
-def configure_logging(verbose: int = 0, quiet: int = 0) -> None:
-    """The `kvtune` logger's level (INFO; DEBUG with -v, WARNING with -q) and its stderr handler."""
-    logger = logging.getLogger("kvtune")
-    for h in [h for h in logger.handlers if isinstance(h, _StderrHandler)]:
-        logger.removeHandler(h)
-    handler = _StderrHandler()
-    handler.setFormatter(_Formatter("%(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
-    logger.propagate = False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,7 +40,7 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    configure_logging(args.verbose, args.quiet)
+    set_level(args.verbose, args.quiet)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:

@@ -20,7 +20,6 @@ checks it lacks on this machine (`--no-check`: only recorded ones count); so doe
 from __future__ import annotations
 
 import json
-import logging
 from datetime import datetime, timezone
 from pathlib import Path
 from statistics import median
@@ -28,9 +27,10 @@ from statistics import median
 from kvtune.kernels.tuned import BACKEND_NAMES, ContextBucket, TunedDefaults, TunedEntry, dump_tuned
 
 from .config import Deployment, load_deployment
+from .log import get_logger
 from .table import read_jsonl, read_trials
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 MAX_CHECKS = 5   # serving checks measured per (tp, batch bucket) before export stops measuring more
 
 

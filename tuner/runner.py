@@ -6,15 +6,15 @@ turns one measurement into one row of the trials table (`tuner/table.py`).
 """
 from __future__ import annotations
 
-import logging
 import os
 import time
 from dataclasses import asdict
 
 from .config import ConfigError, Deployment
 from .executor import Prefetcher, WorkerError, make_executor
+from .log import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 def default_device() -> str:

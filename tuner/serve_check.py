@@ -13,14 +13,13 @@ recorded in the table and says so.
 """
 from __future__ import annotations
 
-import logging
-
 from .config import Deployment
 from .executor import WorkerError
+from .log import get_logger
 from .study import study_name
 from .table import TrialsTable
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class ServingCheck:

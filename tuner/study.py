@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import logging
 import math
 import random
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 from .config import ConfigError, redact_url
+from .log import get_logger
 from .space import SearchSpace, problem_env
 from .strategy import local_proposal, params_key
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 STUDY_SEP = "|"
 
 

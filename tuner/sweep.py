@@ -21,7 +21,6 @@ then run once, here. See `tuner/workers.py` (and `kvtune worker` to join from ot
 """
 from __future__ import annotations
 
-import logging
 import sys
 import time
 import warnings
@@ -29,6 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .config import ConfigError, Deployment, load_deployment, redact_argv, redact_url
+from .log import get_logger
 from .options import SweepOptions, check_options, subset
 from .progress import Progress
 from .runner import Runner
@@ -37,7 +37,7 @@ from .strategy import params_key
 from .study import StudyLoop, compile_key
 from .table import TrialsTable, append_jsonl
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class SweepStopped(Exception):

@@ -7,7 +7,6 @@ One process: `tuner.sweep.Sweep`; several sharing the studies: `tuner.workers.Sh
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from dataclasses import replace
@@ -15,10 +14,11 @@ from pathlib import Path
 
 from . import sweep, workers
 from .config import ConfigError, Deployment, load_deployment, redact_url
-from .options import SweepOptions, add_sweep_arguments, options_from_args
 from .executor import WorkerError
+from .log import get_logger
+from .options import SweepOptions, add_sweep_arguments, options_from_args
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 def _export(sw, args) -> None:

@@ -29,14 +29,15 @@ import csv
 import io
 import json
 import os
-import logging
 import re
 from contextlib import nullcontext
 from pathlib import Path
 
 from kvtune.kernels.backends import RENAMED_PARAMS, rename_legacy_params
 
-log = logging.getLogger(__name__)
+from .log import get_logger
+
+log = get_logger(__name__)
 
 LEAD = ["deployment", "study", "phase", "round", "backend", "tp", "heads", "bs", "ctx", "T", "tree", "trial", "role"]
 RESULT = ["params", "outcome", "reason", "median_us", "p10_us", "p90_us", "rel_err", "gbps", "tflops", "floor_us",

@@ -34,7 +34,6 @@ same order as a single-process sweep, so the export of the same trials is the sa
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import signal
 import socket
@@ -46,12 +45,13 @@ import warnings
 from datetime import datetime
 
 from .config import Deployment, redact_url
+from .log import get_logger
 from .options import SweepOptions
 from .progress import Progress
 from .study import STUDY_SEP, study_name
 from .sweep import Sweep
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class Interrupts:
