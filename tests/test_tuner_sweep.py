@@ -164,12 +164,13 @@ def test_wrong_variant_rejected_crash_isolated_constraint_pruned(tmp_path, fast_
     assert seen == {"ok", "pruned", "wrong", "failed"}
     run = json.loads((tmp_path / "results" / "wrong" / "runs.jsonl").read_text().splitlines()[-1])
     assert run["restarts"] >= 1, "the crashed worker was replaced"
-    tuned = export_deployment(sw.dep, out=str(tmp_path / "results"), quiet=True)
+    assert not (df["phase"] == "serve").any(), "the sweep only measures: the serving check is the export's"
+    tuned = export_deployment(sw.dep, out=str(tmp_path / "results"), quiet=True, check=True)
     (e,) = tuned.entries
     assert e.params["BLOCK_N"] != 16, "a config rejected by the correctness gate was exported"
     assert not (e.params["NSPLIT"] == 2 and e.params["NUM_WARPS"] == 2)
     assert set(e.params) == set(keys)
-    # the serving check (split table) rejected the faster groups; the export skipped them
+    # the export's serving check (split table) rejected the faster groups and skipped them
     df = read_trials(tmp_path / "results" / "wrong" / "trials.csv")   # as it stands after the export
     serve = df[df["phase"] == "serve"]
     assert (serve["outcome"] == "wrong").any(), "the faster configs failed their serving check"

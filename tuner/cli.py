@@ -1,22 +1,23 @@
-"""The `kvtune` command line: one subcommand module each, registered below."""
+"""The `kvtune` command line: one subcommand module each, registered below.
+
+Every subcommand takes `-v` (debug detail) and `-q` (warnings and errors only); by default
+the tuner's notes and warnings go to stderr, results to stdout.
+"""
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
 
+from .log import set_level
+
 # Each module has `register(subparsers)`, which adds its subcommand(s) with `set_defaults(func=...)`.
 COMMAND_MODULES = [
-    "kvtune.tuner.compile_check",
-    # kvtune compile-check (CUDA backend)
-    # kvtune sweep / export / calibrate (tuner)
-    "kvtune.tuner.sweep",
-    "kvtune.tuner.export",
-    "kvtune.tuner.calibrate",
-    # kvtune report (review)
-    "kvtune.tuner.report",
-    # kvtune worker (distributed sweeps)
-    "kvtune.tuner.workers",
+    "kvtune.tuner.compile_check",   # kvtune compile-check (CUDA backend)
+    "kvtune.tuner.sweep_cli",       # kvtune sweep, kvtune worker (distributed sweeps)
+    "kvtune.tuner.export",          # kvtune export
+    "kvtune.tuner.calibrate",       # kvtune calibrate
+    "kvtune.tuner.report",          # kvtune report (review)
 ]
 
 
@@ -26,6 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for mod in COMMAND_MODULES:
         importlib.import_module(mod).register(sub)
+    for sp in sub.choices.values():
+        g = sp.add_mutually_exclusive_group()
+        g.add_argument("-v", "--verbose", action="count", default=0, help="more detail on stderr")
+        g.add_argument("-q", "--quiet", action="count", default=0, help="only warnings and errors on stderr")
     return p
 
 
@@ -35,6 +40,7 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    set_level(args.verbose, args.quiet)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:

@@ -10,11 +10,16 @@ backends. The default's own group always qualifies, so an exported config never 
 the default it was measured against. Latencies are the interleaved re-measurements where
 they exist, else the search measurement. `params.NSPLIT` is the largest bucket NSPLIT (the
 grid size); the file is written and validated with `kvtune.kernels.tuned`.
+
+The serving check is part of the choice: each pick is measured the way serving runs it
+(`params.NSPLIT` and a split table, `tuner/serve_check.py`) unless the table already holds
+that check; a pick that fails it gives way to the next best. `kvtune export` measures the
+checks it lacks on this machine (`--no-check`: only recorded ones count); so does
+`kvtune sweep --export`.
 """
 from __future__ import annotations
 
 import json
-import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from statistics import median
@@ -22,11 +27,19 @@ from statistics import median
 from kvtune.kernels.tuned import BACKEND_NAMES, ContextBucket, TunedDefaults, TunedEntry, dump_tuned
 
 from .config import Deployment, load_deployment
+from .log import get_logger
 from .table import read_jsonl, read_trials
 
+log = get_logger(__name__)
+MAX_CHECKS = 5   # serving checks measured per (tp, batch bucket) before export stops measuring more
 
-def _latencies(df):
-    """(backend, tp, bs, ctx, params_json) -> (latency_us, role): re-measured median if any."""
+
+def latencies(df):
+    """The latency export judges each measured config by: (backend, tp, bs, ctx, params JSON
+    with sorted keys) -> (latency_us, role). Latency: the median of the config's interleaved
+    re-measurements where it has any, else of its search (and cross-bucket) measurements;
+    serving-check rows never count. Role: "baseline" when the config is the backend's
+    default, else its first role by name."""
     out = {}
     ok = df[(df["outcome"] == "ok") & (df["phase"] != "serve")]
     for key, g in ok.groupby(["backend", "tp", "bs", "ctx", ok["params"].map(lambda p: json.dumps(p, sort_keys=True))]):
@@ -41,7 +54,7 @@ def _latencies(df):
 def choose(df, backends, tp, bs, contexts, exclude=frozenset()):
     """The winning (backend, compile params, {ctx: (NSPLIT, lat, default_lat, floor)}) or None;
     `exclude` holds (backend, compile-key JSON) pairs that failed their serving check."""
-    lat = _latencies(df)
+    lat = latencies(df)
     floors = {int(c): float(f) for c, f in df[(df["tp"] == tp) & (df["bs"] == bs)][["ctx", "floor_us"]]
               .dropna().drop_duplicates("ctx").itertuples(index=False)}
     best = None
@@ -97,12 +110,14 @@ def serve_key(backend: str, params: dict, table) -> str:
     return "serve-" + hashlib.sha256(json.dumps([backend, params, table], sort_keys=True).encode()).hexdigest()[:10]
 
 
-def pick_served(df, backends, tp, bs, contexts, T):
+def pick_served(df, backends, tp, bs, contexts, T, check=None):
     """`choose`, skipping configs whose serving check (one graph-capturable launch with the
-    split table, at every bucket) was recorded wrong or failed. Returns (pick, notes,
-    {ctx: served latency} or None when not checked)."""
+    split table, at every bucket) was recorded wrong or failed. `check` (a `ServingCheck`)
+    measures a pick no recorded check covers. Returns (pick, notes, {ctx: served latency} or
+    None when not checked)."""
     exclude = set()
     notes = []
+    measured = 0
     while True:
         pick, n = choose(df, backends, tp, bs, contexts, frozenset(exclude))
         notes += n
@@ -110,75 +125,136 @@ def pick_served(df, backends, tp, bs, contexts, T):
             return None, notes, None
         be, cparams, buckets, _ = pick
         params, table = served(cparams, buckets, contexts, T, be, bs)
-        rows = df[(df["phase"] == "serve") & (df["round"].astype(str) == serve_key(be, params, table))
-                  & (df["tp"] == tp) & (df["bs"] == bs)]
-        bad = rows[rows["outcome"] != "ok"]
-        if len(bad):
-            notes.append(f"tp={tp} bs={bs}: {be} {params} failed its serving check ({bad.iloc[0]['outcome']}: "
-                         f"{bad.iloc[0]['reason']}); next best")
+        key = serve_key(be, params, table)
+        sel = df[(df["phase"] == "serve") & (df["round"].astype(str) == key) & (df["tp"] == tp) & (df["bs"] == bs)]
+        rows = sel[["ctx", "outcome", "reason", "median_us"]].to_dict("records")
+        unchecked = [c for c in contexts if c not in {int(r["ctx"]) for r in rows}]
+        if unchecked and check is not None and measured < MAX_CHECKS:   # a check a kill cut short: the rest
+            rows += check(be, params, table, tp, bs, unchecked, key) or []
+            measured += 1
+        bad = [r for r in rows if r["outcome"] != "ok"]
+        if bad:
+            notes.append(f"tp={tp} bs={bs}: {be} {params} failed its serving check ({bad[0]['outcome']}: "
+                         f"{bad[0]['reason']}); next best")
             exclude.add((be, json.dumps(cparams, sort_keys=True)))
             continue
-        lat = {int(r.ctx): float(r.median_us) for r in rows.itertuples()} if len(rows) else None
+        lat = {int(r["ctx"]): float(r["median_us"]) for r in rows} if rows else None
         return pick, notes, lat
 
 
 def export_deployment(dep: Deployment | str, out: str = "runs", trials_csv: str | None = None,
-                      path: str | None = None, quiet: bool = False) -> TunedDefaults:
+                      path: str | None = None, quiet: bool = False, check: bool = False,
+                      seed: int = 0) -> TunedDefaults:
+    """Pick and write the tuned defaults of `dep` from its trials table. `check`: first run the
+    serving check of each pick that the table holds no check of (on this machine, which must
+    be the one the trials were measured on; `tuner/serve_check.py`). `quiet`: no report
+    table on stdout (warnings and notes go to the `kvtune` logger)."""
     dep = dep if isinstance(dep, Deployment) else load_deployment(dep)
     out_dir = Path(out) / dep.name
-    df = read_trials(trials_csv or out_dir / "trials.csv")
-    df = df[df["deployment"] == dep.name]
-    if df.empty:
-        raise ValueError(f"{trials_csv or out_dir / 'trials.csv'}: no trials of deployment {dep.name!r}")
-    devices = list(dict.fromkeys(zip(df["device"].astype(str), df["arch"].astype(str))))
-    if len(devices) > 1:  # numbers from different machines are not comparable: keep the latest one's
-        dev, arch = str(df.iloc[-1]["device"]), str(df.iloc[-1]["arch"])
-        if not quiet:
-            print(f"warning: the table holds trials from {len(devices)} devices {devices}; exporting those of "
-                  f"the latest, {dev} ({arch})", file=sys.stderr)
-        df = df[(df["device"].astype(str) == dev) & (df["arch"].astype(str) == arch)]
+    table_path = Path(trials_csv) if trials_csv else out_dir / "trials.csv"
+    df = _latest_device(_deployment_trials(table_path, dep))
     backends = [b for b in dict.fromkeys(df["backend"]) if b in BACKEND_NAMES and b != "reference"]
     others = [b for b in dict.fromkeys(df["backend"]) if b not in BACKEND_NAMES]
-    if others and not quiet:
-        print(f"note: not exporting backends outside the schema's {list(BACKEND_NAMES)}: {others}", file=sys.stderr)
+    if others:
+        log.info("note: not exporting backends outside the schema's %s: %s", list(BACKEND_NAMES), others)
+    _warn_incomplete(df, dep, out_dir)
+    checker = None
+    if check:
+        from .serve_check import ServingCheck
+        last = df.iloc[-1]
+        search = df[df["phase"] == "search"]
+        checker = ServingCheck(dep, table_path, str(last["device"]), str(last["arch"]),
+                               _s(search["timing"].iloc[-1]) if len(search) else None, seed)
+    try:
+        entries, report = _entries(df, dep, backends, checker)
+    finally:
+        if checker is not None:
+            checker.close()
+    if not entries:
+        raise ValueError(f"{out_dir}: nothing to export for {dep.name} (no config was correct at every bucket)")
+    tuned = TunedDefaults(deployment=dep.name, model=_model(dep), provenance=_provenance(df, entries),
+                          entries=tuple(entries))
+    dest = Path(path) if path else out_dir / f"{dep.name}.yaml"
+    dump_tuned(tuned, dest)
+    if not quiet:
+        import pandas as pd
+        print(pd.DataFrame(report).to_string(index=False, float_format=lambda x: f"{x:.2f}"))
+        print(f"exported {dest}")
+    return tuned
+
+
+def _deployment_trials(table_path: Path, dep: Deployment):
+    df = read_trials(table_path)
+    df = df[df["deployment"] == dep.name]
+    if df.empty:
+        raise ValueError(f"{table_path}: no trials of deployment {dep.name!r}")
+    return df
+
+
+def _latest_device(df):
+    """Numbers from different machines are not comparable: the trials of the latest one's."""
+    devices = list(dict.fromkeys(zip(df["device"].astype(str), df["arch"].astype(str))))
+    if len(devices) <= 1:
+        return df
+    dev, arch = str(df.iloc[-1]["device"]), str(df.iloc[-1]["arch"])
+    log.warning("the table holds trials from %d devices %s; exporting those of the latest, %s (%s)",
+                len(devices), devices, dev, arch)
+    return df[(df["device"].astype(str) == dev) & (df["arch"].astype(str) == arch)]
+
+
+def _warn_incomplete(df, dep: Deployment, out_dir: Path) -> None:
+    """Say when the last sweep stopped and which buckets have no trials."""
     status = _last_sweep_status(out_dir)
-    if status and status != "complete" and not quiet:
-        print(f"warning: the last sweep into {out_dir} ended {status!r}: studies it did not finish are missing "
-              "below; run the same sweep command again to resume it, then export again", file=sys.stderr)
+    if status and status != "complete":
+        log.warning("the last sweep into %s ended %r: studies it did not finish are missing below; run the same "
+                    "sweep command again to resume it, then export again", out_dir, status)
     missing = _missing_buckets(df, dep)
-    if missing and not quiet:
-        print(f"warning: {len(missing)} (backend, tp, batch, context) bucket(s) of {dep.name} have no trials, so "
-              "no entry below covers them: " + ", ".join(f"{be} (tp={tp}, bs={bs}, ctx={c})"
-                                                        for be, tp, bs, c in missing), file=sys.stderr)
+    if missing:
+        log.warning("%d (backend, tp, batch, context) bucket(s) of %s have no trials, so no entry below covers "
+                    "them: %s", len(missing), dep.name,
+                    ", ".join(f"{be} (tp={tp}, bs={bs}, ctx={c})" for be, tp, bs, c in missing))
+
+
+def _contexts(df, dep: Deployment, backends, tp, bs) -> list[int]:
+    """The context buckets swept at (tp, bs), warning about the deployment's unswept ones and
+    each backend's gaps (one config serves every bucket: a gap rules the backend out)."""
+    sel = df[(df["tp"] == tp) & (df["bs"] == bs) & (df["phase"] == "search")]
+    contexts = sorted(int(c) for c in set(sel["ctx"]))
+    if not contexts:
+        return contexts
+    missing = [c for c in dep.contexts if c not in contexts]
+    if missing:
+        log.warning("tp=%s bs=%s: context buckets %s were not swept; the entry covers %s only",
+                    tp, bs, missing, contexts)
+    for b in backends:
+        have = {int(c) for c in sel[sel["backend"] == b]["ctx"]}
+        gaps = [c for c in contexts if c not in have]
+        if have and gaps:
+            log.warning("tp=%s bs=%s: %s has no trials at context(s) %s, so it cannot serve this entry (a stopped "
+                        "sweep leaves such gaps: run it again to resume)", tp, bs, b, gaps)
+    return contexts
+
+
+def _entries(df, dep: Deployment, backends, checker):
+    """(entries, report rows): per (tp, batch bucket) the served pick."""
     entries, report = [], []
-    lat = _latencies(df)
+    lat = latencies(df)
     order = list(df.columns[df.columns.get_loc("role") + 1: df.columns.get_loc("params")])
+    T = dep.model.draft_tokens
     for tp in dep.tp:
         for bs in dep.batches:
-            sel = df[(df["tp"] == tp) & (df["bs"] == bs) & (df["phase"] == "search")]
-            contexts = sorted(int(c) for c in set(sel["ctx"]))
+            contexts = _contexts(df, dep, backends, tp, bs)
             if not contexts:
                 continue
-            missing = [c for c in dep.contexts if c not in contexts]
-            if missing and not quiet:
-                print(f"warning: tp={tp} bs={bs}: context buckets {missing} were not swept; the entry covers "
-                      f"{contexts} only", file=sys.stderr)
-            for b in backends:
-                have = {int(c) for c in sel[sel["backend"] == b]["ctx"]}
-                gaps = [c for c in contexts if c not in have]
-                if have and gaps and not quiet:  # one config serves every bucket: a gap rules the backend out
-                    print(f"warning: tp={tp} bs={bs}: {b} has no trials at context(s) {gaps}, so it cannot serve "
-                          "this entry (a stopped sweep leaves such gaps: run it again to resume)", file=sys.stderr)
-            pick, notes, served_lat = pick_served(df, backends, tp, bs, contexts, dep.model.draft_tokens)
+            pick, notes, served_lat = pick_served(df, backends, tp, bs, contexts, T, checker)
             for n in notes:
-                if not quiet:
-                    print(f"note: {n}", file=sys.stderr)
+                log.info("note: %s", n)
             if pick is None:
-                print(f"warning: tp={tp} bs={bs}: no config measured correct at every context bucket "
-                      f"{contexts}; no entry exported", file=sys.stderr)
+                log.warning("tp=%s bs=%s: no config measured correct at every context bucket %s; no entry exported",
+                            tp, bs, contexts)
                 continue
             be, cparams, buckets, is_default = pick
-            params, _ = served(cparams, buckets, contexts, dep.model.draft_tokens)
+            params, _ = served(cparams, buckets, contexts, T)
             params = {k: params[k] for k in sorted(params, key=lambda k: (order.index(k) if k in order else 99, k))}
             bl = tuple(ContextBucket(max_context=c, NSPLIT=int(buckets[c][0] or 1),
                                      latency_us=round(buckets[c][1], 3),
@@ -187,19 +263,29 @@ def export_deployment(dep: Deployment | str, out: str = "runs", trials_csv: str 
                        for c in contexts)
             entries.append(TunedEntry(tp=tp, heads_per_rank=dep.heads(tp), max_batch=bs, backend=be, params=params,
                                       buckets=bl))
-            for b in bl:
-                others = {f"{ob}_default_us": v for ob in backends if ob != be
-                          for v in [_default_latency(lat, ob, tp, bs, b.max_context)] if v is not None}
-                report.append({"tp": tp, "bs": bs, "ctx": b.max_context, "backend": be, "NSPLIT": b.NSPLIT,
-                               "tuned_us": b.latency_us,
-                               "served_us": served_lat.get(b.max_context) if served_lat else None,
-                               "default_us": b.default_latency_us, **others,
-                               "floor_us": b.floor_us,
-                               "pct_floor": 100 * b.floor_us / b.latency_us if b.floor_us else None,
-                               "speedup": b.default_latency_us / b.latency_us if b.default_latency_us else None,
-                               "params": "default" if is_default else json.dumps(params, sort_keys=True)})
-    if not entries:
-        raise ValueError(f"{out_dir}: nothing to export for {dep.name} (no config was correct at every bucket)")
+            report += [_report_row(b, lat, backends, be, tp, bs, served_lat, is_default, params) for b in bl]
+    return entries, report
+
+
+def _report_row(b: ContextBucket, lat, backends, be, tp, bs, served_lat, is_default, params) -> dict:
+    others = {f"{ob}_default_us": v for ob in backends if ob != be
+              for v in [_default_latency(lat, ob, tp, bs, b.max_context)] if v is not None}
+    return {"tp": tp, "bs": bs, "ctx": b.max_context, "backend": be, "NSPLIT": b.NSPLIT, "tuned_us": b.latency_us,
+            "served_us": served_lat.get(b.max_context) if served_lat else None,
+            "default_us": b.default_latency_us, **others, "floor_us": b.floor_us,
+            "pct_floor": 100 * b.floor_us / b.latency_us if b.floor_us else None,
+            "speedup": b.default_latency_us / b.latency_us if b.default_latency_us else None,
+            "params": "default" if is_default else json.dumps(params, sort_keys=True)}
+
+
+def _model(dep: Deployment) -> dict:
+    m = dep.model
+    return {"name": dep.model_name, "num_heads": m.num_heads, "kv_lora_rank": m.kv_lora_rank,
+            "qk_rope_head_dim": m.qk_rope_head_dim, "draft_tokens": m.draft_tokens, "sm_scale": float(m.scale)}
+
+
+def _provenance(df, entries) -> dict:
+    """Where the exported backends' trials were measured (the latest row of them)."""
     used = {e.backend for e in entries}
     rows = df[df["backend"].isin(list(used))]
     first = rows.iloc[-1]
@@ -208,24 +294,11 @@ def export_deployment(dep: Deployment | str, out: str = "runs", trials_csv: str 
         h = rows[rows["backend"] == be]["kernel_hash"].dropna()
         khash[be] = str(h.iloc[-1]) if len(h) else ""
     timing = sorted(set(rows["timing"].dropna().astype(str)))
-    m = dep.model
-    prov = {"device_name": str(first["device"]), "arch": str(first["arch"]), "sm_count": int(first["sm_count"]),
+    return {"device_name": str(first["device"]), "arch": str(first["arch"]), "sm_count": int(first["sm_count"]),
             "driver": _s(first["driver"]), "cuda": _s(first["cuda"]), "nvrtc": _s(first["nvrtc"]),
             "torch": _s(first["torch"]), "triton": _s(first["triton"]), "kernel_hash": khash,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "timing": ",".join(timing),
             "kvtune": _s(first["kvtune"])}
-    tuned = TunedDefaults(deployment=dep.name,
-                          model={"name": dep.model_name, "num_heads": m.num_heads, "kv_lora_rank": m.kv_lora_rank,
-                                 "qk_rope_head_dim": m.qk_rope_head_dim, "draft_tokens": m.draft_tokens,
-                                 "sm_scale": float(m.scale)},
-                          provenance=prov, entries=tuple(entries))
-    dest = Path(path) if path else out_dir / f"{dep.name}.yaml"
-    dump_tuned(tuned, dest)
-    if not quiet:
-        import pandas as pd
-        print(pd.DataFrame(report).to_string(index=False, float_format=lambda x: f"{x:.2f}"))
-        print(f"exported {dest}")
-    return tuned
 
 
 def _missing_buckets(df, dep: Deployment) -> list[tuple]:
@@ -259,7 +332,8 @@ def _s(v) -> str:
 
 
 def _cmd_export(args) -> int:
-    export_deployment(args.deployment, out=args.out, trials_csv=args.trials_csv, path=args.path)
+    export_deployment(args.deployment, out=args.out, trials_csv=args.trials_csv, path=args.path,
+                      check=not args.no_check, seed=args.seed)
     return 0
 
 
@@ -271,4 +345,7 @@ def register(subparsers) -> None:
                    "evidence and is written only when named)")
     p.add_argument("--trials-csv", help="trials table (default <out>/<deployment>/trials.csv)")
     p.add_argument("--path", help="output file (default <out>/<deployment>/<deployment>.yaml)")
+    p.add_argument("--no-check", action="store_true",
+                   help="do not measure serving checks; use those recorded in the trials table")
+    p.add_argument("--seed", type=int, default=0, help="seed of the serving check's inputs")
     p.set_defaults(func=_cmd_export)

@@ -1,4 +1,4 @@
-"""The measurement helper: what one trial's number means (DESIGN.md section 3).
+"""The measurement helper: what one trial's number means.
 
 Every caller (the sweep, the re-measurement of winners, scripts) measures through
 `Measurer.measure`, in this order:

@@ -9,7 +9,8 @@ how often the search, with a given budget, finds a config within a tolerance of 
 best, which one GPU comparison (`scripts/compare_tpe_grid.py`) cannot show.
 
 A replay is a replay of GPU-measured latencies, not a new GPU measurement: it has no timing
-noise between trials (each config always "measures" the same) and no serving check.
+noise between trials (each config always "measures" the same); like any sweep, it runs no
+serving check (that is the export's).
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from .config import load_deployment, read_yaml
-from .sweep import Sweep, SweepOptions, params_key
+from .options import SweepOptions
+from .strategy import params_key
+from .sweep import Sweep
 from .table import read_trials
 
 KEYS = ["backend", "tp", "bs", "ctx"]
@@ -123,8 +126,8 @@ class ReplaySweep(Sweep):
         workers = GPU_COMPILE_WORKERS if opts.compile_workers is None else opts.compile_workers
         super().__init__(dep, replace(opts, device="cpu", isolate=False, compile_workers=0, progress=False,
                                       rounds=0))
-        self.executor = _TableExecutor(grid, fields)
-        self.prefetch = _NoCompile(workers)
+        self.runner.executor = _TableExecutor(grid, fields)
+        self.runner.prefetch = _NoCompile(workers)
 
     def _default_storage(self) -> str:
         return "memory"
@@ -133,9 +136,6 @@ class ReplaySweep(Sweep):
         return self.optuna.storages.InMemoryStorage(), "memory"
 
     def _log_run(self, t0):
-        pass
-
-    def serve_check(self, tp, bs):   # measures split tables the grid has no rows for
         pass
 
 

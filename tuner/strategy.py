@@ -1,10 +1,10 @@
 """How a study chooses what to measure next: the TPE sampler and the configs queued for it.
 
-One place for the search decisions that `Sweep` (one process) and `SharedSweep` (workers
-sharing the studies) both make, so that `tuner/replay.py` replays exactly what a sweep
-does. A study measures, in order: the backend's default (the baseline), the neighbouring
+One place for the search decisions of the study loop (`tuner/study.py`), which the sweep
+(one process) and the workers sharing the studies both run, so that `tuner/replay.py`
+replays exactly what a sweep does. A study measures, in order: the backend's default (the baseline), the neighbouring
 buckets' winners (warm starts), then what TPE proposes; a space no larger than the budget
-is swept whole instead (`Sweep._study_space`).
+is swept whole instead (`StudyLoop._study_plan`, `tuner/study.py`).
 """
 from __future__ import annotations
 

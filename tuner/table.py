@@ -30,11 +30,14 @@ import io
 import json
 import os
 import re
-import sys
 from contextlib import nullcontext
 from pathlib import Path
 
 from kvtune.kernels.backends import RENAMED_PARAMS, rename_legacy_params
+
+from .log import get_logger
+
+log = get_logger(__name__)
 
 LEAD = ["deployment", "study", "phase", "round", "backend", "tp", "heads", "bs", "ctx", "T", "tree", "trial", "role"]
 RESULT = ["params", "outcome", "reason", "median_us", "p10_us", "p90_us", "rel_err", "gbps", "tflops", "floor_us",
@@ -131,7 +134,7 @@ def _set_aside(path: Path, keep: str, bad: list[tuple[int, str, str]]) -> None:
 
 def _warn_bad(path, bad, action):
     for line, text, why in bad:
-        print(f"warning: {path}: line {line}: {why}; {action}", file=sys.stderr)
+        log.warning("%s: line %s: %s; %s", path, line, why, action)
 
 
 def scan_table(path: str | os.PathLike):

@@ -15,7 +15,7 @@ import pandas as pd
 from kvtune.kernels.tuned import SchemaError, load_tuned
 
 from ..config import REPO_ROOT, ConfigError, load_deployment, redact_url
-from ..export import _latencies  # the latency of a config exactly as `kvtune export` computes it
+from ..export import latencies  # the latency of a config exactly as `kvtune export` computes it
 from ..table import LEAD, PROVENANCE, RESULT, read_trials
 
 OUTCOMES = ("ok", "pruned", "wrong", "failed")
@@ -146,7 +146,7 @@ def ctx_label(c) -> str:
 def study_table(res: Results) -> pd.DataFrame:
     """One row per study (backend, tp, bs, ctx): default, best tuned, floor, outcome counts.
 
-    A config's latency is the one `kvtune export` uses (`export._latencies`): the median of
+    A config's latency is the one `kvtune export` uses (`export.latencies`): the median of
     its interleaved re-measurements where the sweep took them, else of its search
     measurements. 'default' is the backend's untuned default config (role 'baseline', trial
     0 of every study); 'tuned' is the fastest correct config of the study.
@@ -154,7 +154,7 @@ def study_table(res: Results) -> pd.DataFrame:
     if "studies" in res._cache:
         return res._cache["studies"]
     df = res.trials
-    lat = _latencies(df[df["outcome"] == "ok"]) if (df["outcome"] == "ok").any() else {}
+    lat = latencies(df[df["outcome"] == "ok"]) if (df["outcome"] == "ok").any() else {}
     per: dict = {}
     for (b, tp, bs, ctx, pj), (v, role) in lat.items():
         per.setdefault((b, tp, bs, ctx), []).append((v, json.loads(pj), role))

@@ -1,4 +1,7 @@
-"""Where trials run: a worker process (restarted after a GPU fault) or this process.
+"""Where trials run: a trial worker process (restarted after a GPU fault) or this process.
+
+(Not to be confused with the sweep workers of `--workers`, `tuner/workers.py`: each of those
+is a whole sweep process, which measures through an executor of this module.)
 
 `execute(request)` is the one function that runs a request (device info, backend info, a
 measurement); the worker process loop and the in-process executor both call it, and so
