@@ -91,6 +91,7 @@ class _State:
     busy: dict         # key -> number of a running trial
     counted: int       # finished trials that count against the budget
     running_search: int   # running trials that will (all but cross-bucket ones)
+    retries: int = 0   # queued retries of trials failed as stale: owed whatever the budget says
 
 
 class StudyLoop:
@@ -244,16 +245,20 @@ class StudyLoop:
                       waiting={_queued_key(t) for t in trials if t.state == TS.WAITING},
                       busy={params_key(t.params): t.number for t in running if t.params},
                       counted=sum(1 for t in measured.values() if self.o.strategy.counts(t.user_attrs)),
-                      running_search=sum(1 for t in running if t.user_attrs.get("role") != "cross"))
+                      running_search=sum(1 for t in running if t.user_attrs.get("role") != "cross"),
+                      retries=sum(1 for t in trials if t.state == TS.WAITING and t.system_attrs.get("retry_history")))
 
     def _owed(self, plan: StudyPlan, st: _State) -> int:
         """Configs the study still owes: the queued grid points; else the budget less the
-        counted and running trials, and at least the baseline until it is measured."""
+        counted and running trials, at least the queued retries, and at least the baseline until
+        it is measured."""
         if plan.grid is not None:
             return len(st.waiting)
         owed = self.trials - st.counted - st.running_search
         base = params_key(plan.default)
-        return max(owed, 0 if base in st.measured or base in st.busy else 1)
+        # a retry is measured even when the budget filled up while its trial hung (a killed
+        # worker's trial only fails as stale after the grace period): its config is not lost
+        return max(owed, st.retries, 0 if base in st.measured or base in st.busy else 1)
 
     # -- the loop -------------------------------------------------------------------------
     def search_study(self, backend, tp, bs, ctx) -> tuple[bool, bool]:
