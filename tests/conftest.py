@@ -29,12 +29,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """One line saying what the skipped tests are, so a newcomer does not wonder."""
     if HAS_CUDA:
         return
-    n = sum(1 for r in terminalreporter.stats.get("skipped", [])
-            if isinstance(r.longrepr, tuple) and GPU_SKIP_REASON in str(r.longrepr[-1]))
+    skipped = terminalreporter.stats.get("skipped", [])
+    n = sum(1 for r in skipped if isinstance(r.longrepr, tuple) and GPU_SKIP_REASON in str(r.longrepr[-1]))
     if n:
         terminalreporter.write_line(
             f"{n} skipped: the GPU tests (marked `gpu`), which need a CUDA GPU and are never faked on the CPU; "
             "on a machine with one, `bash scripts/test.sh` runs them (or `python -m pytest -m gpu`)")
+    if len(skipped) > n:
+        terminalreporter.write_line(
+            f"{len(skipped) - n} skipped for other reasons (cases this machine cannot set up, e.g. a second "
+            "device type); `pytest -rs` lists each with its reason")
 
 
 @pytest.fixture
