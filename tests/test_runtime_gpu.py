@@ -59,6 +59,17 @@ def tuned_for(backend: str):
                      "buckets": [{"max_context": c, "NSPLIT": n} for c, n in BUCKETS]}]}, "gpu-test")
 
 
+def fill_metadata(buf, prefixes, T):
+    """Write a batch's metadata into `buf`'s static buffers (indptr, indices, tree): fresh
+    scattered slots of its `num_slots` and fresh random trees of T drafts, from its generators."""
+    lens = [p + T for p in prefixes]
+    total = sum(lens)
+    buf.indptr.copy_(torch.tensor([0] + lens).cumsum(0).to(torch.int32))
+    perm = torch.randperm(buf.num_slots, device="cuda", generator=buf.gen)[:total]
+    buf.indices[:total].copy_(perm.to(torch.int32))
+    buf.tree.copy_(tree_mask_from_parents([random_parents(T, buf.cpu_gen) for _ in prefixes]))
+
+
 class Requests:
     """Static input buffers of a 2-request batch sized for MAX_CONTEXT, refilled per replay."""
 
@@ -76,12 +87,7 @@ class Requests:
 
     def fill(self, prefixes):
         """Fresh q, fresh scattered slots and fresh random trees, written into the same buffers."""
-        lens = [p + T for p in prefixes]
-        total = sum(lens)
-        self.indptr.copy_(torch.tensor([0] + lens).cumsum(0).to(torch.int32))
-        perm = torch.randperm(self.num_slots, device="cuda", generator=self.gen)[:total]
-        self.indices[:total].copy_(perm.to(torch.int32))
-        self.tree.copy_(tree_mask_from_parents([random_parents(T, self.cpu_gen) for _ in prefixes]))
+        fill_metadata(self, prefixes, T)
         self.q.copy_(torch.randn(self.q.shape, device="cuda", generator=self.gen).to(torch.bfloat16))
 
     @property

@@ -15,16 +15,14 @@ from kvtune.kernels import (
     make_inputs,
     reference_attention,
     rel_error,
-    tree_mask_from_parents,
 )
 from kvtune.kernels import runtime as rt
 from kvtune.kernels.reference import visibility
 from kvtune.kernels.runtime import VerifyAttention
 from kvtune.kernels.sglang import SGLangVerifyAdapter
 from kvtune.kernels.shapes import VerifyProblem
-from kvtune.kernels.tree import random_parents
 from kvtune.kernels.tuned import parse_tuned
-from test_runtime_gpu import _backend_or_skip, _capture, _without_allocation  # the same GPU test helpers
+from test_runtime_gpu import _backend_or_skip, _capture, _without_allocation, fill_metadata  # the same GPU helpers
 
 pytestmark = pytest.mark.gpu
 
@@ -94,12 +92,7 @@ class Step:
 
     def fill(self, prefixes):
         self.prefixes = list(prefixes)
-        lens = [p + T for p in prefixes]
-        total = sum(lens)
-        self.indptr.copy_(torch.tensor([0] + lens).cumsum(0).to(torch.int32))
-        perm = torch.randperm(self.num_slots, device="cuda", generator=self.gen)[:total]
-        self.indices[:total].copy_(perm.to(torch.int32))
-        self.tree.copy_(tree_mask_from_parents([random_parents(T, self.cpu_gen) for _ in prefixes]))
+        fill_metadata(self, prefixes, T)
         for q in self.qs:
             q.copy_(torch.randn(q.shape, device="cuda", generator=self.gen).to(torch.bfloat16))
         for o in self.outs:
