@@ -39,7 +39,7 @@ import sol_read  # noqa: E402
 from sol_read import parse_kv, write_csv  # noqa: E402
 
 from kvtune.kernels import get_backend, make_inputs, reference_attention, rel_error, verify_attention  # noqa: E402
-from kvtune.kernels.cuda.backend import MERGE_SPLIT_GROUPS, work_items  # noqa: E402
+from kvtune.kernels.cuda.backend import launch_shapes  # noqa: E402
 from kvtune.kernels.api import describe_problem  # noqa: E402
 
 
@@ -52,9 +52,9 @@ def _early_exit(sel, out, mine):
 
 def skip_launches(p, T: int, H: int, B: int, sel, sink):
     """The two early-exit launches that stand in for config `p`'s split and merge kernels."""
-    split_ctas = math.ceil(H / p.HEADS_PER_BLOCK) * work_items(p, B)
-    merge_ctas = B * T * H * 4
-    warps_split, warps_merge = max(1, p.threads // 32), max(1, 16 * MERGE_SPLIT_GROUPS // 32)
+    (split_grid, split_block), (merge_grid, merge_block) = launch_shapes(p, B, T, H)
+    split_ctas, merge_ctas = math.prod(split_grid), math.prod(merge_grid)
+    warps_split, warps_merge = max(1, split_block[0] // 32), max(1, merge_block[0] // 32)
 
     def run():
         _early_exit[(split_ctas,)](sel, sink, 1, num_warps=warps_split)

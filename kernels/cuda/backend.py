@@ -146,6 +146,12 @@ def work_items(p: CudaParams, B: int) -> int:
     return p.NSPLIT + B
 
 
+def launch_shapes(p: CudaParams, B: int, T: int, H: int) -> tuple[tuple, tuple]:
+    """((grid x, y, z), (block x, y, z)) of the split launch and of the merge launch."""
+    return (((cdiv(H, p.HEADS_PER_BLOCK), work_items(p, B), 1), (p.threads, 1, 1)),
+            ((B * T * H, DV // 128, 1), (16 * MERGE_SPLIT_GROUPS, 1, 1)))
+
+
 def pdl_enabled(arch: str) -> bool:
     """Programmatic dependent launch of the merge (sm_90 and newer) when KVTUNE_CUDA_PDL=1.
     Off by default: on the H200 it gained nothing (within 1.5%, slower as often as faster;
@@ -285,10 +291,11 @@ class CudaBackend(Backend):
         stream = drv.CUstream(torch.cuda.current_stream(pb.device).cuda_stream)
         sp = (ctypes.c_void_p * 1)(ctypes.addressof(sa))
         mp = (ctypes.c_void_p * 1)(ctypes.addressof(ma))
-        check_driver(drv.cuLaunchKernel(split_k.function, cdiv(pb.H, params.HEADS_PER_BLOCK), items, 1,
-                                        params.threads, 1, 1, geo.smem_bytes, stream, ctypes.addressof(sp), 0),
+        split_shape, merge_shape = launch_shapes(params, pb.B, pb.T, pb.H)
+        check_driver(drv.cuLaunchKernel(split_k.function, *split_shape[0], *split_shape[1], geo.smem_bytes, stream,
+                                        ctypes.addressof(sp), 0),
                      "cuLaunchKernel(verify_split)")
-        merge_grid = (pb.rows * pb.H, DV // 128, 1, 16 * MERGE_SPLIT_GROUPS, 1, 1)
+        merge_grid = (*merge_shape[0], *merge_shape[1])
         if pdl:
             check_driver(drv.cuLaunchKernelEx(_pdl_config(merge_grid, stream), merge_k.function,
                                               ctypes.addressof(mp), 0), "cuLaunchKernelEx(verify_merge)")
