@@ -11,6 +11,10 @@
 #   bash scripts/gpu_evidence.sh tests        # every test marked gpu (carry .whl for the tuner's)
 #   bash scripts/gpu_evidence.sh limits       # what bounds the kernel: mma.sync/ldmatrix ceilings, the read
 #                                             # speed of light per shape, split and merge timed apart
+#   bash scripts/gpu_evidence.sh phases       # the fixed cost placed: split and merge apart, and source
+#                                             # variants with one stage left out, at 256-64k
+#   bash scripts/gpu_evidence.sh proxy        # the sm_120 proxy: every config that fits sm_120, timed here
+#                                             # with sm_120's shared memory per SM, beside this GPU's default
 #   bash scripts/gpu_evidence.sh tpe-vs-grid  # (carry .whl) the search against an exhaustive grid at tp 8
 #   bash scripts/gpu_evidence.sh workers      # (carry .whl, two GPUs) the same sweep with --workers 2 and 1
 #
@@ -20,7 +24,7 @@
 # every batch bucket at tp 8 and 4, then batch 1 at tp 2 and 1).
 set -u
 OUT=${OUT:?}
-step=${1:?say kernel, sweep, serving, tests, limits, tpe-vs-grid or workers}; shift
+step=${1:?say kernel, sweep, serving, tests, limits, phases, proxy, tpe-vs-grid or workers}; shift
 kv="python3 -m kvtune.tuner.cli"
 dep=configs/deployments/kimi-k2-h200.yaml
 
@@ -132,6 +136,17 @@ limits)
   echo "phases rc=$?" >> $OUT/phases.log
   tail -n 8 $OUT/ceilings.log; tail -n 6 $OUT/sol_read.log; tail -n 6 $OUT/phases.log
   ;;
+phases)
+  . scripts/device_env.sh tree
+  timeout ${PHASES_S:-200} python3 scripts/time_phases.py --out $OUT --prefixes 256,4096,16384,65536 --variants \
+      > $OUT/phases.log 2>&1
+  echo "phases rc=$?" >> $OUT/phases.log; tail -n 28 $OUT/phases.log
+  ;;
+proxy)
+  . scripts/device_env.sh tree
+  timeout ${PROXY_S:-300} python3 scripts/bench_proxy.py --out $OUT "$@" > $OUT/proxy.log 2>&1
+  echo "proxy rc=$?" >> $OUT/proxy.log; tail -n 9 $OUT/proxy.log
+  ;;
 tpe-vs-grid)
   . scripts/device_env.sh wheels
   S="--tp 8 --ctx 4096 65536 --space-dir results/tpe-vs-grid/spaces --trials 12 --rounds 0 --no-progress"
@@ -158,5 +173,5 @@ workers)
     $kv export kimi-k2-h200 --out $OUT/workers$w >> $OUT/workers$w.log 2>&1
   done
   ;;
-*) echo "gpu_evidence.sh: unknown step '$step' (kernel | sweep | serving | tests | limits | tpe-vs-grid | workers)" >&2; exit 2 ;;
+*) echo "gpu_evidence.sh: unknown step '$step' (kernel | sweep | serving | tests | limits | phases | proxy | tpe-vs-grid | workers)" >&2; exit 2 ;;
 esac

@@ -5,7 +5,18 @@ Graph replay over rotating inputs (cold L2, as the Measurer times; `sol_read.gra
 of 15, of: both kernels, the split kernel alone, the merge kernel alone (it then merges stale
 partials: timing only). The launch of the other kernel is filtered out at `cuLaunchKernel`.
 
+--variants also times copies of the source with one stage left out (METHOD.md: place time
+inside a kernel by differences), patched in memory here, never shipped; their outputs are
+wrong, only their times mean anything:
+  full       the source as it is, and `full, hot L2` (one input set replayed: metadata, Q and
+             keys stay in L2)
+  no_tiles   the split kernel runs no key tile (schedule, Q copy, P zeroing, epilogue only)
+  no_q       no Q copy (the tile loop computes on whatever shared memory holds)
+  no_o_store the normalised partial o is staged in shared memory but never stored to global
+  exit_early every CTA returns right after the schedule (launch + schedule + the merge)
+
     python scripts/time_phases.py --out $OUT      # on a GPU; or: bash scripts/gpu_evidence.sh limits
+    python scripts/time_phases.py --out $OUT --prefixes 256,4096,16384 --variants
 """
 from __future__ import annotations
 
@@ -21,55 +32,95 @@ from cuda.bindings import driver as drv
 from sol_read import graph_us, write_csv
 
 
+# (anchor, replacement) pairs per variant; each anchor must occur exactly once in verify.cu
+VARIANTS = {
+    "full": [],
+    "no_tiles": [("const int n_tiles = (hi - lo + BLOCK_N - 1) / BLOCK_N;",
+                  "const int n_tiles = 0 * ((hi - lo + BLOCK_N - 1) / BLOCK_N);")],
+    "no_q": [("if (a.q_vec16) {  // a warp per row", "if (a.H > 0) {\n  } else if (a.q_vec16) {  //")],
+    "no_o_store": [("if (off < 0) continue;", "if (off < 0 || a.H > 0) continue;")],
+    "exit_early": [("if (b < 0) return;", "if (b < 0 || a.H > 0) return;")],
+}
+
+
+def patched_source(src: str, variant: str) -> str:
+    for anchor, repl in VARIANTS[variant]:
+        if src.count(anchor) != 1:
+            raise SystemExit(f"variant {variant}: anchor {anchor!r} occurs {src.count(anchor)} times in verify.cu")
+        src = src.replace(anchor, repl)
+    return src
+
+
+class Phases:
+    """Times one prefix's launches, with the merge or the split launch filtered out."""
+
+    def __init__(self, heads: int):
+        from kvtune.kernels import get_backend
+        self.heads, self.be = heads, get_backend("cuda")
+        self.skip = None
+        orig = drv.cuLaunchKernel
+
+        def launch(f, *rest):
+            if self.skip is not None and int(f) == self.skip:
+                return (drv.CUresult.CUDA_SUCCESS,)
+            return orig(f, *rest)
+
+        drv.cuLaunchKernel = launch
+
+    def time(self, pools) -> dict:
+        from kvtune.kernels import verify_attention
+        from kvtune.kernels.api import describe_problem
+        problem = describe_problem(*pools[0].args)
+        p = self.be.default_params(problem)
+        split_k, merge_k = self.be._get(p, 9, torch.device("cuda"))[:2]
+        out = torch.empty(9, self.heads, 512, dtype=torch.bfloat16, device="cuda")
+        ws = torch.empty(self.be.workspace_bytes(problem, p), dtype=torch.uint8, device="cuda")
+        reps = max(len(pools), 96 // len(pools) * len(pools))
+        row = {"params": str(p)}
+        for what, skip in (("both", None), ("split", int(merge_k.function)), ("merge", int(split_k.function))):
+            self.skip = skip
+            fns = [lambda x=x, p=p, out=out, ws=ws: verify_attention(*x.args, backend="cuda", params=p, out=out,
+                                                                    workspace=ws, check_values_=False)
+                   for x in pools]
+            row[f"{what}_us"] = round(graph_us([fns[i % len(fns)] for i in range(reps)]), 2)
+        self.skip = None
+        return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--prefixes", default="4096,16384,65536,131072")
     ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--variants", action="store_true", help="also time the stage-left-out variants (see above)")
     args = ap.parse_args(argv)
-    from kvtune.kernels import make_inputs, verify_attention
-    from kvtune.kernels.api import describe_problem
-    from kvtune.kernels.cuda.backend import CudaBackend
+    from kvtune.kernels import make_inputs
+    from kvtune.kernels.cuda import nvrtc
     from kvtune.tuner.measure import ProblemSpec
 
-    be = CudaBackend()
-    orig = drv.cuLaunchKernel
-    state = {"skip": None}
-
-    def launch(f, *rest):
-        if state["skip"] is not None and int(f) == state["skip"]:
-            return (drv.CUresult.CUDA_SUCCESS,)
-        return orig(f, *rest)
-
-    drv.cuLaunchKernel = launch
+    ph = Phases(args.heads)
+    source = nvrtc.kernel_source()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows = []
     for prefix in [int(p) for p in args.prefixes.split(",")]:
         nbytes = ProblemSpec(heads=args.heads, batch=1, context=prefix, draft_tokens=9).bytes_moved()
         pools = [make_inputs(1, 9, args.heads, prefix, device="cuda", seed=i)
                  for i in range(max(2, min(48, math.ceil(3 * l2 / nbytes))))]
-        problem = describe_problem(*pools[0].args)
-        p = be.default_params(problem)
-        split_k, merge_k = be._get(p, 9, torch.device("cuda"))[:2]
-        out = torch.empty(9, args.heads, 512, dtype=torch.bfloat16, device="cuda")
-        ws = torch.empty(be.workspace_bytes(problem, p), dtype=torch.uint8, device="cuda")
-        reps = max(len(pools), 96 // len(pools) * len(pools))
-        row = {"prefix": prefix, "H": args.heads, "params": str(p)}
-        for what, skip in (("both", None), ("split", int(merge_k.function)), ("merge", int(split_k.function))):
-            state["skip"] = skip
-            fns = [lambda x=x, p=p, out=out, ws=ws: verify_attention(*x.args, backend="cuda", params=p, out=out,
-                                                                    workspace=ws, check_values_=False)
-                   for x in pools]
-            row[f"{what}_us"] = round(graph_us([fns[i % len(fns)] for i in range(reps)]), 2)
-        state["skip"] = None
-        rows.append(row)
-        print(row, flush=True)
+        for variant in (VARIANTS if args.variants else ["full"]):
+            nvrtc._source_cache["src"] = patched_source(source, variant)
+            ph.be._kernels.clear()
+            runs = [(variant, pools)] + ([("full, hot L2", pools[:1])] if variant == "full" and args.variants else [])
+            for name, use in runs:
+                row = {"prefix": prefix, "H": args.heads, "variant": name, **ph.time(use)}
+                rows.append(row)
+                print(row, flush=True)
+        nvrtc._source_cache["src"] = source
         del pools
         torch.cuda.empty_cache()
     write_csv(Path(args.out) / "phases.csv", rows)
-    print(f"\n{'prefix':>7} {'both us':>8} {'split us':>8} {'merge us':>8}")
+    print(f"\n{'prefix':>7} {'variant':<13} {'both us':>8} {'split us':>8} {'merge us':>8}")
     for r in rows:
-        print(f"{r['prefix']:>7} {r['both_us']:>8.2f} {r['split_us']:>8.2f} {r['merge_us']:>8.2f}")
+        print(f"{r['prefix']:>7} {r['variant']:<13} {r['both_us']:>8.2f} {r['split_us']:>8.2f} {r['merge_us']:>8.2f}")
     return 0
 
 
