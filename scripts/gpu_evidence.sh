@@ -10,7 +10,8 @@
 #                                             # benchmark at tp 8 and tp 4, the per-bucket dispatch cost
 #   bash scripts/gpu_evidence.sh tests        # every test marked gpu (carry .whl for the tuner's)
 #   bash scripts/gpu_evidence.sh limits       # what bounds the kernel: mma.sync/ldmatrix ceilings, the read
-#                                             # speed of light per shape, split and merge timed apart
+#                                             # speed of light per shape, split and merge timed apart,
+#                                             # the wgmma tile-loop probe (sm_90)
 #   bash scripts/gpu_evidence.sh phases       # the fixed cost placed: split and merge apart, and source
 #                                             # variants with one stage left out, at 256-64k
 #   bash scripts/gpu_evidence.sh proxy        # the sm_120 proxy: every config that fits sm_120, timed here
@@ -134,7 +135,9 @@ limits)
   echo "sol rc=$?" >> $OUT/sol_read.log
   timeout ${PHASES_S:-120} python3 scripts/time_phases.py --out $OUT > $OUT/phases.log 2>&1
   echo "phases rc=$?" >> $OUT/phases.log
-  tail -n 8 $OUT/ceilings.log; tail -n 6 $OUT/sol_read.log; tail -n 6 $OUT/phases.log
+  timeout ${PROBE_S:-60} python3 scripts/wgmma_probe.py --out $OUT > $OUT/wgmma_probe.log 2>&1
+  echo "wgmma probe rc=$?" >> $OUT/wgmma_probe.log
+  tail -n 8 $OUT/ceilings.log; tail -n 6 $OUT/sol_read.log; tail -n 6 $OUT/phases.log; tail -n 12 $OUT/wgmma_probe.log
   ;;
 phases)
   . scripts/device_env.sh tree
