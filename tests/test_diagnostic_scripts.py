@@ -1,0 +1,75 @@
+"""The GPU diagnostics in scripts/ that build CUDA code keep building on a CPU (NVRTC), so an
+edit of verify.cu or of a script is caught here rather than in a device call:
+
+- time_phases.py --variants patches copies of verify.cu at fixed anchors: each anchor must still
+  occur exactly once, and each patched copy must compile;
+- wgmma_probe.py compiles for sm_90a, with the two warpgroup MMAs it was written for;
+- bench_proxy.py's candidates for sm_120 fit sm_120's shared memory by the Python geometry
+  (computed apart from the NVRTC report the script filters on), the sm_120 default among them.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cuda.bindings.nvrtc")
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+from kvtune.kernels.cuda import nvrtc  # noqa: E402
+from kvtune.kernels.cuda.backend import KernelGeometry, compile_params, default_for_arch, split_expr  # noqa: E402
+from kvtune.kernels.cuda.params import ARCH_LIMITS, CudaParams  # noqa: E402
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTUNE_CACHE_DIR", str(tmp_path))
+    yield
+    nvrtc._source_cache.clear()
+    nvrtc._mem_cache.clear()
+
+
+def test_phase_variants_patch_once_and_compile(cache):
+    import time_phases
+    src = nvrtc.kernel_source()
+    p = CudaParams(NSPLIT=132)
+    for name in time_phases.VARIANTS:
+        patched = time_phases.patched_source(src, name)
+        assert (patched == src) == (name == "full"), name
+        nvrtc._source_cache["src"] = patched
+        mod = compile_params(p, 9, "sm_90")
+        assert mod.resources[split_expr(p, 9)].spills == 0, name
+    nvrtc._source_cache["src"] = src
+
+
+def test_phase_variant_with_a_lost_anchor_is_refused():
+    import time_phases
+    with pytest.raises(SystemExit, match="occurs 0 times"):
+        time_phases.patched_source("// no kernel here\n", "no_tiles")
+
+
+def test_wgmma_probe_compiles_for_sm_90a():
+    import wgmma_probe
+    src = wgmma_probe.source()
+    assert src.count("wgmma.mma_async.sync.aligned.m64n72k16.f32.bf16.bf16") == 2
+    assert len(wgmma_probe.compile_probe("sm_90a")) > 0
+    # the launch covers the probe's own layout: Q, K, two partial S, the max scratch, P^T
+    assert wgmma_probe.SMEM >= 17 * 9216 + 2 * 128 * 36 * 4 + 4 * 72 * 4 + 9 * 1024
+    assert wgmma_probe.SMEM <= ARCH_LIMITS["sm_90"].smem_per_block
+
+
+def test_proxy_candidates_fit_sm_120():
+    import bench_proxy
+    shapes = bench_proxy.fitting_shapes("sm_120", 9, 8)
+    assert shapes
+    limit = ARCH_LIMITS["sm_120"].smem_per_block
+    for s in shapes:
+        assert KernelGeometry.of(CudaParams(**s), 9).smem_bytes <= limit, s
+        assert s["HEADS_PER_BLOCK"] <= 8
+    d = default_for_arch(9, 8, "sm_120")
+    assert {f: getattr(d, f) for f in bench_proxy.SHAPE_FIELDS} in shapes
+    # the H200 default (72 rows, 32-key tiles) does not fit 99 KB
+    assert {f: getattr(default_for_arch(9, 8, "sm_90"), f) for f in bench_proxy.SHAPE_FIELDS} not in shapes
