@@ -66,9 +66,52 @@ __device__ __forceinline__ void keep(float (&d)[36]) {
 __device__ __forceinline__ u16 bf16_bits(float x) {
   u32 u = __float_as_uint(x); u += 0x7fffu + ((u >> 16) & 1u); return (u16)(u >> 16);
 }
+
+// s[4j + e]: key 16 warp + lane/4 (+8 for e >= 2), query row 8j + 2(lane%4) + (e & 1)
+__device__ __forceinline__ void dump_s(const float (&s)[36], float* s_out, int warp, int lane) {
+#pragma unroll
+  for (int j = 0; j < 9; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      s_out[(16 * warp + (lane >> 2) + 8 * (e >> 1)) * 72 + 8 * j + 2 * (lane & 3) + (e & 1)] = s[4 * j + e];
+}
+// P = exp2(S * scale - max over the 64 keys) for query-row blocks J0..J1-1, as P^T in bf16;
+// the max crosses the warpgroup's 4 warps through `red` and named barrier `bar`
+template <int J0, int J1>
+__device__ __forceinline__ void softmax_rows(const float (&s)[36], float* red, unsigned char* Ps, u16* p_out,
+                                             bool dump, int warp, int lane, float scale, int bar) {
+  float mx[18];
+#pragma unroll
+  for (int j = J0; j < J1; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float v = fmaxf(s[4 * j + e], s[4 * j + 2 + e]);
+      v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 4));
+      v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 8));
+      v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 16));
+      mx[2 * j + e] = v;
+    }
+  if (lane < 4)
+#pragma unroll
+    for (int j = J0; j < J1; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) red[warp * 72 + 8 * j + 2 * lane + e] = mx[2 * j + e];
+  asm volatile("bar.sync %0, 128;\n" :: "r"(bar) : "memory");
+#pragma unroll
+  for (int j = J0; j < J1; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int n = 8 * j + 2 * (lane & 3) + (e & 1), m = 16 * warp + (lane >> 2) + 8 * (e >> 1);
+      const float rm = fmaxf(fmaxf(red[n], red[72 + n]), fmaxf(red[144 + n], red[216 + n])) * scale;
+      const u16 pb = bf16_bits(exp2f(s[4 * j + e] * scale - rm));
+      *(u16*)(Ps + (n >> 3) * 1024 + (m >> 3) * 128 + (n & 7) * 16 + (m & 7) * 2) = pb;
+      if (dump) p_out[m * 72 + n] = pb;
+    }
+}
 WGMMA_FNS
 
-// mode bit 0: verify (one iteration, write S, P, O); bit 1: skip QK^T; bit 2: skip PV; bit 3: skip softmax
+// mode bit 0: verify (one iteration, write S, P, O); bit 1: skip QK^T; bit 2: skip PV; bit 3: skip softmax;
+// bit 4: the softmax split over both warpgroups
 extern "C" __global__ void __launch_bounds__(256, 1) probe(const u16* q, const u16* kv, float* s_out, u16* p_out,
     float* o_out, int iters, int mode, u32 lbo_k, u32 sbo_k, u32 lbo_v, u32 sbo_v, float scale) {
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -108,46 +151,26 @@ extern "C" __global__ void __launch_bounds__(256, 1) probe(const u16* q, const u
       wg_wait0();
       keep(s);
       if (mode & 8) continue;  // QK^T alone: no exchange, no softmax
+      const bool dump = (mode & 1) && it == 0;
+      if (mode & 16) {  // both warpgroups: exchange partials conflict-free, then each does its row blocks
 #pragma unroll
-      for (int i = 0; i < 36; ++i) Ss[(wg * 128 + wt) * 36 + i] = s[i];
-      __syncthreads();
-      if (wg == 0) {
+        for (int i = 0; i < 36; ++i) Ss[(wg * 36 + i) * 128 + wt] = s[i];
+        __syncthreads();
 #pragma unroll
-        for (int i = 0; i < 36; ++i) s[i] += Ss[(128 + wt) * 36 + i];
-        // s[4j + e]: key 16 warp + lane/4 (+8 for e >= 2), query row 8j + 2(lane%4) + (e & 1)
-        if ((mode & 1) && it == 0)
+        for (int i = 0; i < 36; ++i) s[i] += Ss[((1 - wg) * 36 + i) * 128 + wt];
+        if (dump && wg == 0) dump_s(s, s_out, warp, lane);
+        if (wg == 0) softmax_rows<0, 5>(s, red, Ps, p_out, dump, warp, lane, scale, 1);
+        else softmax_rows<5, 9>(s, red, Ps, p_out, dump, warp, lane, scale, 2);
+      } else {  // the first version: one warpgroup sums the partials and does every row
 #pragma unroll
-          for (int j = 0; j < 9; ++j)
+        for (int i = 0; i < 36; ++i) Ss[(wg * 128 + wt) * 36 + i] = s[i];
+        __syncthreads();
+        if (wg == 0) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-              s_out[(16 * warp + (lane >> 2) + 8 * (e >> 1)) * 72 + 8 * j + 2 * (lane & 3) + (e & 1)] = s[4 * j + e];
-        float mx[18];
-#pragma unroll
-        for (int j = 0; j < 9; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float v = fmaxf(s[4 * j + e], s[4 * j + 2 + e]);
-            v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 4));
-            v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 8));
-            v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 16));
-            mx[2 * j + e] = v;
-          }
-        if (lane < 4)
-#pragma unroll
-          for (int j = 0; j < 9; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) red[warp * 72 + 8 * j + 2 * lane + e] = mx[2 * j + e];
-        asm volatile("bar.sync 1, 128;\n" ::: "memory");
-#pragma unroll
-        for (int j = 0; j < 9; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int n = 8 * j + 2 * (lane & 3) + (e & 1), m = 16 * warp + (lane >> 2) + 8 * (e >> 1);
-            const float rm = fmaxf(fmaxf(red[n], red[72 + n]), fmaxf(red[144 + n], red[216 + n])) * scale;
-            const u16 pb = bf16_bits(exp2f(s[4 * j + e] * scale - rm));
-            *(u16*)(Ps + (n >> 3) * 1024 + (m >> 3) * 128 + (n & 7) * 16 + (m & 7) * 2) = pb;
-            if ((mode & 1) && it == 0) p_out[m * 72 + n] = pb;
-          }
+          for (int i = 0; i < 36; ++i) s[i] += Ss[(128 + wt) * 36 + i];
+          if (dump) dump_s(s, s_out, warp, lane);
+          softmax_rows<0, 9>(s, red, Ps, p_out, dump, warp, lane, scale, 1);
+        }
       }
       async_fence();
       __syncthreads();
@@ -236,8 +259,9 @@ class Probe:
                    "launch probe")
 
 
-def check(pr: Probe, readings) -> list[dict]:
-    """One iteration per reading of the byte offsets, against torch; the readings that pass."""
+def check(pr: Probe, readings, mode: int = 1) -> list[dict]:
+    """One iteration per reading of the byte offsets, against torch (mode 1, or 17 for the split
+    softmax); one row per reading with its errors."""
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(72, 576, device="cuda", generator=g).bfloat16()
     kv = torch.randn(64, 576, device="cuda", generator=g).bfloat16()
@@ -248,15 +272,15 @@ def check(pr: Probe, readings) -> list[dict]:
         s = torch.full((64, 72), float("nan"), device="cuda")
         p = torch.zeros(64, 72, dtype=torch.bfloat16, device="cuda")
         o = torch.full((512, 72), float("nan"), device="cuda")
-        pr.launch(1, q, kv, s, p, o, 1, 1, lbo_k, sbo_k, lbo_v, sbo_v, scale)
+        pr.launch(1, q, kv, s, p, o, 1, mode, lbo_k, sbo_k, lbo_v, sbo_v, scale)
         torch.cuda.synchronize()
         s_err = ((s - s_ref).norm() / s_ref.norm()).item()
         p_ref = torch.exp2(s * scale - (s * scale).amax(0, keepdim=True))
         p_err = ((p.float() - p_ref).norm() / p_ref.norm()).item()
         o_ref = kv[:, :512].float().t() @ p.float()                # V^T P^T from the kernel's own P
         o_err = ((o - o_ref).norm() / o_ref.norm()).item()
-        row = {"lbo_k": lbo_k, "sbo_k": sbo_k, "lbo_v": lbo_v, "sbo_v": sbo_v, "s_err": s_err, "p_err": p_err,
-               "o_err": o_err}
+        row = {"mode": mode, "lbo_k": lbo_k, "sbo_k": sbo_k, "lbo_v": lbo_v, "sbo_v": sbo_v,
+               "s_err": s_err, "p_err": p_err, "o_err": o_err}
         print(row, flush=True)
         out.append(row)
     return out
@@ -270,7 +294,8 @@ def time_modes(pr: Probe, reading, iters: int = 512) -> list[dict]:
     p = torch.empty(64, 72, dtype=torch.bfloat16, device="cuda")
     o = torch.empty(512, 72, device="cuda")
     rows = []
-    for name, mode in (("QK^T + softmax + PV", 0), ("QK^T + softmax only", 4), ("QK^T only", 12), ("PV only", 2)):
+    for name, mode in (("QK^T + softmax + PV", 0), ("QK^T + softmax only", 4), ("QK^T only", 12), ("PV only", 2),
+                       ("QK^T + split softmax + PV", 16), ("QK^T + split softmax", 20)):
         ts = []
         for rep in range(6):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -295,15 +320,22 @@ def main(argv=None) -> int:
     # (LBO, SBO) of K/Q (K-major) and of V^T (MN-major): which offset strides which dimension
     readings = [(128, 9216, 128, 9216), (128, 9216, 9216, 128), (9216, 128, 128, 9216), (9216, 128, 9216, 128)]
     checked = check(pr, readings)
-    good = [r for r in checked if r["s_err"] < 1e-2 and r["o_err"] < 1e-2]
+    good = [r for r in checked if r["s_err"] < 1e-2 and r["p_err"] < 1e-2 and r["o_err"] < 1e-2]
     res = {"device": torch.cuda.get_device_name(0), "checks": checked, "timings": []}
     if good:
         g = good[0]
-        res["timings"] = time_modes(pr, (g["lbo_k"], g["sbo_k"], g["lbo_v"], g["sbo_v"]))
+        reading = (g["lbo_k"], g["sbo_k"], g["lbo_v"], g["sbo_v"])
+        split = check(pr, [reading], mode=17)[0]
+        res["checks"].append(split)
+        if not (split["s_err"] < 1e-2 and split["p_err"] < 1e-2 and split["o_err"] < 1e-2):
+            print("the split softmax does not match torch: nothing timed")
+            good = []
+        else:
+            res["timings"] = time_modes(pr, reading)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "wgmma_probe.json").write_text(json.dumps(res, indent=1))
     if not good:
-        print("no reading of the descriptors matched torch: nothing timed")
+        print("no reading of the descriptors (or the split softmax) matched torch: nothing timed")
         return 1
     print(f"\nwgmma tile loop, operands in shared memory, 72 query rows, one CTA per SM ({res['device']}):")
     for r in res["timings"]:
