@@ -23,12 +23,10 @@ replays, median of 15). Writes proxy.csv / proxy.json under --out; prints a tabl
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -37,17 +35,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sol_read import write_csv  # noqa: E402
 
 SHAPES = [(8, 1, 4096), (8, 1, 16384), (8, 1, 65536), (8, 1, 131072), (8, 8, 65536)]
-SHAPE_FIELDS = ("VEC", "BLOCK_N", "NUM_WARPS", "HEADS_PER_BLOCK", "STAGES", "CTAS_PER_SM")
+from kvtune.kernels.cuda.params import CUDA_PARAMS  # noqa: E402
+
+SHAPE_FIELDS = tuple(CUDA_PARAMS.template_names)  # a block shape: every parameter but the launch-time NSPLIT
 
 
 def fitting_shapes(arch: str, T: int, H: int) -> list[dict]:
     """The block shapes (all params but NSPLIT) of `arch`'s search space that fit `arch`."""
     from kvtune.kernels.cuda.backend import reject_reason
     from kvtune.kernels.cuda.params import CudaParams
+    from kvtune.tuner.compile_check import template_configs
     from kvtune.tuner.config import REPO_ROOT
     from kvtune.tuner.space import load_space
-    space = load_space("cuda", space_dir=REPO_ROOT / "search_spaces" / arch)
-    shapes = [dict(zip(SHAPE_FIELDS, vals)) for vals in itertools.product(*(space.choices[f] for f in SHAPE_FIELDS))]
+    shapes = template_configs(load_space("cuda", space_dir=REPO_ROOT / "search_spaces" / arch))
     return [s for s in shapes if s["HEADS_PER_BLOCK"] <= H and reject_reason(CudaParams(**s), T, arch) is None]
 
 
@@ -98,6 +98,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     cands = fitting_shapes(args.arch, args.T, H)
     arch_default = default_for_arch(args.T, max(1, min(H, 72 // args.T)), args.arch)
+    default_shape = {f: getattr(arch_default, f) for f in SHAPE_FIELDS}
     print(f"{len(cands)} block shapes fit {args.arch} at T={args.T}, H={H} ({time.perf_counter() - t0:.0f} s); "
           f"{args.arch} default {arch_default}; carve-out {percent}% of {props.shared_memory_per_multiprocessor} B",
           flush=True)
@@ -116,7 +117,7 @@ def main(argv=None) -> int:
         runs = [("this GPU's default", here)]
         for s in cands:
             wave = max(1, round(sms / math.ceil(H / s["HEADS_PER_BLOCK"])))
-            tag = "default" if CudaParams(**s) == replace(arch_default, NSPLIT=CudaParams(**s).NSPLIT) else "fits"
+            tag = "default" if s == default_shape else "fits"
             for ns in (wave, 2 * wave):
                 runs.append((f"{args.arch} {tag}", CudaParams(**s, NSPLIT=ns)))
         for label, p in runs:
