@@ -60,20 +60,29 @@ extern "C" __global__ void ldmatrix_peak(u32* out, int iters) {
 """
 
 
-def compile_and_load(arch: str, chains: int):
-    from cuda.bindings import driver as drv, nvrtc
-    from kvtune.kernels.cuda.nvrtc import check_driver, _ensure_context
-    prog = nvrtc.nvrtcCreateProgram(SRC.encode(), b"ceiling.cu", 0, [], [])[1]
-    opts = [f"--gpu-architecture={arch}".encode(), f"-DCHAINS={chains}".encode()]
-    rc = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
-    if rc != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        n = nvrtc.nvrtcGetProgramLogSize(prog)[1]
-        log = b" " * n
+def nvrtc_cubin(src: str, name: str, options: list[str]) -> tuple[bytes, str]:
+    """(CUBIN, NVRTC log) of a standalone CUDA source; RuntimeError with the log if it fails.
+    For the scripts' own probe kernels (the shipped kernel compiles through kvtune's nvrtc)."""
+    from cuda.bindings import nvrtc
+    prog = nvrtc.nvrtcCreateProgram(src.encode(), name.encode(), 0, [], [])[1]
+    try:
+        rc = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])[0]
+        log = b" " * nvrtc.nvrtcGetProgramLogSize(prog)[1]
         nvrtc.nvrtcGetProgramLog(prog, log)
-        raise RuntimeError(log.decode())
-    n = nvrtc.nvrtcGetCUBINSize(prog)[1]
-    cubin = b" " * n
-    nvrtc.nvrtcGetCUBIN(prog, cubin)
+        log = log.decode(errors="replace").rstrip("\x00")
+        if rc != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(log)
+        cubin = b" " * nvrtc.nvrtcGetCUBINSize(prog)[1]
+        nvrtc.nvrtcGetCUBIN(prog, cubin)
+        return cubin, log
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def compile_and_load(arch: str, chains: int):
+    from cuda.bindings import driver as drv
+    from kvtune.kernels.cuda.nvrtc import check_driver, _ensure_context
+    cubin, _ = nvrtc_cubin(SRC, "ceiling.cu", [f"--gpu-architecture={arch}", f"-DCHAINS={chains}"])
     _ensure_context(torch.cuda.current_device())
     mod = check_driver(drv.cuModuleLoadData(cubin), "cuModuleLoadData")
     return {k: check_driver(drv.cuModuleGetFunction(mod, k.encode()), k) for k in ("mma_peak", "ldmatrix_peak")}

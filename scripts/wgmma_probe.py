@@ -222,19 +222,10 @@ def source() -> str:
 
 
 def compile_probe(arch: str = "sm_90a") -> bytes:
-    from cuda.bindings import nvrtc
-    prog = nvrtc.nvrtcCreateProgram(source().encode(), b"wgmma_probe.cu", 0, [], [])[1]
-    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"--ptxas-options=-v"]
-    rc = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
-    n = nvrtc.nvrtcGetProgramLogSize(prog)[1]
-    log = b" " * n
-    nvrtc.nvrtcGetProgramLog(prog, log)
-    if rc != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        raise RuntimeError(log.decode(errors="replace"))
-    print(log.decode(errors="replace").strip(), flush=True)
-    n = nvrtc.nvrtcGetCUBINSize(prog)[1]
-    cubin = b" " * n
-    nvrtc.nvrtcGetCUBIN(prog, cubin)
+    from mma_ceiling import nvrtc_cubin
+    cubin, log = nvrtc_cubin(source(), "wgmma_probe.cu", [f"--gpu-architecture={arch}", "-std=c++17",
+                                                          "--ptxas-options=-v"])
+    print(log.strip(), flush=True)
     return cubin
 
 
