@@ -156,9 +156,7 @@ def verify_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, ba
     params: the backend's parameter dataclass; None = its default.
     out: optional `[B*T, H, Dv]` bf16 output; lse: optional `[B*T, H]` fp32 (implies return_lse).
     workspace: optional scratch tensor of at least `workspace_bytes(...)` bytes, so the call
-        need not allocate (CUDA-graph capture). The CUDA backend's fused merge (FUSED_MERGE=1)
-        keeps a grid barrier in its first 16 bytes, zeroed here on every call; a serving loop
-        that wants no memset per call uses `VerifyAttention`, which zeroes its workspace once.
+        need not allocate (CUDA-graph capture).
     split_table: optional per-request NSPLIT chosen on the device (see `SplitTable`).
     check_values_: force (True) or skip (False) the value checks; default: on, except
         during CUDA-graph capture.
@@ -213,9 +211,6 @@ def verify_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, ba
                              f"got {have} bytes on {workspace.device}")
         if workspace.data_ptr() % 16:
             raise ValueError("workspace: must start at a 16-byte aligned address (kernels use vector accesses)")
-    zero = be.workspace_zero_bytes(params)
-    if zero:  # a caller's workspace may hold anything: one small memset per call
-        workspace.view(-1).view(torch.uint8)[:zero].zero_()
     if split_table is not None:
         _check_split_table(split_table, problem.device)
     be.launch(LaunchArgs(problem, q, kv_cache, kv_indptr, kv_indices, tree_mask, float(sm_scale), out, lse,

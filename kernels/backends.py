@@ -101,12 +101,6 @@ class Backend(abc.ABC):
         """Bytes of scratch one launch needs (split-K partials)."""
         return 0
 
-    def workspace_zero_bytes(self, params: Any) -> int:
-        """Bytes at the start of the workspace that must be zero before a launch with `params`
-        (each launch leaves them zero again, so a workspace kept across calls and graph
-        replays is zeroed once)."""
-        return 0
-
     def static_reject(self, params: Any, problem: VerifyProblem, arch: str | None = None) -> str | None:
         """Why `params` is statically impossible on `arch` (compile error, spills, shared
         memory over the limit), or None. Costs no GPU time."""

@@ -170,10 +170,6 @@ class VerifyAttention:
                              f"{self.allocated_bytes} bytes ({need} scratch + {out_bytes} output), over the "
                              f"budget of {workspace_budget_bytes}; lower max_batch or the tuned NSPLIT")
         self.workspace = torch.empty(max(need, 1), dtype=torch.uint8, device=device)
-        # zeroed once here: each launch leaves these bytes zero (the fused merge's barrier)
-        zero = max(self._launch[n][0].backend.workspace_zero_bytes(self._launch[n][1])
-                   for n in range(1, max_batch + 1))
-        self.workspace[:zero].zero_()
         self.out_buf = (torch.empty(max_batch * T, H, Dv, dtype=torch.bfloat16, device=device)
                         if preallocate_out else None)
         log.info("kvtune: VerifyAttention tp=%d max_batch=%d max_context=%d preallocated %d bytes (%d scratch)",

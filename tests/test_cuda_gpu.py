@@ -5,8 +5,6 @@ Odd shapes on purpose: prefixes of 1, 7, 54, 97, 300 and 4k keys, ragged batches
 non-contiguous q, padded KV rows, int64 indices, lse, per-request split tables, and a CUDA
 graph captured once and replayed on new prefix lengths and tree masks.
 """
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -120,11 +118,11 @@ def test_split_table():
 def _items_per_request(x, p, table=None):
     """Run the CUDA backend and read back how many work items (splits) each request got: the
     per-request (first item, count) table the split kernel leaves at the end of the workspace."""
-    from kvtune.kernels.cuda.backend import workspace_offsets
+    from kvtune.kernels.cuda.backend import work_items
     pb = describe_problem(*x.args)
     ws = torch.zeros(workspace_bytes(pb, "cuda", p), dtype=torch.uint8, device="cuda")
     _check(x, params=p, workspace=ws, split_table=table)
-    meta_off = workspace_offsets(p, pb.B, pb.T, pb.H)["meta"]
+    meta_off = work_items(p, pb.B) * pb.T * pb.H * (2 * pb.Dv + 4)
     meta = ws[meta_off:meta_off + 8 * pb.B].view(torch.int32).view(pb.B, 2).cpu()
     return meta[:, 0].tolist(), meta[:, 1].tolist()
 
@@ -188,9 +186,9 @@ def test_equal_requests_get_equal_splits_holding_the_documented_keys():
     pb = describe_problem(*x.args)
     ws = torch.zeros(workspace_bytes(pb, "cuda", p), dtype=torch.uint8, device="cuda")
     _check(x, params=p, workspace=ws)
-    from kvtune.kernels.cuda.backend import work_items, workspace_offsets
+    from kvtune.kernels.cuda.backend import work_items
     items = work_items(p, pb.B)
-    lse_off = workspace_offsets(p, pb.B, T, H)["part_lse"]
+    lse_off = items * T * H * pb.Dv * 2
     part_lse = ws[lse_off:lse_off + items * T * H * 4].view(torch.float32).view(items, T, H)
     ptr, idx = x.kv_indptr.tolist(), x.kv_indices.long()
     item = 0
@@ -231,46 +229,7 @@ def test_row_that_sees_nothing():
     assert torch.isfinite(o).all() and torch.isfinite(lse[0]).all()
 
 
-@pytest.mark.parametrize("fused", [0, 1])
-@pytest.mark.parametrize("B,T,H,prefixes,over", [
-    (1, 9, 8, [4096], {}), (5, 9, 8, [6000, 30, 900, 5, 2500], dict(NSPLIT=32)),
-    (3, 16, 16, [54, 1, 300], dict(HEADS_PER_BLOCK=4, NUM_WARPS=16)), (2, 1, 64, [97, 7], dict(NUM_WARPS=4, HEADS_PER_BLOCK=8)),
-    (4, 2, 1, [1000] * 4, dict(NUM_WARPS=32, BLOCK_N=16, NSPLIT=6))])
-def test_fused_and_separate_merge(fused, B, T, H, prefixes, over):
-    """Both merge modes match the oracle (out and lse), at 4 to 32 warps per CTA (the fused
-    merge's split groups follow the block size) and at ragged batches."""
-    x = make_inputs(B, T, H, prefixes, tree="random", device="cuda", seed=B + T)
-    _check(x, params=_cuda_params(x, FUSED_MERGE=fused, **over))
-
-
-def test_fused_merge_leaves_its_barrier_zero():
-    """A fused launch leaves the workspace's barrier arrivals at zero, so a workspace zeroed
-    once serves every later call and replay (the generation word counts launches)."""
-    from kvtune.kernels.backends import LaunchArgs
-    from kvtune.kernels.cuda.backend import CudaBackend
-    x = make_inputs(2, 9, 8, [3000, 54], tree="random", device="cuda")
-    p = _cuda_params(x, FUSED_MERGE=1)
-    pb = describe_problem(*x.args)
-    ws = torch.zeros(workspace_bytes(pb, "cuda", p), dtype=torch.uint8, device="cuda")
-    ref_o, _ = reference_attention(*x.args)
-    out = torch.empty_like(ref_o)
-    for _ in range(3):  # straight through the backend: no per-call memset of the barrier
-        out.fill_(float("nan"))
-        CudaBackend().launch(LaunchArgs(pb, *x.args[:5], x.sm_scale, out, None, ws, None), p)
-        assert rel_error(out, ref_o) < TOL
-    words = ws[:8].view(torch.int32).tolist()
-    assert words == [0, 3], words
-
-
-def test_grid_too_large_to_fuse_runs_the_separate_merge():
-    """FUSED_MERGE=1 with more CTAs than the GPU holds at once (8 head groups x 1024 splits)
-    falls back to the separate merge (a cooperative launch would fail) and stays correct."""
-    x = make_inputs(1, 9, 8, [20000], tree="random", device="cuda")
-    _check(x, params=_cuda_params(x, FUSED_MERGE=1, HEADS_PER_BLOCK=1, NSPLIT=1024, BLOCK_N=16))
-
-
-@pytest.mark.parametrize("fused", [0, 1])
-def test_cuda_graph_replay_new_lengths_and_trees(fused):
+def test_cuda_graph_replay_new_lengths_and_trees():
     """One capture; replays with other prefix lengths, slots and trees match the oracle."""
     B, T, H, cap_keys = 2, 9, 8, 2000
     gen = torch.Generator().manual_seed(1)
@@ -284,7 +243,7 @@ def test_cuda_graph_replay_new_lengths_and_trees(fused):
     sm_scale = first.sm_scale
     problem = describe_problem(q, kv, indptr, indices, mask, sm_scale)
     from kvtune.kernels.cuda.backend import CudaBackend
-    p = replace(CudaBackend().default_params(problem), FUSED_MERGE=fused)
+    p = CudaBackend().default_params(problem)
     ws = torch.empty(workspace_bytes(problem, "cuda", p), dtype=torch.uint8, device="cuda")
     out = torch.empty(B * T, H, 512, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(B * T, H, dtype=torch.float32, device="cuda")

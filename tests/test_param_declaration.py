@@ -20,7 +20,7 @@ from kvtune.tuner.space import SPACE_DIR, load_space, problem_env, read_space
 
 TRITON = {"NSPLIT": [1, 2], "BLOCK_N": [32], "HEADS_PER_BLOCK": [1, 2], "NUM_WARPS": [4], "STAGES": [1]}
 CUDA = {"NSPLIT": [16], "VEC": [8], "BLOCK_N": [32], "NUM_WARPS": [4, 8], "HEADS_PER_BLOCK": [4, 8], "STAGES": [2],
-        "CTAS_PER_SM": [1], "FUSED_MERGE": [0, 1]}
+        "CTAS_PER_SM": [1]}
 
 
 def _write_space(tmp_path, backend, params, name=None):
@@ -37,7 +37,7 @@ def test_the_backends_take_the_declared_dataclasses():
     # field order is the declaration's: positional construction and the trials table follow it
     assert TritonParams(4, 16, 2, 4, 1) == TritonParams(NSPLIT=4, BLOCK_N=16, HEADS_PER_BLOCK=2, NUM_WARPS=4, STAGES=1)
     assert CudaParams() == CudaParams(NSPLIT=64, VEC=8, BLOCK_N=32, NUM_WARPS=8, HEADS_PER_BLOCK=8, STAGES=2,
-                                      FUSED_MERGE=1, CTAS_PER_SM=1)
+                                      CTAS_PER_SM=1)
 
 
 def test_reading_a_declaration_does_not_import_triton():
@@ -165,7 +165,7 @@ BOUNDARY = [
 
 
 def _declared_ok(cfg: dict, T: int) -> bool:
-    values = dict(cfg, NSPLIT=1, FUSED_MERGE=1)
+    values = dict(cfg, NSPLIT=1)
     try:
         CUDA_PARAMS.check(values)
         CUDA_PARAMS.check_problem(values, T=T, Dk=576, Dv=512)

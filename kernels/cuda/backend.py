@@ -11,7 +11,6 @@ can capture it.
 from __future__ import annotations
 
 import ctypes
-import logging
 from dataclasses import dataclass, replace
 
 import torch
@@ -22,7 +21,6 @@ from .params import ARCH_LIMITS, CUDA_PARAMS, ArchLimits, CudaParams, arch_limit
 
 DK, DV = 576, 512
 KV_BITS = 16  # the cached K/V element type (a template value of verify.cu): bf16; fp8 e4m3 comes next
-MAX_NSPLIT = 1024  # verify.cu: splits one request's merge reads
 MERGE_SPLIT_GROUPS = 16  # the merge kernel's SG: split groups merged in parallel per (row, head, 128 columns),
 # 16 threads each (8 columns per thread)
 
@@ -86,10 +84,6 @@ class KernelGeometry:
         qk = qk_tiling(p, T)
         smem = (rows_pad * kpitch * 2 + p.STAGES * p.BLOCK_N * kpitch * 2 + qk[2] * rows_pad * spitch * 4
                 + rows_pad * ppitch * 2 + 2 * rows_pad * 4 + 2 * p.threads * 4)
-        # the fused merge's MergeSmem over the same bytes: split weights, reduction, staging
-        sg = p.threads // 16
-        mb = 8 if sg <= 16 else 128 // sg
-        smem = max(smem, MAX_NSPLIT * 4 + 32 * 4 + sg * 128 * 4 + mb * sg * 16 * 16)
         return KernelGeometry(rows=rows, row_tiles=nt, acc_regs=(DV // 16 // p.NUM_WARPS) * nt * 4, smem_bytes=smem,
                               qk=qk)
 
@@ -142,41 +136,18 @@ class _MergeArgs(ctypes.Structure):
                 ("H", ctypes.c_int), ("T", ctypes.c_int)]
 
 
-class _FusedSplitArgs(ctypes.Structure):
-    """verify.cu's SplitArgs: the split arguments, then what the fused merge needs."""
-    _fields_ = [("split", _SplitArgs), ("merge", _MergeArgs), ("barrier", ctypes.c_void_p),
-                ("fused", ctypes.c_int), ("pad_", ctypes.c_int)]
-
-
 # sizes static_assert'ed in verify.cu: a layout change on either side fails loudly
-assert ctypes.sizeof(_FusedSplitArgs) == 224 and ctypes.sizeof(_MergeArgs) == 72
+assert ctypes.sizeof(_SplitArgs) == 136 and ctypes.sizeof(_MergeArgs) == 72
 
 
 def work_items(p: CudaParams, B: int) -> int:
     """Upper bound on the key-balanced schedule's work items per head group (the split
     grid's y): the kernel's chunk keeps sum_b ceil(L_b / chunk) <= max(NSPLIT, B)."""
-    return max(p.NSPLIT, B)
-
-
-#: bytes at the start of the workspace holding the fused merge's grid barrier {arrivals,
-#: generation} (u32 each, padded to keep the partials 16-byte aligned)
-BARRIER_BYTES = 16
-
-
-def workspace_offsets(p: CudaParams, B: int, T: int, H: int) -> dict[str, int]:
-    """Byte offsets in the workspace: the fused merge's barrier, then per work item the partial
-    o `[ITEMS, T, H, DV]` bf16 and lse `[ITEMS, T, H]` fp32, then meta `[B][2]` int32 (each
-    request's first item and item count); `end` is the size."""
-    rows = work_items(p, B) * T * H
-    o = BARRIER_BYTES
-    lse = o + 2 * rows * DV
-    meta = lse + 4 * rows
-    return {"barrier": 0, "part_o": o, "part_lse": lse, "meta": meta, "end": meta + 8 * B}
+    return p.NSPLIT + B
 
 
 def launch_shapes(p: CudaParams, B: int, T: int, H: int) -> tuple[tuple, tuple]:
-    """((grid x, y, z), (block x, y, z)) of the split launch and of the merge launch (which
-    a fused merge does not launch)."""
+    """((grid x, y, z), (block x, y, z)) of the split launch and of the merge launch."""
     return (((cdiv(H, p.HEADS_PER_BLOCK), work_items(p, B), 1), (p.threads, 1, 1)),
             ((B * T * H, DV // 128, 1), (16 * MERGE_SPLIT_GROUPS, 1, 1)))
 
@@ -199,7 +170,6 @@ class CudaBackend(Backend):
     def __init__(self):
         self._sms: dict[int, int] = {}
         self._kernels: dict[tuple, tuple] = {}
-        self._occupancy: dict[tuple, int] = {}
 
     # -- parameters
     def kernel_hash(self) -> str:
@@ -234,11 +204,7 @@ class CudaBackend(Backend):
     def workspace_bytes(self, problem: VerifyProblem, params: CudaParams) -> int:
         # per work item: partial o in bf16 (half the split-K traffic of fp32) and lse in fp32
         # for its T x H rows; then the per-request (first item, count) table
-        return workspace_offsets(params, problem.B, problem.T, problem.H)["end"]
-
-    def workspace_zero_bytes(self, params: CudaParams) -> int:
-        # the fused merge's grid barrier counts arrivals from zero and leaves them zero
-        return BARRIER_BYTES if params.FUSED_MERGE else 0
+        return work_items(params, problem.B) * problem.T * problem.H * (2 * problem.Dv + 4) + 8 * problem.B
 
     def static_reject(self, params: CudaParams, problem: VerifyProblem, arch: str | None = None) -> str | None:
         try:
@@ -306,89 +272,51 @@ class CudaBackend(Backend):
         q = a.q
         q_vec16 = int(q.data_ptr() % 16 == 0 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0)
         ns = params.NSPLIT
+        items = work_items(params, pb.B)
+        n_rows = items * pb.T * pb.H   # partial rows
         base = a.workspace.data_ptr()
-        off = workspace_offsets(params, pb.B, pb.T, pb.H)
-        part_o, part_lse, meta = base + off["part_o"], base + off["part_lse"], base + off["meta"]
+        part_o, part_lse = base, base + 2 * n_rows * pb.Dv
+        meta = part_lse + 4 * n_rows
         st = a.split_table
         nb = st.num_buckets if st is not None else 0
         smk = st.max_keys.data_ptr() if st is not None else a.kv_indptr.data_ptr()
         sv = st.nsplit.data_ptr() if st is not None else a.kv_indptr.data_ptr()
-        split_shape, merge_shape = launch_shapes(params, pb.B, pb.T, pb.H)
-        split_grid = (*split_shape[0], *split_shape[1])
-        fused = bool(params.FUSED_MERGE) and self._fits_at_once(split_k, split_grid, geo.smem_bytes, pb.device)
+        sa = _SplitArgs(q.data_ptr(), kv.data_ptr(), a.kv_indptr.data_ptr(), a.kv_indices.data_ptr(),
+                        a.tree_mask.data_ptr(), part_o, part_lse, meta, smk, sv,
+                        q.stride(0), q.stride(1), kv.stride(0), a.sm_scale * LOG2E,
+                        pb.H, pb.B, nb, ns, int(a.kv_indices.dtype == torch.int64), q_vec16)
         lse = a.lse
         ma = _MergeArgs(part_o, part_lse, out.data_ptr(), lse.data_ptr() if lse is not None else 0, meta,
                         out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0, pb.H, pb.T)
-        sa = _FusedSplitArgs(_SplitArgs(q.data_ptr(), kv.data_ptr(), a.kv_indptr.data_ptr(),
-                                        a.kv_indices.data_ptr(), a.tree_mask.data_ptr(), part_o, part_lse, meta,
-                                        smk, sv, q.stride(0), q.stride(1), kv.stride(0), a.sm_scale * LOG2E,
-                                        pb.H, pb.B, nb, ns, int(a.kv_indices.dtype == torch.int64), q_vec16),
-                             ma, base + off["barrier"], int(fused), 0)
         stream = drv.CUstream(torch.cuda.current_stream(pb.device).cuda_stream)
         sp = (ctypes.c_void_p * 1)(ctypes.addressof(sa))
         mp = (ctypes.c_void_p * 1)(ctypes.addressof(ma))
-        if fused:  # cooperative: the driver keeps every CTA resident, so the grid barrier cannot hang
-            check_driver(drv.cuLaunchKernelEx(_launch_config(split_grid, geo.smem_bytes, stream, cooperative=True),
-                                              split_k.function, ctypes.addressof(sp), 0),
-                         "cuLaunchKernelEx(verify_split, cooperative)")
-            return
-        check_driver(drv.cuLaunchKernel(split_k.function, *split_grid, geo.smem_bytes, stream,
+        split_shape, merge_shape = launch_shapes(params, pb.B, pb.T, pb.H)
+        check_driver(drv.cuLaunchKernel(split_k.function, *split_shape[0], *split_shape[1], geo.smem_bytes, stream,
                                         ctypes.addressof(sp), 0),
                      "cuLaunchKernel(verify_split)")
         merge_grid = (*merge_shape[0], *merge_shape[1])
         if pdl:
-            check_driver(drv.cuLaunchKernelEx(_launch_config(merge_grid, 0, stream, pdl=True), merge_k.function,
+            check_driver(drv.cuLaunchKernelEx(_pdl_config(merge_grid, stream), merge_k.function,
                                               ctypes.addressof(mp), 0), "cuLaunchKernelEx(verify_merge)")
         else:
             check_driver(drv.cuLaunchKernel(merge_k.function, *merge_grid, 0, stream, ctypes.addressof(mp), 0),
                          "cuLaunchKernel(verify_merge)")
 
-    def _fits_at_once(self, split_k, grid: tuple, smem: int, device: torch.device) -> bool:
-        """Whether the split grid can be resident at once (a cooperative launch's condition);
-        if not, FUSED_MERGE=1 runs the separate merge (logged once)."""
-        from cuda.bindings import driver as drv
-        from ..lookup import warn_once
-        from .nvrtc import check_driver
-        key = (split_k.handle, grid[3], smem)
-        per_sm = self._occupancy.get(key)
-        if per_sm is None:
-            per_sm = check_driver(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(split_k.function, grid[3], smem),
-                                  "cuOccupancyMaxActiveBlocksPerMultiprocessor")
-            self._occupancy[key] = per_sm
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        if idx not in self._sms:
-            self._sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-        ctas, room = grid[0] * grid[1] * grid[2], per_sm * self._sms[idx]
-        if ctas <= room:
-            return True
-        warn_once(f"cuda-unfused:{ctas}:{room}", f"kvtune: cuda FUSED_MERGE=1 with a grid of {ctas} CTAs, over "
-                  f"the {room} this device holds at once: the separate merge runs instead (lower NSPLIT to fuse)",
-                  logging.INFO)
-        return False
 
-
-def _launch_config(grid: tuple, smem: int, stream, *, pdl: bool = False, cooperative: bool = False):
-    """A cuLaunchKernelEx config. pdl: the kernel may start while the previous one on `stream`
-    drains (it must griddepcontrol.wait before reading that kernel's results). cooperative:
-    every CTA resident at once (or the launch fails), for a grid-wide barrier."""
+def _pdl_config(grid: tuple, stream):
+    """A launch config that lets the kernel start while the previous one on `stream` drains
+    (it must griddepcontrol.wait before reading that kernel's results)."""
     from cuda.bindings import driver as drv
-    attrs = []
-    if pdl:
-        attr = drv.CUlaunchAttribute()
-        attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
-        attrs.append(attr)
-    if cooperative:
-        attr = drv.CUlaunchAttribute()
-        attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
-        attr.value.cooperative = 1
-        attrs.append(attr)
+    attr = drv.CUlaunchAttribute()
+    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
     cfg = drv.CUlaunchConfig()
     cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = grid
-    cfg.sharedMemBytes = smem
+    cfg.sharedMemBytes = 0
     cfg.hStream = stream
-    cfg.attrs = attrs
-    cfg.numAttrs = len(attrs)
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
     return cfg
 
 

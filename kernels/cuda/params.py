@@ -18,10 +18,6 @@ CUDA_PARAMS = Declaration("CudaParams", [
     Param("NUM_WARPS", (4, 8, 16, 32), 8, "warps per block (each warp owns DV / NUM_WARPS value columns)"),
     Param("HEADS_PER_BLOCK", range(1, 65), 8, "heads whose HEADS_PER_BLOCK x T query rows share one CTA"),
     Param("STAGES", range(2, 5), 2, "cp.async pipeline depth"),
-    Param("FUSED_MERGE", (0, 1), 1,
-          "1: the split grid merges its own partials after a grid-wide barrier (a cooperative launch, no "
-          "second kernel); 0: a separate merge kernel. A launch-time value: a grid that cannot be resident "
-          "at once (more CTAs than the SMs hold) runs the separate merge", launch=True),
     Param("CTAS_PER_SM", range(1, 5), 1,
           "CTAs per SM the kernel's registers are capped for (the launch bound's minimum blocks): 2 lets one "
           "CTA's QK^T overlap another's softmax, if the shared memory of both fits the SM"),

@@ -38,7 +38,6 @@ constexpr int DK = 576;   // kv_lora_rank + qk_rope_head_dim
 constexpr int DV = 512;   // kv_lora_rank: V is the first DV columns of a cached row
 constexpr float LN2 = 0.6931471805599453f;
 constexpr float RESCALE_SLACK = 8.f;  // log2 units: see the softmax step
-constexpr int MAX_NSPLIT = 1024;      // splits one request's merge reads
 
 // ---------------------------------------------------------------- PTX helpers (sm_80 class)
 
@@ -183,26 +182,10 @@ struct Config {
   static constexpr int ALPHA_OFF = P_OFF + ROWS_PAD * PPITCH * 2;
   static constexpr int L_OFF = ALPHA_OFF + ROWS_PAD * 4;
   static constexpr int SLOT_OFF = L_OFF + ROWS_PAD * 4;
-  // the fused merge reuses the block's shared memory (MergeSmem): one split group per 16
-  // threads, MB splits in flight per thread
-  static constexpr int MERGE_SG = THREADS / 16;
-  static constexpr int MERGE_MB = MERGE_SG <= 16 ? 8 : 128 / MERGE_SG;
-  static constexpr int MERGE_BYTES = MAX_NSPLIT * 4 + 32 * 4 + MERGE_SG * 128 * 4 + MERGE_MB * MERGE_SG * 16 * 16;
-  static constexpr int SMEM_BYTES = SLOT_OFF + 2 * THREADS * 4 > MERGE_BYTES ? SLOT_OFF + 2 * THREADS * 4 : MERGE_BYTES;
+  static constexpr int SMEM_BYTES = SLOT_OFF + 2 * THREADS * 4;
   static_assert(P_OFF % 16 == 0 && S_OFF % 16 == 0, "P is zeroed and o rows staged in 16-byte pieces");
   static_assert(QKS * SPITCH * 4 >= 8, "the epilogue keeps an 8-byte offset per row over the S partials");
 };
-
-struct MergeArgs {
-  const u16* part_o;        // [ITEMS, T, H, DV] bf16
-  const float* part_lse;    // [ITEMS, T, H]
-  u16* out;                 // [B*T, H, DV] bf16 (strides given)
-  float* lse;               // [B*T, H] fp32 or null
-  const int* meta;          // [B][2]: first item, item count (written by the split kernel)
-  i64 out_stride_m, out_stride_h, lse_stride_m;
-  int H, T;
-};
-static_assert(sizeof(MergeArgs) == 72, "MergeArgs must match backend._MergeArgs");
 
 struct SplitArgs {
   const u16* q;             // [B*T, H, DK] bf16
@@ -218,14 +201,8 @@ struct SplitArgs {
   i64 q_stride_m, q_stride_h, kv_stride;  // in elements
   float qk_scale;           // sm_scale * log2(e)
   int H, B, num_buckets, grid_nsplit, indices_64, q_vec16;
-  // fused merge: after a grid-wide barrier the split grid merges the partials itself (no
-  // second launch). barrier = {arrivals, generation}: zero before the first fused launch on
-  // this workspace, and every fused launch leaves the arrivals zero again.
-  MergeArgs merge;
-  u32* barrier;
-  int fused, pad_;
 };
-static_assert(sizeof(SplitArgs) == 224, "SplitArgs must match backend._SplitArgs");
+static_assert(sizeof(SplitArgs) == 136, "SplitArgs must match backend._SplitArgs");
 
 // The work item `item` of the key-balanced schedule (see the top of this file), found by one
 // warp: a binary search for chunk, then a scan of the requests' split counts, 32 requests at a
@@ -305,11 +282,13 @@ __device__ __forceinline__ void pdl_wait() {
 }
 
 // ---------------------------------------------------------------- split kernel
-// One work item of one head group: its key range's normalised partial o and lse.
+// grid (ceil(H / HPB), NSPLIT + B): x the head group, y the work item; block NUM_WARPS * 32;
+// dynamic smem Config::SMEM_BYTES. CTAS: CTAs per SM the registers are capped for.
 template <int VEC, int BLOCK_N, int NUM_WARPS, int HPB, int STAGES, int T, int QMT, int QRG, int QKS, int KV_BITS,
           int CTAS>
-__device__ __forceinline__ void split_work(const SplitArgs& a, unsigned char* smem) {
+__global__ void __launch_bounds__(NUM_WARPS * 32, CTAS) verify_split_kernel(const SplitArgs a) {
   using C = Config<VEC, BLOCK_N, NUM_WARPS, HPB, STAGES, T, QMT, QRG, QKS, KV_BITS, CTAS>;
+  extern __shared__ __align__(128) unsigned char smem[];
   u16* Qs = reinterpret_cast<u16*>(smem + C::Q_OFF);
   u16* Ks = reinterpret_cast<u16*>(smem + C::K_OFF);
   float* Ss = reinterpret_cast<float*>(smem + C::S_OFF);
@@ -318,6 +297,11 @@ __device__ __forceinline__ void split_work(const SplitArgs& a, unsigned char* sm
   float* l_s = reinterpret_cast<float*>(smem + C::L_OFF);
   u32* slot_s = reinterpret_cast<u32*>(smem + C::SLOT_OFF);  // [2][THREADS], ~0u = past the end
 
+  {  // the launcher sizes dynamic smem from a Python mirror of Config: never run short of it
+    u32 dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dyn));
+    if (dyn < (u32)C::SMEM_BYTES) __trap();
+  }
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int hg = blockIdx.x, item = blockIdx.y;
   // the merge may launch now: it waits for this whole grid before it reads anything
@@ -725,7 +709,20 @@ __device__ __forceinline__ void split_work(const SplitArgs& a, unsigned char* sm
   }
 }
 
-// ---------------------------------------------------------------- merge
+// ---------------------------------------------------------------- merge kernel
+
+struct MergeArgs {
+  const u16* part_o;        // [ITEMS, T, H, DV] bf16
+  const float* part_lse;    // [ITEMS, T, H]
+  u16* out;                 // [B*T, H, DV] bf16 (strides given)
+  float* lse;               // [B*T, H] fp32 or null
+  const int* meta;          // [B][2]: first item, item count (written by the split kernel)
+  i64 out_stride_m, out_stride_h, lse_stride_m;
+  int H, T;
+};
+static_assert(sizeof(MergeArgs) == 72, "MergeArgs must match backend._MergeArgs");
+
+constexpr int MAX_NSPLIT = 1024;
 
 __device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) {
   for (int o = 16; o > 0; o >>= 1) {
@@ -741,39 +738,33 @@ __device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) 
   return v;
 }
 
-// Merges one (row, head) pair's 128 output columns `colblk` with SG * 16 threads (the block):
-// all split weights first (the lse loads are independent), then split group sg sums w_k * o_k
-// over splits sg, sg+SG, ..., 8 columns (16 bytes) per thread, loading MB splits (cp.async
-// into shared memory) before adding any, so that a batch's loads are in flight together; a
-// loop that loads and adds one split at a time waits one memory round trip per split (the
-// first version of this kernel did: about 10 us at 132 splits on the H200). The SG group
-// sums are added through shared memory, one column per thread. Partials and meta are read
-// through L2 (ld.cg / cp.async.cg): in the fused merge other SMs wrote them in this launch.
-// Shared memory: MergeSmem<SG, MB>; callable again at once (its first barrier guards reuse).
-template <int SG, int MB>
-struct MergeSmem {
-  float w[MAX_NSPLIT];
-  float red[32];
-  __align__(16) float red_o[SG * 128];   // [split group][column]
-  __align__(16) uint4 stage[MB][SG * 16];  // one batch of o pieces per thread
-};
-
-template <int SG, int MB>
-__device__ __forceinline__ void merge_pair(const MergeArgs& a, int pair, int colblk, MergeSmem<SG, MB>& sm) {
-  float* w_s = sm.w;
-  float* red = sm.red;
+// grid (B*T*H, DV / 128); block SG * 16: one (row, head) pair and 128 of its DV columns per
+// block. All split weights are computed first (the lse loads are independent). Then split
+// group sg sums w_k * o_k over splits sg, sg+SG, ..., 8 columns (16 bytes) per thread, loading
+// MB splits (cp.async into shared memory) before adding any, so that a batch's loads are in
+// flight together; a loop that loads and adds one split at a time waits one memory round trip
+// per split (the first version of this kernel did: about 10 us at 132 splits on the H200).
+// The SG group sums are added through shared memory, one column per thread.
+template <int SG>
+__global__ void __launch_bounds__(SG * 16) verify_merge_kernel(const MergeArgs a) {
+  constexpr int MB = 8;
+  __shared__ float w_s[MAX_NSPLIT];
+  __shared__ float red[32];
+  __shared__ __align__(16) float red_o[SG * 128];  // [split group][column]
+  __shared__ __align__(16) uint4 stage[MB][SG * 16];  // one batch of o pieces per thread
+  const int pair = blockIdx.x;                  // = row * H + head
   const int row = pair / a.H, head = pair % a.H;
   const int b = row / a.T, t = row % a.T;
-  const int first = __ldcg(a.meta + 2 * b), nsplit = min(__ldcg(a.meta + 2 * b + 1), MAX_NSPLIT);
+  pdl_wait();  // the split grid's partials and meta are complete and visible past this point
+  const int first = a.meta[2 * b], nsplit = min(a.meta[2 * b + 1], MAX_NSPLIT);
   const float NEG_INF = -__int_as_float(0x7f800000);
   const i64 split_stride = (i64)a.T * a.H;     // partial rows per work item
   const i64 pair0 = ((i64)first * a.T + t) * a.H + head;  // this pair's row in the request's first item
 
   // -- weights: w_k = exp(lse_k - max); an empty split (lse = -inf) weighs 0 and is not read
   float m = NEG_INF;
-  __syncthreads();  // the previous pair's readers of w_s are done
   for (int k = threadIdx.x; k < nsplit; k += blockDim.x) {
-    const float l = __ldcg(a.part_lse + k * split_stride + pair0);
+    const float l = a.part_lse[k * split_stride + pair0];
     w_s[k] = l;
     m = fmaxf(m, l);
   }
@@ -788,7 +779,7 @@ __device__ __forceinline__ void merge_pair(const MergeArgs& a, int pair, int col
   s = block_reduce(s, red, false);  // its barriers also publish w_s
 
   const int sg = threadIdx.x / 16, c = threadIdx.x % 16;
-  const int col0 = colblk * 128;
+  const int col0 = blockIdx.y * 128;
   float o[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) o[e] = 0.f;
@@ -800,7 +791,7 @@ __device__ __forceinline__ void merge_pair(const MergeArgs& a, int pair, int col
     for (int u = 0; u < MB; ++u) {
       const int k = k0 + u * SG;
       const bool use = k < nsplit && w_s[k] != 0.f;
-      cp_async<16>(smem_u32(&sm.stage[u][threadIdx.x]), base + (use ? k : 0) * split_stride * DV, use ? 16 : 0);
+      cp_async<16>(smem_u32(&stage[u][threadIdx.x]), base + (use ? k : 0) * split_stride * DV, use ? 16 : 0);
     }
     cp_async_commit();
     cp_async_wait<0>();  // each thread reads back only its own copies: no barrier
@@ -808,7 +799,7 @@ __device__ __forceinline__ void merge_pair(const MergeArgs& a, int pair, int col
     for (int u = 0; u < MB; ++u) {
       const int k = k0 + u * SG;
       const float w = k < nsplit ? w_s[k] : 0.f;
-      const uint4 v = sm.stage[u][threadIdx.x];
+      const uint4 v = stage[u][threadIdx.x];
       const u32 p[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -817,83 +808,18 @@ __device__ __forceinline__ void merge_pair(const MergeArgs& a, int pair, int col
       }
     }
   }
-  float4* dst4 = reinterpret_cast<float4*>(sm.red_o + sg * 128 + c * 8);
+  float4* dst4 = reinterpret_cast<float4*>(red_o + sg * 128 + c * 8);
   dst4[0] = make_float4(o[0], o[1], o[2], o[3]);
   dst4[1] = make_float4(o[4], o[5], o[6], o[7]);
   __syncthreads();
-  if (threadIdx.x < 128) {
-    float sum = 0.f;
+  if (threadIdx.x >= 128) return;
+  float sum = 0.f;
 #pragma unroll
-    for (int i = 0; i < SG; ++i) sum += sm.red_o[i * 128 + threadIdx.x];
-    const float inv = s == 0.f ? 0.f : 1.f / s;  // NaN stays NaN
-    a.out[(i64)row * a.out_stride_m + (i64)head * a.out_stride_h + col0 + threadIdx.x] = bf16_bits(sum * inv);
-    if (a.lse != nullptr && threadIdx.x == 0 && colblk == 0)
-      a.lse[(i64)row * a.lse_stride_m + head] = s == 0.f ? NEG_INF : m + __logf(s);
-  }
-}
-
-// grid (B*T*H, DV / 128); block SG * 16: one (row, head) pair and 128 of its DV columns per block.
-template <int SG>
-__global__ void __launch_bounds__(SG * 16) verify_merge_kernel(const MergeArgs a) {
-  __shared__ MergeSmem<SG, 8> sm;
-  pdl_wait();  // the split grid's partials and meta are complete and visible past this point
-  merge_pair<SG, 8>(a, blockIdx.x, blockIdx.y, sm);
-}
-
-// All CTAs of the grid meet here (a cooperative launch keeps them all resident). Arrival
-// counts up to n; the last to arrive resets the count (so the next launch and every graph
-// replay start from zero) and only then bumps the generation that the others wait on. The
-// fences around it are the grid-sync pattern of cooperative groups: each CTA's stores (made
-// CTA-visible by the first barrier) are published before its arrival and acquired after.
-// A count that was not zero at launch never releases: the wait traps instead of hanging.
-__device__ __forceinline__ void grid_barrier(u32* bar, u32 n) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    u32 gen;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(gen) : "l"(bar + 1) : "memory");
-    __threadfence();
-    if (atomicAdd(bar, 1u) == n - 1) {
-      atomicExch(bar, 0u);
-      __threadfence();
-      atomicAdd(bar + 1, 1u);
-    } else {
-      u32 cur, polls = 0;
-      do {
-        __nanosleep(64);
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(cur) : "l"(bar + 1) : "memory");
-        if (++polls == (1u << 26)) __trap();  // seconds: a stale count, never a slow CTA
-      } while (cur == gen);
-    }
-    __threadfence();
-  }
-  __syncthreads();
-}
-
-// grid (ceil(H / HPB), max(NSPLIT, B)): x the head group, y the work item; block NUM_WARPS * 32;
-// dynamic smem Config::SMEM_BYTES (at least the fused merge's). CTAS: CTAs per SM the registers
-// are capped for. With a.fused (a cooperative launch), the grid then merges the partials:
-// (row, head, 128 columns) units dealt round-robin over every CTA, items past the batch's last
-// included.
-template <int VEC, int BLOCK_N, int NUM_WARPS, int HPB, int STAGES, int T, int QMT, int QRG, int QKS, int KV_BITS,
-          int CTAS>
-__global__ void __launch_bounds__(NUM_WARPS * 32, CTAS) verify_split_kernel(const SplitArgs a) {
-  using C = Config<VEC, BLOCK_N, NUM_WARPS, HPB, STAGES, T, QMT, QRG, QKS, KV_BITS, CTAS>;
-  extern __shared__ __align__(128) unsigned char smem[];
-  {  // the launcher sizes dynamic smem from a Python mirror of Config: never run short of it
-    u32 dyn;
-    asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dyn));
-    if (dyn < (u32)C::SMEM_BYTES) __trap();
-  }
-  split_work<VEC, BLOCK_N, NUM_WARPS, HPB, STAGES, T, QMT, QRG, QKS, KV_BITS, CTAS>(a, smem);
-  if (!a.fused) return;
-  cp_async_wait<0>();
-  const u32 n_ctas = gridDim.x * gridDim.y;
-  grid_barrier(a.barrier, n_ctas);
-  static_assert(sizeof(MergeSmem<C::MERGE_SG, C::MERGE_MB>) == C::MERGE_BYTES, "MERGE_BYTES mirrors MergeSmem");
-  auto& sm = *reinterpret_cast<MergeSmem<C::MERGE_SG, C::MERGE_MB>*>(smem);
-  const int units = a.B * a.merge.T * a.H * (DV / 128);
-  for (int u = blockIdx.y * gridDim.x + blockIdx.x; u < units; u += n_ctas)
-    merge_pair<C::MERGE_SG, C::MERGE_MB>(a.merge, u / (DV / 128), u % (DV / 128), sm);
+  for (int i = 0; i < SG; ++i) sum += red_o[i * 128 + threadIdx.x];
+  const float inv = s == 0.f ? 0.f : 1.f / s;  // NaN stays NaN
+  a.out[(i64)row * a.out_stride_m + (i64)head * a.out_stride_h + col0 + threadIdx.x] = bf16_bits(sum * inv);
+  if (a.lse != nullptr && threadIdx.x == 0 && blockIdx.y == 0)
+    a.lse[(i64)row * a.lse_stride_m + head] = s == 0.f ? NEG_INF : m + __logf(s);
 }
 
 }  // namespace kvtune
