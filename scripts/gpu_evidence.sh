@@ -13,7 +13,8 @@
 #                                             # speed of light per shape, split and merge timed apart,
 #                                             # the wgmma tile-loop probe (sm_90)
 #   bash scripts/gpu_evidence.sh phases       # the fixed cost placed: split and merge apart, and source
-#                                             # variants with one stage left out, at 256-64k
+#                                             # variants with one stage left out, at 256-64k (or the
+#                                             # time_phases.py arguments given)
 #   bash scripts/gpu_evidence.sh proxy        # the sm_120 proxy: every config that fits sm_120, timed here
 #                                             # with sm_120's shared memory per SM, beside this GPU's default
 #   bash scripts/gpu_evidence.sh tpe-vs-grid  # (carry .whl) the search against an exhaustive grid at tp 8
@@ -141,8 +142,8 @@ limits)
   ;;
 phases)
   . scripts/device_env.sh tree
-  timeout ${PHASES_S:-200} python3 scripts/time_phases.py --out $OUT --prefixes 256,4096,16384,65536 --variants \
-      > $OUT/phases.log 2>&1
+  args=("$@"); [ ${#args[@]} -eq 0 ] && args=(--prefixes 256,4096,16384,65536 --variants all)
+  timeout ${PHASES_S:-200} python3 scripts/time_phases.py --out $OUT "${args[@]}" > $OUT/phases.log 2>&1
   echo "phases rc=$?" >> $OUT/phases.log; tail -n 28 $OUT/phases.log
   ;;
 proxy)

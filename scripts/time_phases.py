@@ -14,15 +14,20 @@ wrong, only their times mean anything:
   no_q       no Q copy (the tile loop computes on whatever shared memory holds)
   no_o_store the normalised partial o is staged in shared memory but never stored to global
   exit_early every CTA returns right after the schedule (launch + schedule + the merge)
+  no_gather  key tiles zero-filled by cp.async (no global reads of K/V): the loop's compute alone
+  no_softmax no softmax (P, alpha and the running max and sum untouched)
+  no_pv      no O^T = V^T P^T;  no_pv_mma: its ldmatrix loads without its MMAs
 
     python scripts/time_phases.py --out $OUT      # on a GPU; or: bash scripts/gpu_evidence.sh limits
-    python scripts/time_phases.py --out $OUT --prefixes 256,4096,16384 --variants
+    python scripts/time_phases.py --out $OUT --prefixes 256,4096,16384 --variants all
+    python scripts/time_phases.py --out $OUT --prefixes 65536 --variants full,no_gather,no_softmax,no_pv
 """
 from __future__ import annotations
 
 import argparse
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -40,6 +45,20 @@ VARIANTS = {
     "no_q": [("if (a.q_vec16) {  // a warp per row", "if (a.H > 0) {\n  } else if (a.q_vec16) {  //")],
     "no_o_store": [("if (off < 0) continue;", "if (off < 0 || a.H > 0) continue;")],
     "exit_early": [("if (b < 0) return;", "if (b < 0 || a.H > 0) return;")],
+    # the tile loop's stages (a.H is never negative: the condition is false at run time, but
+    # the compiler cannot know it, so the rest of the loop compiles as it does in the source)
+    "no_gather": [("ok ? VEC * 2 : 0};", "0};")],
+    "no_softmax": [("    {\n      const int n0 = lo + it * BLOCK_N + sub8 * C::CPL;",
+                    "    if (a.H < 0) {\n      const int n0 = lo + it * BLOCK_N + sub8 * C::CPL;")],
+    # WGMMA=1 only: the warpgroup MMAs of QK^T left out (fence, commit and wait kept); the
+    # async-proxy fence before them left out
+    "wg_no_mma": [("for (int kk = 0; kk < DK / 16; ++kk)  // panel",
+                   "for (int kk = 0; kk < DK / 16 * (a.H < 0); ++kk)  //")],
+    "wg_no_fence": [("if constexpr (WG != 0) async_proxy_fence();", "if constexpr (WG != 0) {}")],
+    "no_pv": [("for (int ks = 0; ks < C::KT; ++ks) {", "for (int ks = 0; ks < C::KT * (a.H < 0); ++ks) {")],
+    "no_pv_mma": [("            mma_bf16(acc[mt][nt], af[mt], b0, b1);\n            if (nt + 1 < C::NT) mma_bf16(",
+                   "            if (a.H < 0) mma_bf16(acc[mt][nt], af[mt], b0, b1);\n"
+                   "            if (a.H < 0 && nt + 1 < C::NT) mma_bf16(")],
 }
 
 
@@ -67,11 +86,11 @@ class Phases:
 
         drv.cuLaunchKernel = launch
 
-    def time(self, pools) -> dict:
+    def time(self, pools, over: dict) -> dict:
         from kvtune.kernels import verify_attention
         from kvtune.kernels.api import describe_problem
         problem = describe_problem(*pools[0].args)
-        p = self.be.default_params(problem)
+        p = replace(self.be.default_params(problem), **over)
         split_k, merge_k = self.be._get(p, 9, torch.device("cuda"))[:2]
         out = torch.empty(9, self.heads, 512, dtype=torch.bfloat16, device="cuda")
         ws = torch.empty(self.be.workspace_bytes(problem, p), dtype=torch.uint8, device="cuda")
@@ -92,13 +111,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--prefixes", default="4096,16384,65536,131072")
     ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--variants", action="store_true", help="also time the stage-left-out variants (see above)")
+    ap.add_argument("--params", default="", help="NAME=VALUE,... over the CUDA default (e.g. WGMMA=1)")
+    ap.add_argument("--variants", default="", help="'all', or a comma-separated list of the variants above to time")
     args = ap.parse_args(argv)
     from kvtune.kernels import make_inputs
     from kvtune.kernels.cuda import nvrtc
     from kvtune.tuner.measure import ProblemSpec
 
     ph = Phases(args.heads)
+    over = {k: int(v) for k, v in (kv.split("=") for kv in args.params.split(",") if kv)}
     source = nvrtc.kernel_source()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows = []
@@ -106,12 +127,13 @@ def main(argv=None) -> int:
         nbytes = ProblemSpec(heads=args.heads, batch=1, context=prefix, draft_tokens=9).bytes_moved()
         pools = [make_inputs(1, 9, args.heads, prefix, device="cuda", seed=i)
                  for i in range(max(2, min(48, math.ceil(3 * l2 / nbytes))))]
-        for variant in (VARIANTS if args.variants else ["full"]):
+        names = [v.strip() for v in args.variants.split(",")] if args.variants else ["full"]
+        for variant in (VARIANTS if names == ["all"] else names):
             nvrtc._source_cache["src"] = patched_source(source, variant)
             ph.be._kernels.clear()
             runs = [(variant, pools)] + ([("full, hot L2", pools[:1])] if variant == "full" and args.variants else [])
             for name, use in runs:
-                row = {"prefix": prefix, "H": args.heads, "variant": name, **ph.time(use)}
+                row = {"prefix": prefix, "H": args.heads, "variant": name, **ph.time(use, over)}
                 rows.append(row)
                 print(row, flush=True)
         nvrtc._source_cache["src"] = source
