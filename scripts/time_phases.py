@@ -50,11 +50,6 @@ VARIANTS = {
     "no_gather": [("ok ? VEC * 2 : 0};", "0};")],
     "no_softmax": [("    {\n      const int n0 = lo + it * BLOCK_N + sub8 * C::CPL;",
                     "    if (a.H < 0) {\n      const int n0 = lo + it * BLOCK_N + sub8 * C::CPL;")],
-    # WGMMA=1 only: the warpgroup MMAs of QK^T left out (fence, commit and wait kept); the
-    # async-proxy fence before them left out
-    "wg_no_mma": [("for (int kk = 0; kk < DK / 16; ++kk)  // panel",
-                   "for (int kk = 0; kk < DK / 16 * (a.H < 0); ++kk)  //")],
-    "wg_no_fence": [("if constexpr (WG != 0) async_proxy_fence();", "if constexpr (WG != 0) {}")],
     "no_pv": [("for (int ks = 0; ks < C::KT; ++ks) {", "for (int ks = 0; ks < C::KT * (a.H < 0); ++ks) {")],
     "no_pv_mma": [("            mma_bf16(acc[mt][nt], af[mt], b0, b1);\n            if (nt + 1 < C::NT) mma_bf16(",
                    "            if (a.H < 0) mma_bf16(acc[mt][nt], af[mt], b0, b1);\n"

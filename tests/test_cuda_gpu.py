@@ -82,38 +82,6 @@ def test_long_splits_cross_slot_chunks(over):
     _check(x, params=_cuda_params(x, **over))
 
 
-def _needs_sm90():
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("WGMMA=1 runs on sm_90 only")
-
-
-@pytest.mark.parametrize("B,T,H,prefixes,over", [
-    (1, 9, 8, [4096], {}), (1, 9, 8, [1], dict(NSPLIT=1)), (3, 9, 8, [54, 1, 3000], dict(NSPLIT=5)),
-    (2, 9, 16, [300, 7000], dict(BLOCK_N=16, STAGES=4)), (1, 16, 8, [2000], dict(HEADS_PER_BLOCK=4)),
-    (2, 8, 16, [97, 900], {}), (1, 9, 10, [5000], dict(HEADS_PER_BLOCK=10, BLOCK_N=16)),
-    (1, 9, 8, [3000], dict(NSPLIT=1, BLOCK_N=16, STAGES=4))])
-def test_wgmma_matches_the_oracle(B, T, H, prefixes, over):
-    """WGMMA=1 (S = Q K^T on the warpgroup MMA from swizzled shared memory, the next tile's MMAs
-    under this tile's PV) at 64, 72, 90 and 128 query rows per CTA, 16- and 32-key tiles, 3-4
-    stages, one split of many tiles, ragged batches, draft trees."""
-    _needs_sm90()
-    x = make_inputs(B, T, H, prefixes, tree="random", device="cuda", seed=B * 10 + T)
-    _check(x, params=_cuda_params(x, **{"WGMMA": 1, "STAGES": 3, **over}))
-
-
-def test_wgmma_with_nan_values_in_a_draft_key():
-    """The NaN-V zeroing addresses the swizzled layout: a NaN in a draft key's V reaches only
-    the rows that may see that key."""
-    _needs_sm90()
-    x = make_inputs(1, 9, 8, [300], tree="chain", device="cuda", seed=3)
-    ref_o, _ = reference_attention(*x.args)
-    slot = int(x.kv_indices[300 + 4])            # draft key 4: rows 4..8 of a chain see it
-    x.kv_cache[slot, 17] = float("nan")
-    o = verify_attention(*x.args, backend="cuda", params=_cuda_params(x, WGMMA=1, STAGES=3))
-    assert torch.isnan(o[4:]).any(dim=-1).all() and not torch.isnan(o[:4]).any()
-    assert rel_error(o[:4], ref_o[:4]) < TOL
-
-
 def test_noncontiguous_q_padded_rows_int64_indices():
     x = make_inputs(3, 9, 16, [300, 1, 54], tree="random", device="cuda", q_noncontiguous=True,
                     row_stride=640, indices_dtype=torch.int64)

@@ -32,7 +32,7 @@ def _assertions(configs, skew=0):
         g = KernelGeometry.of(p, T)
         qmt, qrg, qks = g.qk
         cfg = (f"kvtune::Config<{p.VEC},{p.BLOCK_N},{p.NUM_WARPS},{p.HEADS_PER_BLOCK},{p.STAGES},{T},{qmt},{qrg},{qks},"
-               f"{KV_BITS},{p.CTAS_PER_SM},{p.WGMMA}>")
+               f"{KV_BITS},{p.CTAS_PER_SM}>")
         out.append(f'static_assert({cfg}::SMEM_BYTES == {g.smem_bytes + skew}, "{cfg}: smem mirror");')
     return out
 
@@ -60,27 +60,12 @@ def test_smem_mirror_and_tiling_match_the_kernels_config():
     assert ok, log[-4000:]
 
 
-def test_smem_mirror_of_the_wgmma_configs():
-    """WGMMA=1 (sm_90a): unpadded swizzled tiles and the 1 KB alignment slack, mirrored too."""
-    configs = []
-    for T, hpb, bn, st in itertools.product((1, 8, 9, 16), range(1, 65), (16, 32, 64), (2, 3, 4)):
-        try:
-            p = CudaParams(VEC=8, BLOCK_N=bn, NUM_WARPS=8, HEADS_PER_BLOCK=hpb, STAGES=st, WGMMA=1)
-            check_static(p, T)
-        except ValueError:
-            continue
-        configs.append((p, T))
-    assert len(configs) > 20
-    ok, log = _compile(_assertions(configs), arch="sm_90a")
-    assert ok, log[-4000:]
-
-
 def test_smem_mirror_check_can_fail():
     # one byte off for a single config: the same program must not compile
     p = CudaParams(VEC=8, BLOCK_N=32, NUM_WARPS=8, HEADS_PER_BLOCK=8, STAGES=2)
     ok, log = _compile(_assertions([(p, 9)], skew=16))
     assert not ok and "smem mirror" in log
     # and a tiling that breaks Config's static_asserts is caught too (QKS = 5 does not divide 36)
-    ok, log = _compile(["static_assert(kvtune::Config<8,32,8,8,2,9,2,2,5,16,1,0>::SMEM_BYTES > 0, \"\");"])
+    ok, log = _compile(["static_assert(kvtune::Config<8,32,8,8,2,9,2,2,5,16,1>::SMEM_BYTES > 0, \"\");"])
     assert not ok and "QKS must divide" in log
 

@@ -20,7 +20,7 @@ from kvtune.tuner.space import SPACE_DIR, load_space, problem_env, read_space
 
 TRITON = {"NSPLIT": [1, 2], "BLOCK_N": [32], "HEADS_PER_BLOCK": [1, 2], "NUM_WARPS": [4], "STAGES": [1]}
 CUDA = {"NSPLIT": [16], "VEC": [8], "BLOCK_N": [32], "NUM_WARPS": [4, 8], "HEADS_PER_BLOCK": [4, 8], "STAGES": [2],
-        "CTAS_PER_SM": [1], "WGMMA": [0]}
+        "CTAS_PER_SM": [1]}
 
 
 def _write_space(tmp_path, backend, params, name=None):
@@ -37,7 +37,7 @@ def test_the_backends_take_the_declared_dataclasses():
     # field order is the declaration's: positional construction and the trials table follow it
     assert TritonParams(4, 16, 2, 4, 1) == TritonParams(NSPLIT=4, BLOCK_N=16, HEADS_PER_BLOCK=2, NUM_WARPS=4, STAGES=1)
     assert CudaParams() == CudaParams(NSPLIT=64, VEC=8, BLOCK_N=32, NUM_WARPS=8, HEADS_PER_BLOCK=8, STAGES=2,
-                                      WGMMA=0, CTAS_PER_SM=1)
+                                      CTAS_PER_SM=1)
 
 
 def test_reading_a_declaration_does_not_import_triton():
@@ -100,7 +100,7 @@ def test_the_declared_rules_are_constraints_of_every_space(tmp_path):
     sp = load_space("cuda", None, d)
     env = problem_env(9, 8, 1, 4096, 576, 512, load_device("h200"))
     point = {"NSPLIT": 16, "VEC": 8, "BLOCK_N": 32, "NUM_WARPS": 4, "HEADS_PER_BLOCK": 8, "STAGES": 2,
-             "CTAS_PER_SM": 1, "WGMMA": 0}
+             "CTAS_PER_SM": 1}
     # 8 heads x 9 rows over 4 warps: 8 x 9 x 4 = 288 accumulator registers per thread
     why = sp.violation(point, env)
     assert why and "o_accumulator" in why
@@ -165,7 +165,7 @@ BOUNDARY = [
 
 
 def _declared_ok(cfg: dict, T: int) -> bool:
-    values = dict(cfg, NSPLIT=1, WGMMA=0)
+    values = dict(cfg, NSPLIT=1)
     try:
         CUDA_PARAMS.check(values)
         CUDA_PARAMS.check_problem(values, T=T, Dk=576, Dv=512)
@@ -183,9 +183,9 @@ def test_declared_rules_reject_what_the_kernels_static_asserts_reject(cfg, T, as
     from test_cuda_smem_mirror import _compile  # NVRTC on verify.cu plus a few lines
     # the tiling the launcher would pick; for values outside the declaration, any the kernel's
     # own checks accept (qk_tiling reads only these attributes)
-    qmt, qrg, qks = qk_tiling(SimpleNamespace(**cfg, WGMMA=0, threads=cfg["NUM_WARPS"] * 32), T)
+    qmt, qrg, qks = qk_tiling(SimpleNamespace(**cfg, threads=cfg["NUM_WARPS"] * 32), T)
     inst = (f"kvtune::Config<{cfg['VEC']},{cfg['BLOCK_N']},{cfg['NUM_WARPS']},{cfg['HEADS_PER_BLOCK']},"
-            f"{cfg['STAGES']},{T},{qmt},{qrg},{qks},{KV_BITS},{cfg['CTAS_PER_SM']},0>")
+            f"{cfg['STAGES']},{T},{qmt},{qrg},{qks},{KV_BITS},{cfg['CTAS_PER_SM']}>")
     ok, log = _compile([f'static_assert({inst}::SMEM_BYTES > 0, "instantiate");'])
     assert ok == (assert_text is None), log[-3000:]
     assert assert_text is None or assert_text in log, log[-3000:]

@@ -38,8 +38,6 @@ def qk_tiling(p: CudaParams, T: int) -> tuple[int, int, int]:
     then the least shared-memory traffic per key: K is re-read once per row group, Q once
     per key group, and each slice writes and the softmax reads one fp32 S partial. The S
     accumulators must fit beside the O accumulator (QMT x row tiles per group x 4 registers)."""
-    if p.WGMMA:  # two warpgroups of m64 query rows; no warp tiling
-        return (1, 1, 1)
     rows_pad = cdiv(p.HEADS_PER_BLOCK * T, 8) * 8
     nt, kt = rows_pad // 8, p.BLOCK_N // 16
     cap = min(255, 65536 // (p.threads * p.CTAS_PER_SM) // 8 * 8)
@@ -82,11 +80,10 @@ class KernelGeometry:
         rows = p.HEADS_PER_BLOCK * T
         nt = cdiv(rows, 8)
         rows_pad = nt * 8
-        # WGMMA: Q and K in the core-matrix layout, unpadded rows
-        kpitch, ppitch, spitch = DK if p.WGMMA else DK + 8, p.BLOCK_N + 8, p.BLOCK_N + 4
+        kpitch, ppitch, spitch = DK + 8, p.BLOCK_N + 8, p.BLOCK_N + 4
         qk = qk_tiling(p, T)
         smem = (rows_pad * kpitch * 2 + p.STAGES * p.BLOCK_N * kpitch * 2 + qk[2] * rows_pad * spitch * 4
-                + rows_pad * ppitch * 2 + 2 * rows_pad * 4 + 2 * p.threads * 4 + (1024 if p.WGMMA else 0))
+                + rows_pad * ppitch * 2 + 2 * rows_pad * 4 + 2 * p.threads * 4)
         return KernelGeometry(rows=rows, row_tiles=nt, acc_regs=(DV // 16 // p.NUM_WARPS) * nt * 4, smem_bytes=smem,
                               qk=qk)
 
@@ -94,7 +91,7 @@ class KernelGeometry:
 def split_expr(p: CudaParams, T: int) -> str:
     qmt, qrg, qks = qk_tiling(p, T)
     return (f"kvtune::verify_split_kernel<{p.VEC},{p.BLOCK_N},{p.NUM_WARPS},{p.HEADS_PER_BLOCK},{p.STAGES},{T},"
-            f"{qmt},{qrg},{qks},{KV_BITS},{p.CTAS_PER_SM},{p.WGMMA}>")
+            f"{qmt},{qrg},{qks},{KV_BITS},{p.CTAS_PER_SM}>")
 
 
 MERGE_EXPR = f"kvtune::verify_merge_kernel<{MERGE_SPLIT_GROUPS}>"
@@ -104,15 +101,12 @@ def module_name(p: CudaParams, T: int) -> str:
     """Readable cache name from every template value (NSPLIT is not one)."""
     qmt, qrg, qks = qk_tiling(p, T)
     return (f"verify_T{T}_VEC{p.VEC}_BN{p.BLOCK_N}_W{p.NUM_WARPS}_HPB{p.HEADS_PER_BLOCK}_S{p.STAGES}"
-            f"_QK{qmt}x{qrg}x{qks}_KV{KV_BITS}_C{p.CTAS_PER_SM}_WG{p.WGMMA}_MSG{MERGE_SPLIT_GROUPS}")
+            f"_QK{qmt}x{qrg}x{qks}_KV{KV_BITS}_C{p.CTAS_PER_SM}_MSG{MERGE_SPLIT_GROUPS}")
 
 
 def compile_params(p: CudaParams, T: int, arch: str):
-    """Compile (or fetch) the module for `p` at T draft tokens on `arch` (no GPU needed);
-    WGMMA=1 on sm_90 compiles for sm_90a (wgmma is an arch-specific feature)."""
+    """Compile (or fetch) the module for `p` at T draft tokens on `arch` (no GPU needed)."""
     from .nvrtc import compile_module
-    if p.WGMMA and arch == "sm_90":
-        arch = "sm_90a"
     return compile_module(module_name(p, T), [split_expr(p, T), MERGE_EXPR], arch)
 
 
@@ -239,7 +233,7 @@ class CudaBackend(Backend):
     def _get(self, params: CudaParams, T: int, device: torch.device):
         idx = device.index if device.index is not None else torch.cuda.current_device()
         key = (params.VEC, params.BLOCK_N, params.NUM_WARPS, params.HEADS_PER_BLOCK, params.STAGES,
-               params.CTAS_PER_SM, params.WGMMA, T, idx)
+               params.CTAS_PER_SM, T, idx)
         got = self._kernels.get(key)
         if got is None:
             from .nvrtc import load_kernels
@@ -346,8 +340,6 @@ def reject_reason(params: CudaParams, T: int, arch: str) -> str | None:
         check_static(params, T)
     except ValueError as e:
         return str(e)
-    if params.WGMMA and arch != "sm_90":
-        return f"WGMMA=1 needs sm_90 (Hopper's warpgroup MMA), not {arch}"
     lim = arch_limits(arch)
     geo = KernelGeometry.of(params, T)
     if geo.smem_bytes > lim.smem_per_block:

@@ -18,9 +18,6 @@ CUDA_PARAMS = Declaration("CudaParams", [
     Param("NUM_WARPS", (4, 8, 16, 32), 8, "warps per block (each warp owns DV / NUM_WARPS value columns)"),
     Param("HEADS_PER_BLOCK", range(1, 65), 8, "heads whose HEADS_PER_BLOCK x T query rows share one CTA"),
     Param("STAGES", range(2, 5), 2, "cp.async pipeline depth"),
-    Param("WGMMA", (0, 1), 0,
-          "1: S = Q K^T on the warpgroup MMA (wgmma, sm_90 only: compiled for sm_90a), operands read by the "
-          "tensor cores from shared memory; 0: mma.sync from registers (every arch)"),
     Param("CTAS_PER_SM", range(1, 5), 1,
           "CTAs per SM the kernel's registers are capped for (the launch bound's minimum blocks): 2 lets one "
           "CTA's QK^T overlap another's softmax, if the shared memory of both fits the SM"),
@@ -31,11 +28,6 @@ CUDA_PARAMS = Declaration("CudaParams", [
     ("rows_per_cta", "HEADS_PER_BLOCK", "HEADS_PER_BLOCK * T <= 256", "HEADS_PER_BLOCK x T rows per CTA exceed 256"),
     ("o_accumulator", "NUM_WARPS", "Dv // 16 // NUM_WARPS * cdiv(HEADS_PER_BLOCK * T, 8) * 4 <= 192",
      "the O accumulator needs over 192 registers per thread; use more warps or fewer heads"),
-    ("wgmma_shape", "WGMMA", "WGMMA == 0 or (NUM_WARPS == 8 and VEC == 8 and BLOCK_N <= 64 and STAGES >= 3)",
-     "WGMMA=1 takes two warpgroups (NUM_WARPS=8), 16-byte copies (VEC=8), BLOCK_N <= 64 and STAGES >= 3 (the "
-     "next tile's MMAs run under this tile's PV)"),
-    ("wgmma_rows", "WGMMA", "WGMMA == 0 or 64 <= cdiv(HEADS_PER_BLOCK * T, 8) * 8 <= 128",
-     "WGMMA=1 covers 64..128 query rows per CTA (HEADS_PER_BLOCK x T, padded to 8) with two m64 tiles"),
 ])
 
 

@@ -85,62 +85,6 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Warpgroup MMA (sm_90a only: the arch-specific feature set; other archs compile none of it).
-// Operands in shared memory K-major with the 128-byte swizzle: a [R][576] bf16 tile is 9 panels
-// of 64 columns, panel p at p * R * 128 bytes, row r of a panel at r * 128, and its 16-byte
-// chunk j (columns 8j..8j+7 of the panel) at ((j ^ (r % 8)) * 16): the 8 chunks of a row, and
-// the same chunk of 8 rows, fall in 8 different bank groups (cp.async fills and ldmatrix reads
-// without conflicts; the unswizzled core-matrix layout put a row's chunks in one bank group and
-// its cp.async fills ran at a sixth of the speed). Tiles start 1024-byte aligned; a k16 step
-// inside a panel is +32 bytes on the descriptor's start address.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define KVTUNE_HAS_WGMMA 1
-__device__ __forceinline__ u64 wg_desc(u32 addr) {  // K-major, 128B swizzle, 8-row groups 1024 B apart
-  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
-}
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-__device__ __forceinline__ void async_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// d[64 x N] (+)= A[64 x 16] B[16 x N], both K-major in shared memory; d[4j + e] holds row
-// 16 * (warp % 4) + lane / 4 + 8 * (e / 2), column 8j + 2 * (lane % 4) + e % 2
-template <int N> struct Wgmma;
-#define KVTUNE_WGMMA_D(i) "+f"(d[i])
-template <> struct Wgmma<16> {
-  static __device__ __forceinline__ void run(float (&d)[8], u64 a, u64 b, int acc) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-                 : "l"(a), "l"(b), "r"(acc));
-  }
-};
-template <> struct Wgmma<32> {
-  static __device__ __forceinline__ void run(float (&d)[16], u64 a, u64 b, int acc) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,"
-                 "%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-                 : "l"(a), "l"(b), "r"(acc));
-  }
-};
-template <> struct Wgmma<64> {
-  static __device__ __forceinline__ void run(float (&d)[32], u64 a, u64 b, int acc) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,"
-                 "%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "l"(a), "l"(b), "r"(acc));
-  }
-};
-#undef KVTUNE_WGMMA_D
-#else
-#define KVTUNE_HAS_WGMMA 0
-#endif
-
 __device__ __forceinline__ float fast_exp2(float x) {  // ex2(-inf) = +0
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -168,7 +112,7 @@ __device__ __forceinline__ int num_splits(int L, const int* max_keys, const int*
 // ---------------------------------------------------------------- configuration
 
 template <int VEC, int BLOCK_N, int NUM_WARPS, int HPB, int STAGES, int T, int QMT, int QRG, int QKS, int KV_BITS,
-          int CTAS, int WG>
+          int CTAS>
 struct Config {
   // The cached K/V element type is a template value: an fp8 (e4m3, per-tensor scale) cache
   // halves every shape's bytes and comes next; only bf16 ships.
@@ -180,7 +124,6 @@ struct Config {
   static_assert(STAGES >= 2 && STAGES <= 4, "STAGES in [2, 4]");
   static_assert(T >= 1 && T <= 64, "T in [1, 64]: the tree mask is one int64 per row");
   static_assert(HPB >= 1 && HPB * T <= 256, "HEADS_PER_BLOCK * T must be in [1, 256]");
-  static_assert(WG == 0 || WG == 1, "WGMMA is 0 or 1");
 
   static constexpr int THREADS = NUM_WARPS * 32;
   static constexpr int ROWS = HPB * T;          // query rows of one CTA
@@ -189,26 +132,11 @@ struct Config {
   static constexpr int KT = BLOCK_N / 16;       // m16 tiles of keys
   // smem pitches: a 16-byte pad makes each row start 16 bytes further round the banks, so
   // the 8 row addresses of an ldmatrix hit 8 different 16-byte bank groups.
-  // WG = 1: S = Q K^T on the warpgroup MMA (sm_90a), two warpgroups of m64 query rows each: the
-  // first rows 0..63, the second the last 64 of ROWS_PAD (overlapping the first, so that it reads
-  // only Q rows); Q and K tiles in the swizzled layout of wg_desc, 16-byte copies.
-  static_assert(!WG || KVTUNE_HAS_WGMMA, "WGMMA=1 needs sm_90a (wgmma)");
-  static_assert(!WG || STAGES >= 3, "WGMMA=1 needs STAGES >= 3: tile it+1's MMAs run under tile it's PV");
-  static_assert(!WG || (NUM_WARPS == 8 && VEC == 8 && BLOCK_N <= 64 && (ROWS + 7) / 8 * 8 >= 64 &&
-                        (ROWS + 7) / 8 * 8 <= 128 && QMT == 1 && QRG == 1 && QKS == 1),
-                "WGMMA=1: 8 warps, VEC 8, BLOCK_N <= 64, 64..128 query rows per CTA (tiling 1,1,1)");
-  static constexpr int KPITCH = WG ? DK : DK + 8;  // bf16 per K / Q row (1168 bytes = 73 x 16 when padded)
+  static constexpr int KPITCH = DK + 8;         // bf16 per K / Q row (1168 bytes = 73 x 16)
   static constexpr int PPITCH = BLOCK_N + 8;    // bf16 per P row
   static constexpr int SPITCH = BLOCK_N + 4;    // fp32 per S row: fragment stores conflict-free
   static constexpr int OPITCH = DV + 8;         // bf16 per staged o row (1040 bytes = 65 x 16), over Q
   static_assert(OPITCH <= KPITCH, "the o staging rows must fit in the Q rows they reuse");
-  // byte offset of (row r, columns 8 c8 .. 8 c8 + 7) in a tile of R rows (Q: ROWS_PAD, K: BLOCK_N)
-  template <int R>
-  static __device__ __forceinline__ u32 chunk_off(int r, int c8) {
-    return WG ? (c8 >> 3) * (R * 128) + r * 128 + (((c8 & 7) ^ (r & 7)) << 4) : (r * KPITCH + c8 * 8) * 2;
-  }
-  static __device__ __forceinline__ u32 q_off(int r, int c8) { return chunk_off<ROWS_PAD>(r, c8); }
-  static __device__ __forceinline__ u32 k_off(int r, int c8) { return chunk_off<BLOCK_N>(r, c8); }
 
   // S^T = K Q^T: warps tile (KT / QMT key groups of QMT m16 tiles) x (QRG row groups of S_NT
   // n8 tiles) x (QKS slices of the 576-wide reduction, summed by the softmax step). The
@@ -254,7 +182,7 @@ struct Config {
   static constexpr int ALPHA_OFF = P_OFF + ROWS_PAD * PPITCH * 2;
   static constexpr int L_OFF = ALPHA_OFF + ROWS_PAD * 4;
   static constexpr int SLOT_OFF = L_OFF + ROWS_PAD * 4;
-  static constexpr int SMEM_BYTES = SLOT_OFF + 2 * THREADS * 4 + (WG ? 1024 : 0);  // WG: room to align to 1 KB
+  static constexpr int SMEM_BYTES = SLOT_OFF + 2 * THREADS * 4;
   static_assert(P_OFF % 16 == 0 && S_OFF % 16 == 0, "P is zeroed and o rows staged in 16-byte pieces");
   static_assert(QKS * SPITCH * 4 >= 8, "the epilogue keeps an 8-byte offset per row over the S partials");
 };
@@ -357,12 +285,10 @@ __device__ __forceinline__ void pdl_wait() {
 // grid (ceil(H / HPB), NSPLIT + B): x the head group, y the work item; block NUM_WARPS * 32;
 // dynamic smem Config::SMEM_BYTES. CTAS: CTAs per SM the registers are capped for.
 template <int VEC, int BLOCK_N, int NUM_WARPS, int HPB, int STAGES, int T, int QMT, int QRG, int QKS, int KV_BITS,
-          int CTAS, int WG>
+          int CTAS>
 __global__ void __launch_bounds__(NUM_WARPS * 32, CTAS) verify_split_kernel(const SplitArgs a) {
-  using C = Config<VEC, BLOCK_N, NUM_WARPS, HPB, STAGES, T, QMT, QRG, QKS, KV_BITS, CTAS, WG>;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  // the swizzled tiles repeat every 1024 bytes: their base must be 1024-aligned
-  unsigned char* smem = smem_raw + (WG ? (1024 - (smem_u32(smem_raw) & 1023)) & 1023 : 0);
+  using C = Config<VEC, BLOCK_N, NUM_WARPS, HPB, STAGES, T, QMT, QRG, QKS, KV_BITS, CTAS>;
+  extern __shared__ __align__(128) unsigned char smem[];
   u16* Qs = reinterpret_cast<u16*>(smem + C::Q_OFF);
   u16* Ks = reinterpret_cast<u16*>(smem + C::K_OFF);
   float* Ss = reinterpret_cast<float*>(smem + C::S_OFF);
@@ -426,22 +352,19 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, CTAS) verify_split_kernel(cons
       const u16* src = ok ? a.q + (i64)(b * T + r % T) * a.q_stride_m + (i64)head * a.q_stride_h : a.q;
 #pragma unroll
       for (int c = lane; c < QC; c += 32)
-        cp_async<16>(qs_base + C::q_off(r, c), ok ? src + c * 8 : a.q, ok ? 16 : 0);
+        cp_async<16>(qs_base + (r * C::KPITCH + c * 8) * 2, ok ? src + c * 8 : a.q, ok ? 16 : 0);
     }
   } else {
     for (int c = tid; c < C::ROWS_PAD * DK; c += C::THREADS) {
       const int r = c / DK, col = c % DK;
       const int head = hg * HPB + r / T;
       const bool ok = r < C::ROWS && head < a.H;
-      *reinterpret_cast<u16*>(smem + C::Q_OFF + C::q_off(r, col >> 3) + (col & 7) * 2) =
+      Qs[r * C::KPITCH + col] =
           ok ? a.q[(i64)(b * T + r % T) * a.q_stride_m + (i64)head * a.q_stride_h + col] : (u16)0;
     }
   }
 
   // -- gathered key tiles: thread `tid` copies row tid / TPR of each tile, chunks sub + TPR*i
-  // (with WG the TPR chunks a row's threads copy at once lie 128 bytes apart in shared memory, in
-  // one bank group: twice the minimum write wavefronts, against full 128-byte lines read from
-  // HBM; one row per 8 lanes across row blocks read half-sectors and ran 1.5x slower)
   const int my_row = tid / C::TPR, my_sub = tid % C::TPR;
   const u32 ks_base = smem_u32(Ks);
   // A tile's copy is set up once (slot lookup, addresses) and its CPT chunks issued separately:
@@ -458,13 +381,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, CTAS) verify_split_kernel(cons
     const u32 slot = slot_s[((tile / C::TPC) & 1) * C::THREADS + (tile % C::TPC) * BLOCK_N + my_row];
     const bool ok = slot != ~0u;
     return {ok ? a.kv + (i64)slot * a.kv_stride : a.kv,
-            ks_base + (tile % STAGES) * C::K_STAGE + (WG ? my_row * 128 : my_row * C::KPITCH * 2), ok ? VEC * 2 : 0};
+            ks_base + (tile % STAGES) * C::K_STAGE + my_row * C::KPITCH * 2, ok ? VEC * 2 : 0};
   };
   auto copy_chunk = [&](const TileCopy& t, int i) {
     const int c = my_sub + i * C::TPR;
     if (t.bytes >= 0 && (C::CPR % C::TPR == 0 || c < C::CPR))
-      cp_async<VEC * 2>(t.dst + (WG ? (c >> 3) * (BLOCK_N * 128) + (((c & 7) ^ (my_row & 7)) << 4) : c * VEC * 2),
-                        t.src + c * VEC, t.bytes);
+      cp_async<VEC * 2>(t.dst + c * VEC * 2, t.src + c * VEC, t.bytes);
   };
   auto issue_tile = [&](int tile) {
     const TileCopy t = tile_copy(tile);
@@ -514,73 +436,15 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, CTAS) verify_split_kernel(cons
   const int dv0 = warp * C::PV_MT * 16;
   const u32 ps_base = smem_u32(Ps);
 
-#if KVTUNE_HAS_WGMMA
-  // WG: S = Q K^T on the warpgroup MMA, both operands from shared memory. Tile it+1's MMAs are
-  // issued before tile it's softmax and run under it; their S is stored once every warp is past
-  // that softmax, and tile it's PV runs with the accumulators free (in flight across PV they
-  // spilled). The two warpgroups cover query rows 0..63 and the last 64 of ROWS_PAD.
-  float sacc[WG ? BLOCK_N / 2 : 1];
-  const int wg = warp >> 2, wq = warp & 3;
-  const int row0 = wg * (C::ROWS_PAD - 64);
-  auto issue_qk = [&](int tile) {
-    const u32 qa = qs_base + row0 * 128, ka = ks_base + (tile % STAGES) * C::K_STAGE;
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < DK / 16; ++kk)  // panel kk / 4, k16 step kk % 4 inside it
-      Wgmma<BLOCK_N>::run(sacc, wg_desc(qa + (kk >> 2) * (C::ROWS_PAD * 128) + (kk & 3) * 32),
-                          wg_desc(ka + (kk >> 2) * (BLOCK_N * 128) + (kk & 3) * 32), kk);
-    wg_commit();
-  };
-  // sacc[4j + 2h + e]: query row row0 + 16 wq + g + 8h, key 8j + 2 t4 + e; the second warpgroup
-  // stores only the rows past the first's 64
-  auto store_s = [&](bool use) {
-    wg_wait0();
-    if (!use) return;  // past the last tile: the epilogue reuses S's bytes without a barrier
-#pragma unroll
-    for (int j = 0; j < BLOCK_N / 8; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = row0 + 16 * wq + g + 8 * h;
-        if (wg == 0 || row >= 64)
-          *reinterpret_cast<float2*>(Ss + row * C::SPITCH + 8 * j + 2 * t4) =
-              make_float2(sacc[4 * j + 2 * h], sacc[4 * j + 2 * h + 1]);
-      }
-  };
-  if constexpr (WG != 0) {
-    cp_async_wait<STAGES - 2>();  // tile 0 and Q
-    async_proxy_fence();          // cp.async wrote them; the async proxy (wgmma) reads them
-    __syncthreads();
-    issue_qk(0);  // every item holds at least one tile
-    store_s(true);
-  }
-#endif
-
   for (int it = 0; it < n_tiles; ++it) {
-    u32 kst;
-    if constexpr (WG != 0) {
-      kst = ks_base + (it % STAGES) * C::K_STAGE;
-#if KVTUNE_HAS_WGMMA
-      cp_async_wait<STAGES - 3>();  // tile it+1 (issued two iterations ago)
-      async_proxy_fence();
-      __syncthreads();  // S of tile it and tile it+1 visible; every warp is done with tile it-1's stage
-      const TileCopy next = tile_copy(it + STAGES - 1);  // into tile it-1's stage
-      if ((it + STAGES) % C::TPC == 0) stage_chunk((it + STAGES) / C::TPC);  // read after the next barrier
-#pragma unroll
-      for (int i = 0; i < C::CPT; ++i) copy_chunk(next, i);
-      cp_async_commit();
-      // unconditional, so that no path merges the in-flight accumulators with others (ptxas
-      // would wait for the MMAs there); past the last tile it reads a stale stage, never used
-      issue_qk(it + 1);
-#endif
-    } else {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // tile `it` visible to all; every warp is done with tile it-1's stage
     const TileCopy next = tile_copy(it + STAGES - 1);  // issued below, committed after QK^T
     if ((it + STAGES) % C::TPC == 0) stage_chunk((it + STAGES) / C::TPC);  // read after the next barrier
-    kst = ks_base + (it % STAGES) * C::K_STAGE;
+    const u32 kst = ks_base + (it % STAGES) * C::K_STAGE;
 
+    // -- S^T = K Q^T over the 576-wide reduction
     if (C::QK_WARPS == NUM_WARPS || warp < C::QK_WARPS) {
-    // -- S^T = K Q^T over the 576-wide reduction (mma.sync)
       float sacc[C::S_MT][C::S_NT][4];
 #pragma unroll
       for (int mt = 0; mt < C::S_MT; ++mt)
@@ -644,7 +508,6 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, CTAS) verify_split_kernel(cons
     }
     cp_async_commit();  // one group per iteration, empty past the last tile
     __syncthreads();
-    }
 
     // -- online softmax (base 2): tree mask on draft keys, update m and l, P to smem as bf16.
     // The max in use only moves when a row's tile max exceeds it by more than RESCALE_SLACK
@@ -660,8 +523,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, CTAS) verify_split_kernel(cons
         u16* vs = Ks + (it % STAGES) * (C::K_STAGE / 2);
         constexpr int PIECES = DV / 8;  // 16-byte pieces of a V row
         for (int c = tid; c < (d_hi - d_lo) * PIECES; c += C::THREADS) {
-          uint4* piece = reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(vs) +
-                                                  C::k_off(d_lo - t0 + c / PIECES, c % PIECES));
+          uint4* piece = reinterpret_cast<uint4*>(vs + (d_lo - t0 + c / PIECES) * C::KPITCH + (c % PIECES) * 8);
           const uint4 v = *piece;
           u32 w[4] = {v.x, v.y, v.z, v.w};
           bool nan = false;
@@ -748,9 +610,6 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, CTAS) verify_split_kernel(cons
       }
     }
     const int any_grew = __syncthreads_or(grew);
-#if KVTUNE_HAS_WGMMA
-    if constexpr (WG != 0) store_s(it + 1 < n_tiles);  // tile it+1's S: every warp is past tile it's softmax
-#endif
 
     // -- O^T = alpha * O^T + V^T P^T; V is the first DV columns of the key rows already in smem
     {
@@ -774,7 +633,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, CTAS) verify_split_kernel(cons
         u32 af[C::PV_MT][4];
 #pragma unroll
         for (int mt = 0; mt < C::PV_MT; ++mt)
-          ldmatrix_x4_trans(kst + C::k_off(ks * 16 + v_key, (dv0 + mt * 16 + v_col) >> 3), af[mt][0], af[mt][1],
+          ldmatrix_x4_trans(kst + ((ks * 16 + v_key) * C::KPITCH + dv0 + mt * 16 + v_col) * 2, af[mt][0], af[mt][1],
                             af[mt][2], af[mt][3]);
         // P^T fragments two row tiles at a time: few of them live at once
 #pragma unroll
