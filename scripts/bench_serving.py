@@ -186,6 +186,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--defaults-of", default="cuda,triton",
                     help="backends whose untuned default is a variant (comma-separated; '' for none)")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--nsplit", type=_ints, default=[],
+                    help="also time the CUDA default at these NSPLIT values (e.g. 132,264: ragged batches)")
     ap.add_argument("--allow-mismatch", action="store_true", help="use a YAML tuned elsewhere (logged)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any machine (CPU: Triton interpreter)")
     ap.add_argument("--out", required=True)
@@ -205,8 +207,9 @@ def _default_backends(names: str, dev) -> dict:
     return out
 
 
-def _kernel_variants(va, va_b1, defaults: dict, B: int, out) -> dict:
-    """variant name -> (make(inputs) -> launch, config text) for one layer's kernel."""
+def _kernel_variants(va, va_b1, defaults: dict, B: int, out, nsplits: list[int] = ()) -> dict:
+    """variant name -> (make(inputs) -> launch, config text) for one layer's kernel; `nsplits`:
+    the CUDA default again at each of these NSPLIT (`default-cuda-nsplitN`)."""
     def runtime_launch(rt):
         def launch_on(inp):
             step = rt.plan(inp.kv_indptr, inp.kv_indices, inp.tree_mask, check_values=False)
@@ -216,8 +219,10 @@ def _kernel_variants(va, va_b1, defaults: dict, B: int, out) -> dict:
     if va_b1 is not None:
         variants["tuned-b1"] = (runtime_launch(va_b1), f"{va_b1.plan_for(B).backend.name} {va_b1.params_for(B)}")
     problem = va.problem(B)
-    for vname, be in defaults.items():
-        params = be.default_params(problem)
+    runs = [(vname, be, be.default_params(problem)) for vname, be in defaults.items()]
+    runs += [(f"default-cuda-nsplit{n}", be, dataclasses.replace(be.default_params(problem), NSPLIT=n))
+             for vname, be in defaults.items() if be.name == "cuda" for n in nsplits]
+    for vname, be, params in runs:
         ws = torch.empty(max(1, be.workspace_bytes(problem, params)), dtype=torch.uint8, device=out.device)
 
         def make(inp, be=be, params=params, ws=ws):
@@ -355,7 +360,8 @@ def main(argv=None) -> int:
             continue
         case = Case(m, spec, prefixes, opts, seed=ci)
         out = torch.empty(B * va.T, va.H, va.Dv, dtype=torch.bfloat16, device=dev)
-        res = _time_kernels(m, case, opts, _kernel_variants(va, va_b1, defaults, B, out), common, cuda, rows)
+        variants = _kernel_variants(va, va_b1, defaults, B, out, args.nsplit)
+        res = _time_kernels(m, case, opts, variants, common, cuda, rows)
         _time_steps(va, ad, case, args.layers, args.reps, res["tuned"].get("median_us"), common, cuda, rows)
         del case
         if cuda:
