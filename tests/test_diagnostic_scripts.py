@@ -5,7 +5,9 @@ edit of verify.cu or of a script is caught here rather than in a device call:
   occur exactly once, and each patched copy must compile;
 - wgmma_probe.py compiles for sm_90a, with the two warpgroup MMAs it was written for;
 - bench_proxy.py's candidates for sm_120 fit sm_120's shared memory by the Python geometry
-  (computed apart from the NVRTC report the script filters on), the sm_120 default among them.
+  (computed apart from the NVRTC report the script filters on), the sm_120 default among them;
+- time_tilings.py's QK^T tilings are exactly those the kernel's Config accepts, the launcher's
+  own among them.
 """
 from __future__ import annotations
 
@@ -73,3 +75,19 @@ def test_proxy_candidates_fit_sm_120():
     assert {f: getattr(d, f) for f in bench_proxy.SHAPE_FIELDS} in shapes
     # the H200 default (72 rows, 32-key tiles) does not fit 99 KB
     assert {f: getattr(default_for_arch(9, 8, "sm_90"), f) for f in bench_proxy.SHAPE_FIELDS} not in shapes
+
+
+def test_time_tilings_lists_exactly_the_tilings_the_kernel_accepts():
+    import itertools
+
+    import time_tilings
+    from test_cuda_smem_mirror import _compile
+    from kvtune.kernels.cuda.backend import KV_BITS, qk_tiling
+    p = CudaParams(NSPLIT=132)
+    listed = set(time_tilings.tilings(p, 9))
+    assert qk_tiling(p, 9) in listed and len(listed) > 10
+    # every (QMT, QRG, QKS) up to the warp count: listed <=> Config's static_asserts pass
+    for t in itertools.product((1, 2, 3), range(1, 11), (1, 2, 4, 5)):
+        inst = f"kvtune::Config<8,32,8,8,2,9,{t[0]},{t[1]},{t[2]},{KV_BITS},1>"
+        ok, _ = _compile([f'static_assert({inst}::SMEM_BYTES > 0, "instantiate");'])
+        assert ok == (t in listed), t
