@@ -6,8 +6,8 @@ of 15, of: both kernels, the split kernel alone, the merge kernel alone (it then
 partials: timing only). The launch of the other kernel is filtered out at `cuLaunchKernel`.
 
 --variants also times copies of the source with one stage left out (METHOD.md: place time
-inside a kernel by differences), patched in memory here, never shipped; their outputs are
-wrong, only their times mean anything:
+inside a kernel by differences), compiled in memory (`nvrtc.source_override`), never shipped;
+their outputs are wrong, only their times mean anything:
   full       the source as it is, and `full, hot L2` (one input set replayed: metadata, Q and
              keys stay in L2)
   no_tiles   the split kernel runs no key tile (schedule, Q copy, P zeroing, epilogue only)
@@ -124,14 +124,14 @@ def main(argv=None) -> int:
                  for i in range(max(2, min(48, math.ceil(3 * l2 / nbytes))))]
         names = [v.strip() for v in args.variants.split(",")] if args.variants else ["full"]
         for variant in (VARIANTS if names == ["all"] else names):
-            nvrtc._source_cache["src"] = patched_source(source, variant)
-            ph.be._kernels.clear()
             runs = [(variant, pools)] + ([("full, hot L2", pools[:1])] if variant == "full" and args.variants else [])
-            for name, use in runs:
-                row = {"prefix": prefix, "H": args.heads, "variant": name, **ph.time(use, over)}
-                rows.append(row)
-                print(row, flush=True)
-        nvrtc._source_cache["src"] = source
+            with nvrtc.source_override(patched_source(source, variant)):
+                ph.be._kernels.clear()
+                for name, use in runs:
+                    row = {"prefix": prefix, "H": args.heads, "variant": name, **ph.time(use, over)}
+                    rows.append(row)
+                    print(row, flush=True)
+            ph.be._kernels.clear()
         del pools
         torch.cuda.empty_cache()
     write_csv(Path(args.out) / "phases.csv", rows)

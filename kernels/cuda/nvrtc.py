@@ -17,6 +17,7 @@ import os
 import re
 import tempfile
 import threading
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -70,6 +71,25 @@ def kernel_source() -> str:
         if "src" not in _source_cache:
             _source_cache["src"] = SOURCE_PATH.read_text()
         return _source_cache["src"]
+
+
+@contextmanager
+def source_override(text: str):
+    """Compile `text` in place of verify.cu inside the block (diagnostics that time copies of
+    the source with a stage left out: scripts/time_phases.py). The source hash, so every
+    compile-cache name, follows the text: nothing compiled from it is ever served for verify.cu.
+    Loaded kernels are the caller's to drop (the backend caches them by parameters)."""
+    with _source_lock:
+        old = _source_cache.get("src")
+        _source_cache["src"] = text
+    try:
+        yield
+    finally:
+        with _source_lock:
+            if old is None:
+                _source_cache.pop("src", None)
+            else:
+                _source_cache["src"] = old
 
 
 def kernel_source_hash() -> str:
