@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--prefixes", default="4096,16384,65536,131072")
     ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--params", default="", help="NAME=VALUE,... over the CUDA default (e.g. WGMMA=1)")
+    ap.add_argument("--params", default="", help="NAME=VALUE,... over the CUDA default (e.g. NUM_WARPS=4)")
     ap.add_argument("--variants", default="", help="'all', or a comma-separated list of the variants above to time")
     args = ap.parse_args(argv)
     from kvtune.kernels import make_inputs
@@ -115,6 +115,14 @@ def main(argv=None) -> int:
 
     ph = Phases(args.heads)
     over = {k: int(v) for k, v in (kv.split("=") for kv in args.params.split(",") if kv)}
+    from kvtune.kernels.cuda.params import CUDA_PARAMS
+    if set(over) - set(CUDA_PARAMS.params):
+        raise SystemExit(f"--params: unknown {sorted(set(over) - set(CUDA_PARAMS.params))}; "
+                         f"known: {sorted(CUDA_PARAMS.params)}")
+    names = [v.strip() for v in args.variants.split(",")] if args.variants else ["full"]
+    names = list(VARIANTS) if names == ["all"] else names
+    if set(names) - set(VARIANTS):
+        raise SystemExit(f"--variants: unknown {sorted(set(names) - set(VARIANTS))}; known: all, {', '.join(VARIANTS)}")
     source = nvrtc.kernel_source()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows = []
@@ -122,8 +130,7 @@ def main(argv=None) -> int:
         nbytes = ProblemSpec(heads=args.heads, batch=1, context=prefix, draft_tokens=9).bytes_moved()
         pools = [make_inputs(1, 9, args.heads, prefix, device="cuda", seed=i)
                  for i in range(max(2, min(48, math.ceil(3 * l2 / nbytes))))]
-        names = [v.strip() for v in args.variants.split(",")] if args.variants else ["full"]
-        for variant in (VARIANTS if names == ["all"] else names):
+        for variant in names:
             runs = [(variant, pools)] + ([("full, hot L2", pools[:1])] if variant == "full" and args.variants else [])
             with nvrtc.source_override(patched_source(source, variant)):
                 ph.be._kernels.clear()
