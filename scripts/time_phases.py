@@ -17,6 +17,8 @@ their outputs are wrong, only their times mean anything:
   no_gather  key tiles zero-filled by cp.async (no global reads of K/V): the loop's compute alone
   no_softmax no softmax (P, alpha and the running max and sum untouched)
   no_pv      no O^T = V^T P^T;  no_pv_mma: its ldmatrix loads without its MMAs
+  no_stage_barriers  the barriers after QK^T and after the softmax left out (the loop-top one
+             stays): what the stages' serialization costs, at most
 
     python scripts/time_phases.py --out $OUT      # on a GPU; or: bash scripts/gpu_evidence.sh limits
     python scripts/time_phases.py --out $OUT --prefixes 256,4096,16384 --variants all
@@ -50,6 +52,10 @@ VARIANTS = {
     "no_gather": [("ok ? VEC * 2 : 0};", "0};")],
     "no_softmax": [("    {\n      const int n0 = lo + it * BLOCK_N + sub8 * C::CPL;",
                     "    if (a.H < 0) {\n      const int n0 = lo + it * BLOCK_N + sub8 * C::CPL;")],
+    # the two barriers inside each tile (after QK^T's S stores, after the softmax) left out: an
+    # upper bound on what overlapping the stages could save (the loop-top barrier stays)
+    "no_stage_barriers": [("empty past the last tile\n    __syncthreads();\n", "empty past the last tile\n"),
+                          ("const int any_grew = __syncthreads_or(grew);", "const int any_grew = grew;")],
     "no_pv": [("for (int ks = 0; ks < C::KT; ++ks) {", "for (int ks = 0; ks < C::KT * (a.H < 0); ++ks) {")],
     "no_pv_mma": [("            mma_bf16(acc[mt][nt], af[mt], b0, b1);\n            if (nt + 1 < C::NT) mma_bf16(",
                    "            if (a.H < 0) mma_bf16(acc[mt][nt], af[mt], b0, b1);\n"
