@@ -63,6 +63,17 @@ VARIANTS = {
 }
 
 
+def cold_pools(heads: int, prefix: int) -> list:
+    """Input sets (bs 1, T 9) to rotate through so that each replay reads its keys, indices
+    and Q from HBM: together about 3x the L2 (2 to 48 sets)."""
+    from kvtune.kernels import make_inputs
+    from kvtune.tuner.measure import ProblemSpec
+    nbytes = ProblemSpec(heads=heads, batch=1, context=prefix, draft_tokens=9).bytes_moved()
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return [make_inputs(1, 9, heads, prefix, device="cuda", seed=i)
+            for i in range(max(2, min(48, math.ceil(3 * l2 / nbytes))))]
+
+
 def patched_source(src: str, variant: str) -> str:
     for anchor, repl in VARIANTS[variant]:
         if src.count(anchor) != 1:
@@ -115,13 +126,10 @@ def main(argv=None) -> int:
     ap.add_argument("--params", default="", help="NAME=VALUE,... over the CUDA default (e.g. NUM_WARPS=4)")
     ap.add_argument("--variants", default="", help="'all', or a comma-separated list of the variants above to time")
     args = ap.parse_args(argv)
-    from kvtune.kernels import make_inputs
     from kvtune.kernels.cuda import nvrtc
-    from kvtune.tuner.measure import ProblemSpec
-
-    ph = Phases(args.heads)
-    over = {k: int(v) for k, v in (kv.split("=") for kv in args.params.split(",") if kv)}
     from kvtune.kernels.cuda.params import CUDA_PARAMS
+
+    over = {k: int(v) for k, v in (kv.split("=") for kv in args.params.split(",") if kv)}
     if set(over) - set(CUDA_PARAMS.params):
         raise SystemExit(f"--params: unknown {sorted(set(over) - set(CUDA_PARAMS.params))}; "
                          f"known: {sorted(CUDA_PARAMS.params)}")
@@ -129,13 +137,11 @@ def main(argv=None) -> int:
     names = list(VARIANTS) if names == ["all"] else names
     if set(names) - set(VARIANTS):
         raise SystemExit(f"--variants: unknown {sorted(set(names) - set(VARIANTS))}; known: all, {', '.join(VARIANTS)}")
+    ph = Phases(args.heads)
     source = nvrtc.kernel_source()
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows = []
     for prefix in [int(p) for p in args.prefixes.split(",")]:
-        nbytes = ProblemSpec(heads=args.heads, batch=1, context=prefix, draft_tokens=9).bytes_moved()
-        pools = [make_inputs(1, 9, args.heads, prefix, device="cuda", seed=i)
-                 for i in range(max(2, min(48, math.ceil(3 * l2 / nbytes))))]
+        pools = cold_pools(args.heads, prefix)
         for variant in names:
             runs = [(variant, pools)] + ([("full, hot L2", pools[:1])] if variant == "full" and args.variants else [])
             with nvrtc.source_override(patched_source(source, variant)):

@@ -5,7 +5,7 @@ The launcher picks the tiling of S^T = K Q^T (`backend.qk_tiling`: QMT key m16 t
 QRG row groups, QKS slices of the 576-wide reduction) by least shared-memory traffic per key.
 time_phases.py places most of the tile loop's time in QK^T (about 1.7 of 2.7 us per 32-key
 tile at H 8, T 9), running at about a third of the MMA rate that PV reaches, so this times
-every tiling that compiles without spills for the given block shapes, each first checked
+every tiling the kernel accepts (`backend.qk_tilings`) that compiles without spills, each first checked
 against the fp32 oracle (a ragged batch), then H=8, T=9, bs 1 through graph replay over
 rotating inputs (cold L2), split + merge, median of 15 (`sol_read.graph_us`).
 
@@ -14,7 +14,6 @@ rotating inputs (cold L2), split + merge, median of 15 (`sol_read.graph_us`).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -22,20 +21,7 @@ from pathlib import Path
 import torch
 
 from sol_read import graph_us, write_csv
-
-
-def tilings(p, T: int) -> list[tuple[int, int, int]]:
-    """Every (QMT, QRG, QKS) the kernel's static_asserts accept for `p` at T."""
-    from kvtune.kernels.shapes import cdiv
-    nt, kt = cdiv(p.HEADS_PER_BLOCK * T, 8), p.BLOCK_N // 16
-    out = []
-    for qmt in (1, 2, 4):
-        for qrg in range(1, nt + 1):
-            s_nt = cdiv(nt, qrg)
-            for qks in (1, 2, 3, 4, 6, 9, 12, 18, 36):
-                if kt % qmt == 0 and cdiv(nt, s_nt) == qrg and (kt // qmt) * qrg * qks <= p.NUM_WARPS:
-                    out.append((qmt, qrg, qks))
-    return out
+from time_phases import cold_pools
 
 
 def main(argv=None) -> int:
@@ -47,23 +33,19 @@ def main(argv=None) -> int:
     from kvtune.kernels import get_backend, make_inputs, reference_attention, rel_error, verify_attention
     from kvtune.kernels.api import describe_problem
     from kvtune.kernels.cuda import backend as bk
-    from kvtune.tuner.measure import ProblemSpec
 
     be = get_backend("cuda")
     heuristic = bk.qk_tiling
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows = []
     chk = make_inputs(3, 9, 8, [700, 5, 2000], tree="random", device="cuda", seed=7)
     ref, _ = reference_attention(*chk.args)
     for prefix in [int(v) for v in args.prefixes.split(",")]:
-        nbytes = ProblemSpec(heads=8, batch=1, context=prefix, draft_tokens=9).bytes_moved()
-        pools = [make_inputs(1, 9, 8, prefix, device="cuda", seed=i)
-                 for i in range(max(2, min(48, math.ceil(3 * l2 / nbytes))))]
+        pools = cold_pools(8, prefix)
         base = be.default_params(describe_problem(*pools[0].args))
         for nw in [int(v) for v in args.warps.split(",")]:
             p = replace(base, NUM_WARPS=nw)
             chosen = heuristic(p, 9)
-            for t in tilings(p, 9):
+            for t in bk.qk_tilings(p, 9):
                 bk.qk_tiling = lambda _p, _T, t=t: t
                 be._kernels.clear()
                 row = {"prefix": prefix, "NUM_WARPS": nw, "QMT": t[0], "QRG": t[1], "QKS": t[2],

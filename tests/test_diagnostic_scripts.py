@@ -6,8 +6,8 @@ edit of verify.cu or of a script is caught here rather than in a device call:
 - wgmma_probe.py compiles for sm_90a, with the two warpgroup MMAs it was written for;
 - bench_proxy.py's candidates for sm_120 fit sm_120's shared memory by the Python geometry
   (computed apart from the NVRTC report the script filters on), the sm_120 default among them;
-- time_tilings.py's QK^T tilings are exactly those the kernel's Config accepts, the launcher's
-  own among them.
+- the QK^T tilings time_tilings.py times (`backend.qk_tilings`, from which the launcher picks)
+  are exactly those the kernel's Config accepts, the launcher's own among them.
 """
 from __future__ import annotations
 
@@ -80,14 +80,14 @@ def test_proxy_candidates_fit_sm_120():
     assert {f: getattr(default_for_arch(9, 8, "sm_90"), f) for f in bench_proxy.SHAPE_FIELDS} not in shapes
 
 
-def test_time_tilings_lists_exactly_the_tilings_the_kernel_accepts():
+def test_qk_tilings_are_exactly_the_tilings_the_kernel_accepts():
     import itertools
 
-    import time_tilings
+    import time_tilings  # noqa: F401  (the script itself still imports on a CPU)
     from test_cuda_smem_mirror import _compile
-    from kvtune.kernels.cuda.backend import KV_BITS, qk_tiling
+    from kvtune.kernels.cuda.backend import KV_BITS, qk_tiling, qk_tilings
     p = CudaParams(NSPLIT=132)
-    listed = set(time_tilings.tilings(p, 9))
+    listed = set(qk_tilings(p, 9))
     assert qk_tiling(p, 9) in listed and len(listed) > 10
     # every (QMT, QRG, QKS) up to the warp count: listed <=> Config's static_asserts pass
     for t in itertools.product((1, 2, 3), range(1, 11), (1, 2, 4, 5)):

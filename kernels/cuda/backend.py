@@ -30,6 +30,16 @@ def device_arch(device) -> str:
     return f"sm_{major}{minor}"
 
 
+def qk_tilings(p: CudaParams, T: int) -> list[tuple[int, int, int]]:
+    """Every (QMT, QRG, QKS) tiling of S^T = K Q^T that verify.cu's Config accepts for `p` at
+    T: QMT divides the key m16 tiles, the QRG row groups are all non-empty, QKS divides the 36
+    k16 steps, and the tiling needs no more warps than the block has."""
+    nt, kt = cdiv(p.HEADS_PER_BLOCK * T, 8), p.BLOCK_N // 16
+    return [(qmt, qrg, qks) for qmt in (1, 2, 4) if kt % qmt == 0
+            for qrg in range(1, nt + 1) if cdiv(nt, cdiv(nt, qrg)) == qrg
+            for qks in (1, 2, 3, 4, 6, 9, 12, 18, 36) if (kt // qmt) * qrg * qks <= p.NUM_WARPS]
+
+
 def qk_tiling(p: CudaParams, T: int) -> tuple[int, int, int]:
     """How the warps tile S^T = K Q^T (the kernel's QMT, QRG, QKS template values): QMT key
     m16 tiles per warp, QRG groups of the row n8 tiles, QKS slices of the 576-wide reduction.
@@ -42,23 +52,18 @@ def qk_tiling(p: CudaParams, T: int) -> tuple[int, int, int]:
     nt, kt = rows_pad // 8, p.BLOCK_N // 16
     cap = min(255, 65536 // (p.threads * p.CTAS_PER_SM) // 8 * 8)
     budget = max(8, cap - (DV // 16 // p.NUM_WARPS) * nt * 4 - 52)
+    legal = qk_tilings(p, T)
     def pick(budget):
         best = None
-        for qmt in (1, 2, 4):
-            if kt % qmt:
+        for qmt, qrg, qks in legal:
+            s_nt = cdiv(nt, qrg)
+            if qmt * s_nt * 4 > budget:
                 continue
-            for qrg in range(1, nt + 1):
-                s_nt = cdiv(nt, qrg)
-                if cdiv(nt, s_nt) != qrg or qmt * s_nt * 4 > budget:
-                    continue
-                for qks in (1, 2, 3, 4, 6, 9, 12, 18, 36):
-                    warps = (kt // qmt) * qrg * qks
-                    if warps > p.NUM_WARPS:
-                        continue
-                    traffic = 2 * DK * qrg + 2 * DK * rows_pad // (16 * qmt) + 8 * rows_pad * qks
-                    key = (-warps, traffic, qmt * s_nt)
-                    if best is None or key < best[0]:
-                        best = (key, (qmt, qrg, qks))
+            warps = (kt // qmt) * qrg * qks
+            traffic = 2 * DK * qrg + 2 * DK * rows_pad // (16 * qmt) + 8 * rows_pad * qks
+            key = (-warps, traffic, qmt * s_nt)
+            if best is None or key < best[0]:
+                best = (key, (qmt, qrg, qks))
         return best[1] if best else None
     # no tiling within the register budget: pick one regardless (static_reject then judges
     # the spills)
