@@ -22,6 +22,12 @@ Schema (version 1)::
         buckets:                        # NSPLIT per context bucket (context = prefix tokens P_b)
           - {max_context: 4096, NSPLIT: 8, latency_us: 9.1, default_latency_us: 14.0, floor_us: 5.2}
           - {max_context: 131072, NSPLIT: 32}
+      - tp: 8                           # a batch bucket > 1: also timed on a ragged batch
+        max_batch: 64
+        ...
+        buckets:
+          - {max_context: 4096, NSPLIT: 132, latency_us: 520.0, default_latency_us: 510.0,
+             floor_us: 75.0, ragged_us: 511.0, default_ragged_us: 793.0}
 
 Bucket policy: a request with prefix P uses the first bucket with P <= max_context, and the
 last bucket beyond it; a batch of size n uses the first entry of its tp with n <= max_batch,
@@ -43,6 +49,10 @@ PROVENANCE_KEYS = ("device_name", "arch", "sm_count", "driver", "cuda", "nvrtc",
 MODEL_KEYS = ("name", "num_heads", "kv_lora_rank", "qk_rope_head_dim", "draft_tokens", "sm_scale")
 
 
+# a bucket's optional measurements (us), as the sweep measured them
+_BUCKET_TIMES = ("latency_us", "default_latency_us", "floor_us", "ragged_us", "default_ragged_us")
+
+
 class SchemaError(ValueError):
     """A tuned-defaults file does not follow the schema; the message names file and key."""
 
@@ -54,6 +64,11 @@ class ContextBucket:
     latency_us: float | None = None
     default_latency_us: float | None = None
     floor_us: float | None = None
+    # batch buckets > 1: the bucket's ragged batch (the sweep's `ragged_spread`) at this NSPLIT
+    # and at the default; the NSPLIT is the one whose worse ratio to the best over equal and
+    # ragged requests is least, so latency_us may exceed default_latency_us by that ratio
+    ragged_us: float | None = None
+    default_ragged_us: float | None = None
 
 
 @dataclass(frozen=True)
@@ -120,8 +135,8 @@ def _int(src, key, v, lo=1) -> int:
 def _opt_float(src, key, v):
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise _err(src, key, f"expected a number, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+        raise _err(src, key, f"expected a finite number >= 0 (microseconds), got {v!r}")
     return float(v)
 
 
@@ -211,8 +226,7 @@ def parse_tuned(data: Any, source: str = "<memory>", check_params: bool = True,
         prev = 0
         for j, b in enumerate(braw):
             bkey = f"{key}.buckets[{j}]"
-            b = check_keys(src, bkey, b, ("max_context", "NSPLIT", "latency_us", "default_latency_us", "floor_us"),
-                  ("max_context", "NSPLIT"))
+            b = check_keys(src, bkey, b, ("max_context", "NSPLIT") + _BUCKET_TIMES, ("max_context", "NSPLIT"))
             mc = _int(src, f"{bkey}.max_context", b["max_context"])
             if mc <= prev:
                 raise _err(src, f"{bkey}.max_context", f"buckets must increase strictly ({mc} after {prev})")
@@ -220,9 +234,8 @@ def parse_tuned(data: Any, source: str = "<memory>", check_params: bool = True,
             ns = _int(src, f"{bkey}.NSPLIT", b["NSPLIT"])
             if grid_nsplit is not None and ns > grid_nsplit:
                 raise _err(src, f"{bkey}.NSPLIT", f"{ns} exceeds params.NSPLIT={grid_nsplit} (the grid size)")
-            buckets.append(ContextBucket(mc, ns, _opt_float(src, f"{bkey}.latency_us", b.get("latency_us")),
-                                         _opt_float(src, f"{bkey}.default_latency_us", b.get("default_latency_us")),
-                                         _opt_float(src, f"{bkey}.floor_us", b.get("floor_us"))))
+            times = {k: _opt_float(src, f"{bkey}.{k}", b.get(k)) for k in _BUCKET_TIMES}
+            buckets.append(ContextBucket(mc, ns, **times))
         entries.append(TunedEntry(tp, hpr, mb, e["backend"], dict(params), tuple(buckets)))
     return TunedDefaults(deployment=d["deployment"], model=dict(model), provenance=dict(prov),
                          entries=tuple(entries), source=src)

@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     rows = []
     for H, B, prefix in shapes:
         spec = ProblemSpec(heads=H, batch=B, context=prefix, draft_tokens=args.T, tree="random")
-        sol, sol_shape = sol_us(B * spec.keys, props.L2_cache_size, props.multi_processor_count)
+        sol, sol_shape = sol_us(spec.keys, props.L2_cache_size, props.multi_processor_count)
         floor = ceilings.floor_us(spec)
         base = cuda.default_params(spec.problem("cuda")).__dict__
         runs = [("cuda", "default", base)]

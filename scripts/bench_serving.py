@@ -81,14 +81,9 @@ def log_uniform(n: int, lo: int, hi: int, seed: int) -> list[int]:
 
 
 def floor_us(ceil: Ceilings, base: ProblemSpec, prefixes: list[int]) -> float:
-    """The floor of a batch (`Ceilings.floor_us`); of a ragged one, its requests' bytes and
-    flops summed."""
-    if len(set(prefixes)) == 1:
-        return ceil.floor_us(dataclasses.replace(base, batch=len(prefixes), context=prefixes[0]))
-    specs = [dataclasses.replace(base, batch=1, context=p) for p in prefixes]
-    nbytes = sum(s.bytes_moved() for s in specs)
-    flops = sum(s.flops() for s in specs)
-    return max(nbytes / (ceil.read_gbps * 1e3), flops / (ceil.bf16_tflops * 1e6))
+    """The floor of a batch (`Ceilings.floor_us`; a ragged one sums its requests' bytes and flops)."""
+    return ceil.floor_us(dataclasses.replace(base, batch=len(prefixes), context=max(prefixes),
+                                             prefixes=tuple(prefixes)))
 
 
 class Case:

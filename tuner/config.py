@@ -217,6 +217,9 @@ class Deployment:
     trials: int
     workspace_budget_bytes: int
     timing: str = "graph"
+    # batch buckets > 1 are also scored on a ragged batch of this max/min prefix ratio
+    # (`tuner.measure.ragged_prefixes`, `tuner/ragged.py`); 1 turns that off
+    ragged_spread: float = 8.0
     # search-space folder for this deployment's hardware (None: the repository's search_spaces/)
     space_dir: str | None = None
     source: str = field(default="<memory>", compare=False)
@@ -226,7 +229,7 @@ class Deployment:
 
 
 _DEP_KEYS = ("name", "model", "device", "tp", "contexts", "batches", "backends", "trials", "workspace_budget_mb",
-             "timing", "search_spaces", "description")
+             "timing", "search_spaces", "description", "ragged_spread")
 _DEP_REQUIRED = ("name", "model", "device", "tp", "contexts", "batches", "backends", "trials")
 _MODEL_KEYS = ("name", "num_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "sm_scale",
                "draft_tokens", "tree")
@@ -299,10 +302,14 @@ def parse_deployment(d: Any, src: str, path: Path | None = None) -> Deployment:
     if timing not in TIMINGS:
         raise _err(src, "timing", f"expected one of {list(TIMINGS)}, got {timing!r}")
     space_dir = _space_dir(d["search_spaces"], src, path) if "search_spaces" in d else None
+    spread = pos_float(src, "ragged_spread", d.get("ragged_spread", Deployment.ragged_spread))
+    if spread < 1:
+        raise _err(src, "ragged_spread", f"the ragged batch's max/min prefix ratio must be >= 1 (1: no ragged "
+                                         f"scoring), got {spread}")
     return Deployment(name=name, model_name=m["name"], model=model, tree=tree, device=device, tp=tp,
                       contexts=contexts, batches=batches, backends=tuple(be), trials=trials,
                       workspace_budget_bytes=int(budget_mb * 2**20), timing=timing, space_dir=space_dir,
-                      source=src)
+                      ragged_spread=spread, source=src)
 
 
 def find_deployment(name_or_path: str | Path) -> Path:

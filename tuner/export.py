@@ -23,25 +23,39 @@ import json
 from datetime import datetime, timezone
 from pathlib import Path
 from statistics import median
+from typing import NamedTuple
 
 from kvtune.kernels.tuned import BACKEND_NAMES, ContextBucket, TunedDefaults, TunedEntry, dump_tuned
 
 from .config import Deployment, load_deployment
 from .log import get_logger
+from .ragged import PHASE as RAGGED_PHASE
+from .ragged import ragged_round
 from .table import read_jsonl, read_trials
 
 log = get_logger(__name__)
 MAX_CHECKS = 5   # serving checks measured per (tp, batch bucket) before export stops measuring more
 
 
+class Bucket(NamedTuple):
+    """One context bucket of a pick: the served NSPLIT, its latency on equal requests, the
+    default's, the floor, and the latencies on the ragged batch (None where not measured)."""
+    nsplit: int | None
+    latency: float
+    default: float | None
+    floor: float | None
+    ragged: float | None = None
+    default_ragged: float | None = None
+
+
 def latencies(df):
     """The latency export judges each measured config by: (backend, tp, bs, ctx, params JSON
     with sorted keys) -> (latency_us, role). Latency: the median of the config's interleaved
     re-measurements where it has any, else of its search (and cross-bucket) measurements;
-    serving-check rows never count. Role: "baseline" when the config is the backend's
+    serving-check and ragged rows never count. Role: "baseline" when the config is the backend's
     default, else its first role by name."""
     out = {}
-    ok = df[(df["outcome"] == "ok") & (df["phase"] != "serve")]
+    ok = df[(df["outcome"] == "ok") & ~df["phase"].isin(["serve", RAGGED_PHASE])]
     for key, g in ok.groupby(["backend", "tp", "bs", "ctx", ok["params"].map(lambda p: json.dumps(p, sort_keys=True))]):
         rem = g[g["phase"] == "remeasure"]["median_us"].astype(float).tolist()
         srch = g[g["phase"] != "remeasure"]["median_us"].astype(float).tolist()
@@ -51,16 +65,44 @@ def latencies(df):
     return out
 
 
-def choose(df, backends, tp, bs, contexts, exclude=frozenset()):
-    """The winning (backend, compile params, {ctx: (NSPLIT, lat, default_lat, floor)}) or None;
-    `exclude` holds (backend, compile-key JSON) pairs that failed their serving check."""
+def ragged_latencies(df, rnd: str | None) -> dict:
+    """(backend, tp, bs, ctx, params JSON) -> (median us on the bucket's ragged batch, role),
+    from the ragged rows of round `rnd` (the deployment's spread; None: none count)."""
+    sel = df[(df["outcome"] == "ok") & (df["phase"] == RAGGED_PHASE) & (df["round"].astype(str) == str(rnd))]
+    out = {}
+    pj = sel["params"].map(lambda p: json.dumps(p, sort_keys=True))
+    for key, g in sel.groupby(["backend", "tp", "bs", "ctx", pj]):
+        roles = set(g["role"].astype(str))
+        out[tuple(key[:4]) + (key[4],)] = (median(g["median_us"].astype(float).tolist()),
+                                           "baseline" if "baseline" in roles else sorted(roles)[0])
+    return out
+
+
+def pick_nsplit(equal: dict, ragged: dict):
+    """One compile-time config's NSPLIT at one bucket, from its latencies on equal requests and
+    on the ragged batch ({NSPLIT: us}): of the NSPLIT timed on both, the one whose worse ratio to
+    the best is least (equal requests: the best of every NSPLIT; ragged: of those timed), ties to
+    the faster on equal requests; without ragged timings, the fastest on equal requests."""
+    best = min(equal, key=lambda n: equal[n])
+    both = [n for n in ragged if n in equal]
+    if not both:
+        return best
+    r0 = min(ragged[n] for n in both)
+    return min(both, key=lambda n: (max(equal[n] / equal[best], ragged[n] / r0), equal[n]))
+
+
+def choose(df, backends, tp, bs, contexts, exclude=frozenset(), rnd: str | None = None):
+    """The winning (backend, compile params, buckets, is_default) or None, with notes. buckets:
+    {ctx: Bucket}. `exclude` holds (backend, compile-key JSON) pairs that failed their serving
+    check; `rnd` names the ragged rows that count (`tuner.ragged.ragged_round`)."""
     lat = latencies(df)
-    floors = {int(c): float(f) for c, f in df[(df["tp"] == tp) & (df["bs"] == bs)][["ctx", "floor_us"]]
-              .dropna().drop_duplicates("ctx").itertuples(index=False)}
+    rag = ragged_latencies(df, rnd)
+    floors = {int(c): float(f) for c, f in df[(df["tp"] == tp) & (df["bs"] == bs) & (df["phase"] != RAGGED_PHASE)]
+              [["ctx", "floor_us"]].dropna().drop_duplicates("ctx").itertuples(index=False)}
     best = None
     notes = []
     for be in backends:
-        groups: dict[str, dict] = {}
+        groups: dict[str, dict] = {}      # compile key -> ctx -> {NSPLIT: us}
         default_lat: dict[int, float] = {}
         default_key = None
         for (b, t, s, ctx, pj), (v, role) in lat.items():
@@ -68,18 +110,17 @@ def choose(df, backends, tp, bs, contexts, exclude=frozenset()):
                 continue
             p = json.loads(pj)
             ck = json.dumps({k: x for k, x in p.items() if k != "NSPLIT"}, sort_keys=True)
-            g = groups.setdefault(ck, {})
-            if ctx not in g or v < g[ctx][1]:
-                g[ctx] = (p.get("NSPLIT"), v)
+            groups.setdefault(ck, {}).setdefault(ctx, {})[p.get("NSPLIT")] = v
             if role == "baseline":
                 default_lat[ctx] = v
                 default_key = ck
         for ck, g in groups.items():
             if any(c not in g for c in contexts) or (be, ck) in exclude:
                 continue
-            if any(c in default_lat and g[c][1] > default_lat[c] for c in contexts):
+            fastest = {c: min(g[c].values()) for c in contexts}
+            if any(c in default_lat and fastest[c] > default_lat[c] for c in contexts):
                 continue  # would lose to the default at some bucket
-            total = sum(g[c][1] for c in contexts)
+            total = sum(fastest.values())
             if best is None or total < best[0]:
                 best = (total, be, ck, g, default_lat, ck == default_key)
         if not groups:
@@ -87,7 +128,20 @@ def choose(df, backends, tp, bs, contexts, exclude=frozenset()):
     if best is None:
         return None, notes
     total, be, ck, g, dl, is_default = best
-    buckets = {c: (g[c][0], g[c][1], dl.get(c), floors.get(c)) for c in contexts}
+    buckets = {}
+    for c in contexts:
+        ragged = {}
+        default_ragged = None
+        for (b, t, s, ctx, pj), (v, role) in rag.items():
+            if (b, t, s, ctx) != (be, tp, bs, c):
+                continue
+            p = json.loads(pj)
+            if json.dumps({k: x for k, x in p.items() if k != "NSPLIT"}, sort_keys=True) == ck:
+                ragged[p.get("NSPLIT")] = v
+            if role == "baseline":
+                default_ragged = v
+        n = pick_nsplit(g[c], ragged)
+        buckets[c] = Bucket(n, g[c][n], dl.get(c), floors.get(c), ragged.get(n), default_ragged)
     return (be, json.loads(ck), buckets, is_default), notes
 
 
@@ -96,7 +150,7 @@ def served(cparams: dict, buckets: dict, contexts: list[int], T: int, backend: s
     serving uses: [key-count bound per bucket (`split_bounds`), NSPLIT per bucket]."""
     from kvtune.kernels.backends import split_bounds
     params = dict(cparams)
-    ns = [buckets[c][0] for c in contexts]
+    ns = [buckets[c].nsplit for c in contexts]
     table = None
     if all(n is not None for n in ns):
         params["NSPLIT"] = max(ns)
@@ -110,7 +164,7 @@ def serve_key(backend: str, params: dict, table) -> str:
     return "serve-" + hashlib.sha256(json.dumps([backend, params, table], sort_keys=True).encode()).hexdigest()[:10]
 
 
-def pick_served(df, backends, tp, bs, contexts, T, check=None):
+def pick_served(df, backends, tp, bs, contexts, T, check=None, rnd: str | None = None):
     """`choose`, skipping configs whose serving check (one graph-capturable launch with the
     split table, at every bucket) was recorded wrong or failed. `check` (a `ServingCheck`)
     measures a pick no recorded check covers. Returns (pick, notes, {ctx: served latency} or
@@ -119,7 +173,7 @@ def pick_served(df, backends, tp, bs, contexts, T, check=None):
     notes = []
     measured = 0
     while True:
-        pick, n = choose(df, backends, tp, bs, contexts, frozenset(exclude))
+        pick, n = choose(df, backends, tp, bs, contexts, frozenset(exclude), rnd)
         notes += n
         if pick is None:
             return None, notes, None
@@ -241,12 +295,13 @@ def _entries(df, dep: Deployment, backends, checker):
     lat = latencies(df)
     order = list(df.columns[df.columns.get_loc("role") + 1: df.columns.get_loc("params")])
     T = dep.model.draft_tokens
+    rnd = ragged_round(dep.ragged_spread) if dep.ragged_spread > 1 else None
     for tp in dep.tp:
         for bs in dep.batches:
             contexts = _contexts(df, dep, backends, tp, bs)
             if not contexts:
                 continue
-            pick, notes, served_lat = pick_served(df, backends, tp, bs, contexts, T, checker)
+            pick, notes, served_lat = pick_served(df, backends, tp, bs, contexts, T, checker, rnd)
             for n in notes:
                 log.info("note: %s", n)
             if pick is None:
@@ -256,10 +311,10 @@ def _entries(df, dep: Deployment, backends, checker):
             be, cparams, buckets, is_default = pick
             params, _ = served(cparams, buckets, contexts, T)
             params = {k: params[k] for k in sorted(params, key=lambda k: (order.index(k) if k in order else 99, k))}
-            bl = tuple(ContextBucket(max_context=c, NSPLIT=int(buckets[c][0] or 1),
-                                     latency_us=round(buckets[c][1], 3),
-                                     default_latency_us=None if buckets[c][2] is None else round(buckets[c][2], 3),
-                                     floor_us=None if buckets[c][3] is None else round(buckets[c][3], 3))
+            bl = tuple(ContextBucket(max_context=c, NSPLIT=int(buckets[c].nsplit or 1),
+                                     latency_us=_r3(buckets[c].latency), default_latency_us=_r3(buckets[c].default),
+                                     floor_us=_r3(buckets[c].floor), ragged_us=_r3(buckets[c].ragged),
+                                     default_ragged_us=_r3(buckets[c].default_ragged))
                        for c in contexts)
             entries.append(TunedEntry(tp=tp, heads_per_rank=dep.heads(tp), max_batch=bs, backend=be, params=params,
                                       buckets=bl))
@@ -275,6 +330,7 @@ def _report_row(b: ContextBucket, lat, backends, be, tp, bs, served_lat, is_defa
             "default_us": b.default_latency_us, **others, "floor_us": b.floor_us,
             "pct_floor": 100 * b.floor_us / b.latency_us if b.floor_us else None,
             "speedup": b.default_latency_us / b.latency_us if b.default_latency_us else None,
+            "ragged_us": b.ragged_us, "default_ragged_us": b.default_ragged_us,
             "params": "default" if is_default else json.dumps(params, sort_keys=True)}
 
 
@@ -324,6 +380,10 @@ def _default_latency(lat, backend, tp, bs, ctx):
         if (b, t, s, c) == (backend, tp, bs, ctx) and role == "baseline":
             return v
     return None
+
+
+def _r3(v: float | None) -> float | None:
+    return None if v is None else round(v, 3)
 
 
 def _s(v) -> str:

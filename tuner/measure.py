@@ -43,7 +43,9 @@ SHORT_PREFIXES = (37, 1, 97, 250)
 
 @dataclass(frozen=True)
 class ProblemSpec:
-    """One measured shape: `batch` requests of `context` prefix tokens plus T drafts each."""
+    """One measured shape: `batch` requests of `context` prefix tokens plus T drafts each, or,
+    with `prefixes`, a ragged batch: request b has `prefixes[b]` prefix tokens (then `context`
+    names the context bucket the batch is scored for, see `ragged_prefixes`)."""
 
     heads: int
     batch: int
@@ -53,14 +55,26 @@ class ProblemSpec:
     kv_lora_rank: int = 512
     rope_dim: int = 64
     sm_scale: float = 192 ** -0.5
+    prefixes: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.prefixes is not None:   # a list after a JSON round trip (the trial worker's request)
+            object.__setattr__(self, "prefixes", tuple(int(p) for p in self.prefixes))
+            if len(self.prefixes) != self.batch or min(self.prefixes) < 0:
+                raise ValueError(f"prefixes: expected {self.batch} prefix lengths >= 0, got {self.prefixes}")
 
     @property
     def Dk(self) -> int:
         return self.kv_lora_rank + self.rope_dim
 
     @property
+    def prefix_lens(self) -> list[int]:
+        return list(self.prefixes) if self.prefixes is not None else [self.context] * self.batch
+
+    @property
     def keys(self) -> int:
-        return self.context + self.draft_tokens
+        """Keys of the whole batch (prefix + T per request)."""
+        return sum(self.prefix_lens) + self.batch * self.draft_tokens
 
     def problem(self, device) -> VerifyProblem:
         return VerifyProblem(B=self.batch, T=self.draft_tokens, H=self.heads, Dk=self.Dk, Dv=self.kv_lora_rank,
@@ -69,12 +83,31 @@ class ProblemSpec:
     def bytes_moved(self) -> int:
         """Bytes one launch must move at least: every key row once, q, o and the indices."""
         B, T, H = self.batch, self.draft_tokens, self.heads
-        return (B * self.keys * (2 * self.Dk + 4) + B * T * H * 2 * (self.Dk + self.kv_lora_rank)
+        return (self.keys * (2 * self.Dk + 4) + B * T * H * 2 * (self.Dk + self.kv_lora_rank)
                 + 4 * (B + 1) + 8 * B * T)
 
     def flops(self) -> int:
-        """2*T*H*(Dk+Dv) per key per request (QK^T and PV; the mask is not discounted)."""
-        return 2 * self.draft_tokens * self.heads * (self.Dk + self.kv_lora_rank) * self.keys * self.batch
+        """2*T*H*(Dk+Dv) per key (QK^T and PV; the mask is not discounted)."""
+        return 2 * self.draft_tokens * self.heads * (self.Dk + self.kv_lora_rank) * self.keys
+
+
+#: the ragged batch a batch bucket is also scored on: its mean prefix as a share of the
+#: context bucket's bound, so that the batch's total keys (what selects the bucket's NSPLIT on
+#: the device) fall inside that bucket for bucket bounds up to 1 / RAGGED_MEAN apart
+RAGGED_MEAN = 0.75
+
+
+def ragged_prefixes(batch: int, context: int, spread: float) -> tuple[int, ...]:
+    """The prefixes of the ragged batch scored for the bucket (`batch`, `context`): `batch`
+    prefixes spaced geometrically over a max/min ratio of `spread` (log-uniform, deterministic),
+    scaled so that their mean is RAGGED_MEAN x `context`. A serving batch mixes short and long
+    requests; a bucket's NSPLIT chosen on equal requests alone can leave the longest request's
+    few splits running while the other SMs idle."""
+    if batch < 2 or spread <= 1:
+        raise ValueError(f"ragged_prefixes: needs batch >= 2 and spread > 1, got batch={batch}, spread={spread}")
+    shape = [spread ** (i / (batch - 1)) for i in range(batch)]
+    scale = RAGGED_MEAN * context * batch / sum(shape)
+    return tuple(max(1, round(scale * x)) for x in shape)
 
 
 @dataclass(frozen=True)
@@ -183,7 +216,7 @@ class Measurer:
             torch.cuda.empty_cache()
         mk = dict(tree=spec.tree, kv_lora_rank=spec.kv_lora_rank, rope_dim=spec.rope_dim, device=self.device,
                   sm_scale=spec.sm_scale)
-        self._check = make_inputs(spec.batch, spec.draft_tokens, spec.heads, spec.context, seed=opts.seed, **mk)
+        self._check = make_inputs(spec.batch, spec.draft_tokens, spec.heads, spec.prefix_lens, seed=opts.seed, **mk)
         self._gen = torch.Generator(device=self.device).manual_seed(opts.seed + 7919)
         self._pools = self._timing_pools(spec, opts)
         self._key = key
@@ -384,7 +417,7 @@ def warm(backend: str, params: dict, spec: ProblemSpec, device: str, arch: str |
     happened, for logs; any failure is left for the real measurement to record."""
     from dataclasses import replace
     be = get_backend(backend)
-    small = replace(spec, context=min(spec.context, 64))
+    small = replace(spec, context=min(spec.context, 64), prefixes=None)
     problem = small.problem(device)
     p = params_from_dict(be.params_type, dict(params), where=f"{backend} params")
     why = be.static_reject(p, problem, arch)

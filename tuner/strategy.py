@@ -41,7 +41,7 @@ class SearchStrategy:
 
     def counts(self, attrs: dict) -> bool:
         """Whether a finished trial (its user attributes) counts against the study's budget."""
-        if attrs.get("role", "search") == "cross" or attrs.get("constraint"):
+        if attrs.get("role", "search") in ("cross", "ragged") or attrs.get("constraint"):
             return False
         return self.count_pruned or attrs.get("outcome") != "pruned"
 

@@ -213,7 +213,8 @@ class StudyLoop:
         except KeyError:
             return None
         ok = [t for t in self._counted(self.storage.get_all_trials(sid, deepcopy=False))
-              if t.user_attrs.get("outcome") == "ok" and t.value is not None and t.user_attrs.get("role") != "cross"]
+              if t.user_attrs.get("outcome") == "ok" and t.value is not None
+              and t.user_attrs.get("role") not in ("cross", "ragged")]
         return dict(min(ok, key=lambda t: t.value).params) if ok else None
 
     # -- the trials a study counts --------------------------------------------------------
@@ -245,7 +246,7 @@ class StudyLoop:
                       waiting={_queued_key(t) for t in trials if t.state == TS.WAITING},
                       busy={params_key(t.params): t.number for t in running if t.params},
                       counted=sum(1 for t in measured.values() if self.o.strategy.counts(t.user_attrs)),
-                      running_search=sum(1 for t in running if t.user_attrs.get("role") != "cross"),
+                      running_search=sum(1 for t in running if t.user_attrs.get("role") not in ("cross", "ragged")),
                       retries=sum(1 for t in trials if t.state == TS.WAITING and t.system_attrs.get("retry_history")))
 
     def _owed(self, plan: StudyPlan, st: _State) -> int:
@@ -360,7 +361,7 @@ class StudyLoop:
     def _violation(role, plan: StudyPlan, params):
         """The search-space constraint `params` break, or None; the baseline and cross-bucket
         configs are measured whatever the constraints say."""
-        return None if role in ("baseline", "cross") else plan.space.violation(params, plan.env)
+        return None if role in ("baseline", "cross", "ragged") else plan.space.violation(params, plan.env)
 
     def _run_one(self, backend, trial, params, role, plan: StudyPlan, seed, repair):
         """One batch member's outcome and the constraint that pruned it (or None): pruned

@@ -31,6 +31,7 @@ from .config import ConfigError, Deployment, load_deployment, redact_argv, redac
 from .log import get_logger
 from .options import SweepOptions, check_options, subset
 from .progress import Progress
+from .ragged import measure_ragged
 from .runner import Runner
 from .space import load_space, problem_env
 from .strategy import params_key
@@ -256,9 +257,10 @@ class Sweep(StudyLoop):
                         self._study, self._best = f"{be} tp{tp} bs{bs} ctx{ctx}", None
                         self.search_study(be, tp, bs, ctx)
                         self.results.append(self._study_result(be, tp, bs, ctx))
-                    self._study = f"{be} tp{tp} bs{bs} cross/remeasure"
+                    self._study = f"{be} tp{tp} bs{bs} cross/remeasure/ragged"
                     self.cross_measure(be, tp, bs)
                     self.remeasure(be, tp, bs)
+                    measure_ragged(self, be, tp, bs)
         return "complete" if backends else "nothing to sweep (every backend was skipped)"
 
     def _close(self, status: str) -> None:

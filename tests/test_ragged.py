@@ -1,0 +1,198 @@
+"""Ragged scoring of batch buckets (CPU): the ragged batch a bucket is scored on, the floor of
+a ragged batch, the NSPLIT rule the export applies, and a sweep that measures the ragged
+phase (Triton under its interpreter), resumes it without repeating rows, and exports what
+the brute-force oracle (`export_oracle.py`) works out from its trials table."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import yaml
+from export_oracle import check_export, config_latencies, eligible_groups
+
+from kvtune.tuner.config import ConfigError, parse_deployment
+from kvtune.tuner.export import export_deployment, pick_nsplit
+from kvtune.tuner.measure import RAGGED_MEAN, Ceilings, ProblemSpec, ragged_prefixes
+from kvtune.tuner.ragged import nsplit_candidates, ragged_round
+from kvtune.tuner.sweep import SweepOptions, run_sweep
+from kvtune.tuner.table import read_trials
+
+
+@pytest.mark.parametrize("batch,context,spread", [(2, 64, 8.0), (4, 4096, 8.0), (16, 131072, 8.0), (64, 4096, 4.0),
+                                                  (7, 300, 2.5)])
+def test_ragged_prefixes_spread_and_mean(batch, context, spread):
+    p = ragged_prefixes(batch, context, spread)
+    assert len(p) == batch and all(isinstance(x, int) and x >= 1 for x in p)
+    assert list(p) == sorted(p) and p == ragged_prefixes(batch, context, spread), "ascending, deterministic"
+    rounding = 1 / min(p)   # prefixes are whole tokens
+    assert max(p) / min(p) == pytest.approx(spread, rel=0.02 + rounding)
+    assert sum(p) / batch == pytest.approx(RAGGED_MEAN * context, rel=0.01 + rounding)
+    ratios = [b / a for a, b in zip(p, p[1:])]   # log-uniform: consecutive ratios equal
+    assert max(ratios) / min(ratios) < 1.05 + 2 * rounding
+
+
+@pytest.mark.parametrize("batch,spread", [(1, 8.0), (4, 1.0), (4, 0.5)])
+def test_ragged_prefixes_refuses_what_is_not_ragged(batch, spread):
+    with pytest.raises(ValueError, match="ragged_prefixes"):
+        ragged_prefixes(batch, 4096, spread)
+
+
+def test_ragged_spec_floor_sums_its_requests():
+    """A ragged batch moves each request's key rows once: its bytes and flops are the sums of
+    one-request problems, worked out here from the README's formula."""
+    T, H, Dk, Dv = 9, 8, 576, 512
+    prefixes = (100, 2000, 37)
+    spec = ProblemSpec(heads=H, batch=3, context=4096, draft_tokens=T, prefixes=list(prefixes))
+    assert spec.prefixes == prefixes and spec.keys == sum(prefixes) + 3 * T
+    want_bytes = sum((p + T) * (2 * Dk + 4) + T * H * 2 * (Dk + Dv) + 4 * 2 + 8 * T for p in prefixes) - 4 * 2
+    assert spec.bytes_moved() == want_bytes
+    assert spec.flops() == sum(2 * T * H * (Dk + Dv) * (p + T) for p in prefixes)
+    ceil = Ceilings(read_gbps=4000.0, bf16_tflops=600.0)
+    assert ceil.floor_us(spec) == pytest.approx(max(want_bytes / 4e6, spec.flops() / 6e8))
+    # the trial worker gets the spec as JSON: a list comes back, equal and hashable as before
+    again = ProblemSpec(**json.loads(json.dumps(dataclasses.asdict(spec))))
+    assert again == spec and hash(again) == hash(spec)
+    with pytest.raises(ValueError, match="prefixes"):
+        ProblemSpec(heads=H, batch=2, context=64, draft_tokens=T, prefixes=(1, 2, 3))
+
+
+@pytest.mark.parametrize("equal,ragged,want", [
+    ({66: 509.8, 33: 514.2, 132: 520.0}, {66: 792.9, 33: 990.0, 132: 510.9}, 132),   # tp 4, 64 requests
+    ({66: 100.0, 132: 120.0}, {66: 200.0, 132: 150.0}, 132),    # 1.33 vs 1.20: the ragged batch decides
+    ({66: 100.0, 132: 140.0}, {66: 200.0, 132: 160.0}, 66),     # 1.25 vs 1.40: equal requests decide
+    ({66: 100.0, 132: 101.0}, {}, 66),                          # not timed on a ragged batch
+    ({8: 10.0, 16: 10.0}, {8: 20.0, 16: 20.0}, 8),              # a tie: the first timed
+    ({8: 10.0, 16: 9.0, 32: 11.0}, {8: 5.0, 32: 5.0}, 8),       # the best on equal requests not timed ragged
+])
+def test_pick_nsplit_least_worse_ratio(equal, ragged, want):
+    assert pick_nsplit(equal, ragged) == want
+
+
+def test_nsplit_candidates():
+    assert nsplit_candidates({66: 509.8, 33: 514.2, 16: 700.0}, lambda n: True) == [66, 33, 132]
+    assert nsplit_candidates({66: 509.8, 33: 514.2}, lambda n: n <= 100) == [66, 33]
+    assert nsplit_candidates({4: 1.0}, lambda n: True) == [4, 8]
+    assert nsplit_candidates({}, lambda n: True) == []
+
+
+def _compile_part(params: dict) -> str:
+    return json.dumps({k: v for k, v in params.items() if k != "NSPLIT"}, sort_keys=True)
+
+
+def _dep(**over):
+    d = {"name": "r", "model": {"name": "m", "num_heads": 8, "draft_tokens": 4}, "device": "cpu", "tp": [8],
+         "contexts": [64], "batches": [1, 3], "backends": ["triton"], "trials": 2}
+    d.update(over)
+    return d
+
+
+def test_deployment_ragged_spread():
+    assert parse_deployment(_dep(), "d.yaml").ragged_spread == 8.0
+    assert parse_deployment(_dep(ragged_spread=3), "d.yaml").ragged_spread == 3.0
+    assert parse_deployment(_dep(ragged_spread=1), "d.yaml").ragged_spread == 1.0
+    for bad in (0.5, "wide", 0):
+        with pytest.raises(ConfigError, match=r"d\.yaml.*ragged_spread"):
+            parse_deployment(_dep(ragged_spread=bad), "d.yaml")
+
+
+def _sweep(tmp_path, dep, spaces, **kw):
+    return run_sweep(str(dep), SweepOptions(device="cpu", out=str(tmp_path / "res"), space_dir=str(spaces),
+                                            rounds=1, remeasure_top=1, progress=False, compile_workers=0, **kw))
+
+
+def test_sweep_scores_batch_buckets_on_a_ragged_batch(tmp_path):
+    """At batch 3 every context bucket's NSPLIT candidates (the best and runner-up on equal
+    requests, and twice the best) are timed on the bucket's ragged batch, each a row that
+    names its equal-requests trial; batch 1 gets none; a second run measures nothing again;
+    the export serves, per bucket, what the oracle works out from the table."""
+    doc = _dep(name="ragged-tiny", contexts=[64, 300], batches=[1, 3], trials=3, timing="eager", ragged_spread=4)
+    dep = tmp_path / "ragged-tiny.yaml"
+    dep.write_text(yaml.safe_dump(doc))
+    spaces = tmp_path / "spaces"
+    spaces.mkdir()
+    (spaces / "triton.yaml").write_text(yaml.safe_dump({"backend": "triton", "params": {
+        "NSPLIT": [1, 2, 4], "BLOCK_N": [32], "HEADS_PER_BLOCK": [1], "NUM_WARPS": [4], "STAGES": [1]}}))
+    sw = _sweep(tmp_path, dep, spaces)
+    assert sw.status == "complete"
+    df = read_trials(tmp_path / "res" / "ragged-tiny" / "trials.csv")
+    rag = df[df["phase"] == "ragged"]
+    assert set(rag["bs"]) == {3} and set(rag["ctx"]) == {64, 300}
+    assert set(rag["round"].astype(str)) == {ragged_round(4.0)}
+    ceil = Ceilings(sw.dep.device.read_gbps, sw.dep.device.bf16_tflops)
+    # the groups scored: the export's pick on the table as the phase found it, and the default's
+    before = df[(df["phase"] != "ragged") & (df["role"] != "ragged")]
+    groups = eligible_groups(before, 8, 3)
+    pick = min(groups, key=lambda k: sum(lt for _, lt in groups[k].values()))[1]
+    lat = config_latencies(before)
+    lat = lat[lat["bs"] == 3]
+    scored = {pick} | set(lat[lat["default"]]["compile"])
+    legal = {1, 2, 4} | set(lat[lat["default"]]["NSPLIT"])
+    for ctx, g in rag.groupby("ctx"):
+        study = g["study"].iloc[0]
+        want = set()
+        for ck in scored:
+            at = lat[(lat["compile"] == ck) & (lat["ctx"] == ctx)].sort_values("latency_us")
+            ranked = list(at["NSPLIT"])
+            want |= {(ck, n) for n in ranked[:2]} | ({(ck, 2 * ranked[0])} if 2 * ranked[0] in legal else set())
+            want |= {(ck, n) for n in at[at["default"]]["NSPLIT"]}   # the default, reported beside the pick
+        assert {(_compile_part(p), p["NSPLIT"]) for p in g["params"]} == want, (ctx, want)
+        for _, r in g.iterrows():   # the row names the trial of the same config on equal requests
+            twin = df[(df["study"] == study) & (df["phase"] == "search") & (df["trial"] == r["trial"])]
+            assert len(twin) == 1 and twin["params"].iloc[0] == r["params"]
+        spec = ProblemSpec(heads=1, batch=3, context=int(ctx), draft_tokens=4, tree="random",
+                           sm_scale=sw.dep.model.scale, prefixes=ragged_prefixes(3, int(ctx), 4.0))
+        assert g["floor_us"].astype(float).tolist() == pytest.approx([ceil.floor_us(spec)] * len(g), rel=1e-5)
+        assert (g["outcome"] == "ok").all()
+    n_rows = len(df)
+    again = _sweep(tmp_path, dep, spaces)
+    assert again.measured_now == 0 and len(read_trials(tmp_path / "res" / "ragged-tiny" / "trials.csv")) == n_rows
+    tuned = export_deployment(str(dep), out=str(tmp_path / "res"), quiet=True)
+    path = tmp_path / "res" / "ragged-tiny" / "ragged-tiny.yaml"
+    check_export(yaml.safe_load(path.read_text()), df)
+    b3 = next(e for e in tuned.entries if e.max_batch == 3)
+    assert all(b.ragged_us is not None and b.default_ragged_us is not None for b in b3.buckets)
+    b1 = next(e for e in tuned.entries if e.max_batch == 1)
+    assert all(b.ragged_us is None for b in b1.buckets)
+
+
+def test_ragged_spread_one_turns_the_phase_off(tmp_path):
+    doc = _dep(name="flat", contexts=[64], batches=[3], trials=2, timing="eager", ragged_spread=1)
+    dep = tmp_path / "flat.yaml"
+    dep.write_text(yaml.safe_dump(doc))
+    spaces = tmp_path / "spaces"
+    spaces.mkdir()
+    (spaces / "triton.yaml").write_text(yaml.safe_dump({"backend": "triton", "params": {
+        "NSPLIT": [1, 2], "BLOCK_N": [32], "HEADS_PER_BLOCK": [1], "NUM_WARPS": [4], "STAGES": [1]}}))
+    _sweep(tmp_path, dep, spaces)
+    df = read_trials(tmp_path / "res" / "flat" / "trials.csv")
+    assert not (df["phase"] == "ragged").any() and not math.isnan(float(df["median_us"].dropna().iloc[0]))
+
+
+def _tuned_doc(bucket: dict) -> dict:
+    return {"schema_version": 1, "deployment": "d",
+            "model": {"name": "m", "num_heads": 8, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "draft_tokens": 4,
+                      "sm_scale": 0.1},
+            "provenance": {"device_name": "cpu", "arch": "cpu", "kernel_hash": {"triton": "x"},
+                           "date": "2026-12-01T00:00:00Z"},
+            "entries": [{"tp": 8, "heads_per_rank": 1, "max_batch": 64, "backend": "triton",
+                         "params": {"NSPLIT": 4, "BLOCK_N": 32, "HEADS_PER_BLOCK": 1, "NUM_WARPS": 4, "STAGES": 1},
+                         "buckets": [dict({"max_context": 64, "NSPLIT": 4}, **bucket)]}]}
+
+
+def test_yaml_ragged_fields_round_trip_and_are_checked(tmp_path):
+    from kvtune.kernels.tuned import SchemaError, dump_tuned, load_tuned, parse_tuned
+    t = parse_tuned(_tuned_doc({"latency_us": 520.0, "ragged_us": 510.9, "default_ragged_us": 792.9}), "mem")
+    b = t.entries[0].buckets[0]
+    assert (b.ragged_us, b.default_ragged_us) == (510.9, 792.9)
+    back = load_tuned(dump_tuned(t, tmp_path / "t.yaml"), check_params=False).entries[0].buckets[0]
+    assert back == b
+    # a file without them (batch 1, or an older export) loads with None, and writes none back
+    t1 = parse_tuned(_tuned_doc({}), "mem")
+    assert t1.entries[0].buckets[0].ragged_us is None and "ragged_us" not in t1.to_dict()["entries"][0]["buckets"][0]
+    for bad in ("fast", -1.0, True):
+        with pytest.raises(SchemaError, match=r"mem: entries\[0\]\.buckets\[0\]\.ragged_us"):
+            parse_tuned(_tuned_doc({"ragged_us": bad}), "mem")
+    with pytest.raises(SchemaError, match="ragged_ms"):
+        parse_tuned(_tuned_doc({"ragged_ms": 1.0}), "mem")

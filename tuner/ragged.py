@@ -1,0 +1,148 @@
+"""The ragged phase of a sweep: each batch bucket's NSPLIT also scored on a ragged batch.
+
+A serving batch mixes short and long requests. On equal requests, NSPLIT trades the split
+launch's fixed cost against parallelism, and several values land within a few percent of
+each other; on a ragged batch the same values differ by up to 1.5x (measured: tp 4, 64
+requests of 1k-8k keys, NSPLIT 66 -> 132: 793 -> 511 us, for 2% on 64 x 4k), because with
+about one split per request the longest request's split sets the time while the other SMs
+idle. So after the search of a (backend, tp, batch bucket > 1), each context bucket's
+NSPLIT candidates are timed on the bucket's ragged batch (`tuner.measure.ragged_prefixes`:
+`batch` prefixes spread geometrically over the deployment's `ragged_spread`, mean 3/4 of
+the bucket, so that its total keys select this bucket's NSPLIT on the device), and the
+export picks per bucket the NSPLIT whose worse ratio to the best, over the two batches, is
+least (`tuner.export.pick_nsplit`).
+
+Candidates, per compile-time config the export may serve (its pick on the table so far, and
+the backend's default): its best NSPLIT on equal requests, the runner-up, and twice the best
+(more, shorter splits: what evens out a ragged batch), the last measured on equal requests
+first as a trial of the bucket's study (role `ragged`, not counted against its budget); and
+the default itself, which the export reports beside the pick. Ragged rows go to the trials
+table as phase `ragged`, trial = the trial of the same config on equal requests, round
+`x<spread>`; a resumed sweep measures only the rows missing.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+
+from .log import get_logger
+from .measure import ragged_prefixes
+from .space import problem_env
+from .strategy import params_key
+from .study import compile_key
+
+log = get_logger(__name__)
+
+PHASE = "ragged"
+ROLE = "ragged"
+MAX_CANDIDATES = 3
+
+
+def ragged_round(spread: float) -> str:
+    """The `round` of a ragged row: the spread it was measured at (rows of another spread never count)."""
+    return f"x{spread:g}"
+
+
+def nsplit_candidates(measured: dict[int, float], legal) -> list[int]:
+    """NSPLIT values to time on the ragged batch, from one compile-time config's latencies on
+    equal requests ({NSPLIT: us}): the best, the runner-up, and twice the best if `legal(n)`."""
+    ranked = sorted(measured, key=lambda n: measured[n])
+    out = ranked[:2]
+    if ranked and legal(2 * ranked[0]):
+        out.append(2 * ranked[0])
+    return list(dict.fromkeys(out))[:MAX_CANDIDATES]
+
+
+def served_groups(df, backend, tp, bs, ctxs) -> dict:
+    """{compile key: {ctx: {NSPLIT: us}}} of the configs the export may serve at (backend, tp,
+    bs), judged as the export judges them (`tuner.export.choose` on the table so far): its
+    pick, and the backend's default."""
+    from .export import choose, latencies   # the export imports this module
+    pick, _ = choose(df, [backend], tp, bs, list(ctxs))
+    keys = [json.dumps(pick[1], sort_keys=True)] if pick else []
+    out: dict = {}
+    for (b, t, s, ctx, pj), (v, role) in latencies(df).items():
+        if (b, t, s) != (backend, tp, bs) or ctx not in ctxs:
+            continue
+        p = json.loads(pj)
+        ck = compile_key(p)
+        if role == "baseline" and ck not in keys:
+            keys.append(ck)
+        out.setdefault(ck, {}).setdefault(ctx, {})[p.get("NSPLIT")] = v
+    return {ck: out[ck] for ck in keys if ck in out}
+
+
+def measure_ragged(sweep, backend, tp, bs) -> None:
+    """The ragged phase of one (backend, tp, bs) of `sweep` (a `tuner.sweep.Sweep`)."""
+    spread = sweep.dep.ragged_spread
+    space = sweep.spaces[backend]
+    if bs < 2 or spread <= 1 or "NSPLIT" not in space.names or not sweep.table.path.is_file():
+        return
+    from .table import read_trials
+    df = read_trials(sweep.table.path)
+    df = df[df["deployment"] == sweep.dep.name]
+    groups = served_groups(df, backend, tp, bs, sweep.ctxs)
+    rnd = ragged_round(spread)
+    for ctx in sweep.ctxs:
+        name, study, seed = sweep._open_study(backend, tp, bs, ctx)
+        spec = sweep.runner.spec(tp, bs, ctx)
+        ragged = replace(spec, prefixes=ragged_prefixes(bs, ctx, spread))
+        env = problem_env(spec.draft_tokens, spec.heads, bs, ctx, spec.Dk, spec.kv_lora_rank, sweep.dep.device)
+        dists = {n: tuple(v) for n, v in study.user_attrs["dists"].items()}
+        trials = {params_key(t.params): t for t in sweep._finished(study)}
+        todo = []   # (params, trial or None: measure it on equal requests first)
+        for ck, by_ctx in groups.items():
+            equal = by_ctx.get(ctx)
+            if not equal:
+                continue
+            base = json.loads(ck)
+
+            def legal(n, base=base, equal=equal):
+                q = dict(base, NSPLIT=n)
+                return n in equal or (n in dists["NSPLIT"] and not space.violation(q, env)
+                                      and params_key(q) not in trials)
+
+            cands = nsplit_candidates(equal, legal)
+            cands += [n for n in equal if n not in cands and
+                      trials.get(params_key(dict(base, NSPLIT=n)), _NONE).user_attrs.get("role") == "baseline"]
+            todo += [(dict(base, NSPLIT=n), trials.get(params_key(dict(base, NSPLIT=n)))) for n in cands]
+        # equal requests first, then the ragged batch: the measurer builds each shape's inputs once
+        todo = [(p, t or _measure_equal(sweep, backend, tp, bs, ctx, spec, name, study, seed, dists, p))
+                for p, t in todo]
+        for params, trial in todo:
+            if trial is None:
+                continue
+            probe = {"study": name, "phase": PHASE, "trial": trial.number, "round": rnd}
+            if sweep.table.has(probe):
+                continue
+            m = sweep._measure(backend, params, ragged, seed + 7919 + trial.number)
+            sweep.table.append(sweep.runner.row(backend, tp, bs, ctx, ragged, name, trial.number,
+                                                trial.user_attrs.get("role", "search"), params, m,
+                                                phase=PHASE, rnd=rnd))
+            sweep._progress(m, count=False, best=False)
+
+
+class _NoTrial:
+    user_attrs: dict = {}
+
+
+_NONE = _NoTrial()
+
+
+def _measure_equal(sweep, backend, tp, bs, ctx, spec, name, study, seed, dists, params):
+    """A trial of `params` on the bucket's equal requests (role `ragged`): the finished trial, or
+    None when it did not measure correct."""
+    trial, params = sweep._ask_for(study, params, dists, ROLE)
+    try:
+        sweep.runner.prefetch.wait(backend, params, asdict(spec))
+        m = sweep._measure(backend, params, spec, seed + trial.number)
+    except BaseException:
+        sweep._interrupted(study, trial)
+        raise
+    sweep._tell(study, trial, m, sweep.runner.row(backend, tp, bs, ctx, spec, name, trial.number, ROLE, params, m))
+    sweep._progress(m, count=False)
+    if m["outcome"] != "ok":
+        log.info("note: %s: %s measured %s on equal requests (%s); not scored on the ragged batch", name, params,
+                 m["outcome"], m.get("reason"))
+        return None
+    return next(t for t in study.get_trials(deepcopy=False) if t.number == trial.number)
