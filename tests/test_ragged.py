@@ -155,6 +155,8 @@ def test_sweep_scores_batch_buckets_on_a_ragged_batch(tmp_path):
     assert all(b.ragged_us is not None and b.default_ragged_us is not None for b in b3.buckets)
     b1 = next(e for e in tuned.entries if e.max_batch == 1)
     assert all(b.ragged_us is None for b in b1.buckets)
+    from kvtune.tuner.review.data import search_trials   # the review's trials: not the ragged batch's times
+    assert not (search_trials(df)["phase"] == "ragged").any() and len(search_trials(df)) > 0
 
 
 def test_ragged_spread_one_turns_the_phase_off(tmp_path):
@@ -196,3 +198,43 @@ def test_yaml_ragged_fields_round_trip_and_are_checked(tmp_path):
             parse_tuned(_tuned_doc({"ragged_us": bad}), "mem")
     with pytest.raises(SchemaError, match="ragged_ms"):
         parse_tuned(_tuned_doc({"ragged_ms": 1.0}), "mem")
+
+
+def test_cuda_no_empty_splits_counts_the_whole_batch():
+    """CUDA's NSPLIT cuts the whole batch's keys: 64 requests of 4k keys in 32-key tiles hold
+    64 x 129 tiles, so NSPLIT 264 leaves none empty (what ragged batches want), while one
+    request of 4k holds 129 and 264 splits would leave 135 empty."""
+    from pathlib import Path
+
+    from kvtune.tuner.config import load_device
+    from kvtune.tuner.space import load_space, problem_env
+    sp = load_space("cuda", None, str(Path(__file__).resolve().parent.parent / "search_spaces"))
+    dev = load_device("h200")
+    q = {"NSPLIT": 264, "VEC": 8, "BLOCK_N": 32, "NUM_WARPS": 8, "HEADS_PER_BLOCK": 8, "STAGES": 2, "CTAS_PER_SM": 1}
+    assert sp.violation(q, problem_env(9, 16, 64, 4096, 576, 512, dev)) is None
+    assert "no_empty_splits" in sp.violation(q, problem_env(9, 16, 1, 4096, 576, 512, dev))
+
+
+def test_a_constraint_dropped_since_lets_the_ragged_phase_measure_twice_the_best(tmp_path):
+    """A resumed sweep whose search space has lost a constraint: NSPLIT 4 (twice the best, 2)
+    was pruned by `NSPLIT <= 2` in the first run; the second run's ragged phase measures it on
+    equal requests and on the ragged batch."""
+    doc = _dep(name="grown", contexts=[64], batches=[3], trials=2, timing="eager", ragged_spread=4)
+    dep = tmp_path / "grown.yaml"
+    dep.write_text(yaml.safe_dump(doc))
+    spaces = tmp_path / "spaces"
+    spaces.mkdir()
+    params = {"NSPLIT": [2, 4], "BLOCK_N": [32], "HEADS_PER_BLOCK": [1], "NUM_WARPS": [4], "STAGES": [1]}
+    cap = {"name": "cap", "expr": "NSPLIT <= 2", "reason": "test"}
+    (spaces / "triton.yaml").write_text(yaml.safe_dump({"backend": "triton", "params": params, "constraints": [cap]}))
+    _sweep(tmp_path, dep, spaces, trials=3)   # a grid of both: NSPLIT 4 pruned by the constraint
+    table = tmp_path / "res" / "grown" / "trials.csv"
+    df = read_trials(table)
+    four = df[[p.get("NSPLIT") == 4 and p.get("NUM_WARPS") == 4 for p in df["params"]]]
+    assert list(four["outcome"]) == ["pruned"]
+    (spaces / "triton.yaml").write_text(yaml.safe_dump({"backend": "triton", "params": params}))
+    _sweep(tmp_path, dep, spaces, trials=3)
+    df = read_trials(table)
+    got = df[[p.get("NSPLIT") == 4 and p.get("NUM_WARPS") == 4 for p in df["params"]]]
+    assert ((got["phase"] == "search") & (got["outcome"] == "ok") & (got["role"] == "ragged")).sum() == 1
+    assert ((got["phase"] == "ragged") & (got["outcome"] == "ok")).sum() == 1

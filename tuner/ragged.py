@@ -99,13 +99,16 @@ def measure_ragged(sweep, backend, tp, bs) -> None:
 
             def legal(n, base=base, equal=equal):
                 q = dict(base, NSPLIT=n)
-                return n in equal or (n in dists["NSPLIT"] and not space.violation(q, env)
-                                      and params_key(q) not in trials)
+                earlier = trials.get(params_key(q))
+                # untried, or pruned by a constraint the search space no longer has
+                fresh = earlier is None or bool(earlier.user_attrs.get("constraint"))
+                return n in equal or (n in dists["NSPLIT"] and not space.violation(q, env) and fresh)
 
             cands = nsplit_candidates(equal, legal)
             cands += [n for n in equal if n not in cands and
                       trials.get(params_key(dict(base, NSPLIT=n)), _NONE).user_attrs.get("role") == "baseline"]
-            todo += [(dict(base, NSPLIT=n), trials.get(params_key(dict(base, NSPLIT=n)))) for n in cands]
+            todo += [(dict(base, NSPLIT=n), trials.get(params_key(dict(base, NSPLIT=n))) if n in equal else None)
+                     for n in cands]
         # equal requests first, then the ragged batch: the measurer builds each shape's inputs once
         todo = [(p, t or _measure_equal(sweep, backend, tp, bs, ctx, spec, name, study, seed, dists, p))
                 for p, t in todo]

@@ -185,8 +185,9 @@ def _first(s):
     return s.iloc[0] if len(s) else np.nan
 
 def search_trials(df: pd.DataFrame) -> pd.DataFrame:
-    """The trials proper: the search phase (phase 'remeasure' rows re-time trials already counted)."""
-    return df[df["phase"].astype(str) != "remeasure"] if "phase" in df else df
+    """The trials proper: the search phase (phase 'remeasure' rows re-time trials already
+    counted; phase 'ragged' rows time them on another batch, the bucket's ragged one)."""
+    return df[~df["phase"].astype(str).isin(["remeasure", "ragged"])] if "phase" in df else df
 
 def storage_name(res: Results) -> str:
     """The study storage as the review names it: `<folder>/studies.db`, else its URL (password hidden)."""
