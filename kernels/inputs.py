@@ -46,7 +46,8 @@ def make_inputs(batch: int, draft_tokens: int, heads: int, prefix_lens: int | Se
                 tree: str | Sequence = "chain", kv_lora_rank: int = 512, rope_dim: int = 64,
                 pool_factor: float = 1.5, row_stride: int | None = None, indices_dtype=torch.int32,
                 device="cpu", seed: int | None = None, generator: torch.Generator | None = None,
-                sm_scale: float | None = None, q_noncontiguous: bool = False) -> VerifyInputs:
+                sm_scale: float | None = None, q_noncontiguous: bool = False,
+                device_values: bool = False) -> VerifyInputs:
     """Build fresh random inputs.
 
     prefix_lens: one int for every request, or one per request (ragged).
@@ -54,6 +55,10 @@ def make_inputs(batch: int, draft_tokens: int, heads: int, prefix_lens: int | Se
     pool_factor: the KV pool holds `pool_factor` times the tokens the batch needs.
     row_stride: kv_cache row stride in elements (> Dk to test padded rows).
     q_noncontiguous: q is a strided view (heads dimension not packed).
+    device_values: on a CUDA device, draw q and the KV pool there (a device generator seeded
+        from `generator`): the same structure (indices, tree) as without, other values, and no
+        host copy of the pool (a 64 x 128k batch's pool is 15 GB, about 45 s to draw on the
+        host). By default values are drawn on the CPU, the same on any device.
     """
     if generator is None:
         generator = torch.Generator().manual_seed(seed if seed is not None else
@@ -82,14 +87,19 @@ def make_inputs(batch: int, draft_tokens: int, heads: int, prefix_lens: int | Se
     stride = Dk if row_stride is None else row_stride
     if stride < Dk:
         raise ValueError(f"row_stride {stride} < Dk {Dk}")
-    # generate on the CPU with the seeded generator, then move: same values on any device
-    pool = torch.randn(num_slots, stride, generator=generator).to(torch.bfloat16)
-    kv_cache = pool.to(device)[:, :Dk]
+    if device_values and torch.device(device).type == "cuda":
+        g = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
+
+        def draw(*shape):  # bf16 straight away: no fp32 copy of the pool either
+            return torch.empty(*shape, dtype=torch.bfloat16, device=device).normal_(generator=g)
+    else:  # on the CPU with the seeded generator, then moved: the same values on any device
+        def draw(*shape):
+            return torch.randn(*shape, generator=generator).to(torch.bfloat16).to(device)
+    kv_cache = draw(num_slots, stride)[:, :Dk]
     if q_noncontiguous:
-        qfull = torch.randn(batch * T, H, 2 * Dk, generator=generator).to(torch.bfloat16).to(device)
-        q = qfull[:, :, :Dk]  # row stride 2*Dk: heads not packed
+        q = draw(batch * T, H, 2 * Dk)[:, :, :Dk]  # row stride 2*Dk: heads not packed
     else:
-        q = torch.randn(batch * T, H, Dk, generator=generator).to(torch.bfloat16).to(device)
+        q = draw(batch * T, H, Dk)
     scale = sm_scale if sm_scale is not None else (128 + rope_dim) ** -0.5
     return VerifyInputs(q=q, kv_cache=kv_cache, kv_indptr=indptr.to(device),
                         kv_indices=perm.to(indices_dtype).to(device), tree_mask=mask.to(device),

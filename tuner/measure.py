@@ -216,7 +216,10 @@ class Measurer:
             torch.cuda.empty_cache()
         mk = dict(tree=spec.tree, kv_lora_rank=spec.kv_lora_rank, rope_dim=spec.rope_dim, device=self.device,
                   sm_scale=spec.sm_scale)
-        self._check = make_inputs(spec.batch, spec.draft_tokens, spec.heads, spec.prefix_lens, seed=opts.seed, **mk)
+        # values on the device: the check refreshes them before every use anyway, and drawing a
+        # large batch's pool on the host was most of a sweep's time (45 s at 64 x 128k)
+        self._check = make_inputs(spec.batch, spec.draft_tokens, spec.heads, spec.prefix_lens, seed=opts.seed,
+                                  device_values=True, **mk)
         self._gen = torch.Generator(device=self.device).manual_seed(opts.seed + 7919)
         self._pools = self._timing_pools(spec, opts)
         self._key = key
