@@ -145,9 +145,16 @@ def test_sweep_scores_batch_buckets_on_a_ragged_batch(tmp_path):
                            sm_scale=sw.dep.model.scale, prefixes=ragged_prefixes(3, int(ctx), 4.0))
         assert g["floor_us"].astype(float).tolist() == pytest.approx([ceil.floor_us(spec)] * len(g), rel=1e-5)
         assert (g["outcome"] == "ok").all()
-    n_rows = len(df)
-    again = _sweep(tmp_path, dep, spaces)
-    assert again.measured_now == 0 and len(read_trials(tmp_path / "res" / "ragged-tiny" / "trials.csv")) == n_rows
+    # resuming measures only what is missing: nothing, unless the phase's new candidate won a
+    # bucket on equal requests (then it is re-measured against the default, once)
+    for _ in range(3):
+        again = _sweep(tmp_path, dep, spaces)
+        if again.measured_now == 0:
+            break
+    assert again.measured_now == 0
+    df = read_trials(tmp_path / "res" / "ragged-tiny" / "trials.csv")
+    keys = list(zip(df["study"], df["phase"], df["trial"], df["round"].astype(str)))
+    assert len(keys) == len(set(keys)), "no row measured twice"
     tuned = export_deployment(str(dep), out=str(tmp_path / "res"), quiet=True)
     path = tmp_path / "res" / "ragged-tiny" / "ragged-tiny.yaml"
     check_export(yaml.safe_load(path.read_text()), df)
@@ -224,17 +231,18 @@ def test_a_constraint_dropped_since_lets_the_ragged_phase_measure_twice_the_best
     dep.write_text(yaml.safe_dump(doc))
     spaces = tmp_path / "spaces"
     spaces.mkdir()
-    params = {"NSPLIT": [2, 4], "BLOCK_N": [32], "HEADS_PER_BLOCK": [1], "NUM_WARPS": [4], "STAGES": [1]}
+    # one compile-time config, the default's: the group scored whatever the timings
+    params = {"NSPLIT": [2, 4], "BLOCK_N": [32], "HEADS_PER_BLOCK": [1], "NUM_WARPS": [8], "STAGES": [2]}
     cap = {"name": "cap", "expr": "NSPLIT <= 2", "reason": "test"}
     (spaces / "triton.yaml").write_text(yaml.safe_dump({"backend": "triton", "params": params, "constraints": [cap]}))
     _sweep(tmp_path, dep, spaces, trials=3)   # a grid of both: NSPLIT 4 pruned by the constraint
     table = tmp_path / "res" / "grown" / "trials.csv"
     df = read_trials(table)
-    four = df[[p.get("NSPLIT") == 4 and p.get("NUM_WARPS") == 4 for p in df["params"]]]
+    four = df[[p.get("NSPLIT") == 4 for p in df["params"]]]
     assert list(four["outcome"]) == ["pruned"]
     (spaces / "triton.yaml").write_text(yaml.safe_dump({"backend": "triton", "params": params}))
     _sweep(tmp_path, dep, spaces, trials=3)
     df = read_trials(table)
-    got = df[[p.get("NSPLIT") == 4 and p.get("NUM_WARPS") == 4 for p in df["params"]]]
+    got = df[[p.get("NSPLIT") == 4 for p in df["params"]]]
     assert ((got["phase"] == "search") & (got["outcome"] == "ok") & (got["role"] == "ragged")).sum() == 1
     assert ((got["phase"] == "ragged") & (got["outcome"] == "ok")).sum() == 1

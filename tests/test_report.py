@@ -330,3 +330,29 @@ def test_kernels_and_runtime_import_no_review_library():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "TRITON_INTERPRET": "1"})
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_ragged_section_lists_the_phase_beside_the_yaml():
+    """The committed H200 sweep's ragged phase in the review: per bucket the NSPLIT the YAML
+    serves is the one row marked served, and its ragged and the default's times are the YAML's
+    `ragged_us` / `default_ragged_us`, each the median of its ragged rows in trials.csv (read
+    here with plain pandas)."""
+    import pandas as pd
+    import yaml
+    folder = RESULTS / "kimi-k2-h200"
+    tuned = yaml.safe_load((folder / "kimi-k2-h200.yaml").read_text())
+    trials = pd.read_csv(folder / "trials.csv")
+    rag = trials[(trials["phase"] == "ragged") & (trials["outcome"] == "ok")]
+    t = rv.ragged_table(rv.load_results(folder))
+    buckets = [(e, b) for e in tuned["entries"] for b in e["buckets"] if "ragged_us" in b]
+    assert len(buckets) >= 20
+    for e, b in buckets:
+        at = t[(t["tp"] == e["tp"]) & (t["bs"] == e["max_batch"]) & (t["ctx"] == f"{b['max_context'] // 1024}k")]
+        mine = at[at["served"]]
+        assert len(mine) == 1 and mine["NSPLIT"].iloc[0] == b["NSPLIT"], (e["tp"], e["max_batch"], b)
+        rows = rag[(rag["tp"] == e["tp"]) & (rag["bs"] == e["max_batch"]) & (rag["ctx"] == b["max_context"])
+                   & (rag["NSPLIT"] == b["NSPLIT"])]
+        assert mine["ragged µs"].iloc[0] == pytest.approx(rows["median_us"].median(), rel=1e-9)
+        assert b["ragged_us"] == pytest.approx(rows["median_us"].median(), abs=1e-3)
+        default = at[at["default"]]
+        assert len(default) == 1 and b["default_ragged_us"] == pytest.approx(default["ragged µs"].iloc[0], abs=1e-3)

@@ -31,6 +31,7 @@ from .sections import (
     section_latency,
     section_nsplit,
     section_problems,
+    section_ragged,
     section_provenance,
     section_speedup,
     section_summary,
@@ -42,14 +43,15 @@ from .tables import (
     nsplit_table,
     problem_trials,
     provenance_table,
+    ragged_table,
     runs_table,
     summary_table,
 )
 
 __all__ = ["Results", "Section", "SECTIONS", "load_results", "resolve_results_dir", "build_sections", "show",
            "write_report", "header_html", "section_html", "table_html", "summary_table", "best_params_table",
-           "problem_trials", "exported_table", "provenance_table", "runs_table", "nsplit_table", "history_frame",
-           "importance_frame", "importance_summary", "fig_latency", "fig_speedup", "fig_nsplit", "fig_history",
-           "fig_importance", "fig_outcomes", "section_summary", "section_latency", "section_speedup",
-           "section_nsplit", "section_history", "section_importance", "section_problems", "section_export",
-           "section_provenance"]
+           "problem_trials", "exported_table", "provenance_table", "ragged_table", "runs_table", "nsplit_table",
+           "history_frame", "importance_frame", "importance_summary", "fig_latency", "fig_speedup", "fig_nsplit",
+           "fig_history", "fig_importance", "fig_outcomes", "section_summary", "section_latency", "section_speedup",
+           "section_nsplit", "section_ragged", "section_history", "section_importance", "section_problems",
+           "section_export", "section_provenance"]

@@ -77,6 +77,21 @@ def section_nsplit(res: Results) -> Section:
     return s
 
 
+def section_ragged(res: Results) -> Section:
+    s = Section("ragged", "NSPLIT on ragged batches")
+    t = tables.ragged_table(res)
+    if t.empty:
+        s.notes.append("No ragged rows: the sweep scores ragged batches at batch buckets above 1 (deployment "
+                       "`ragged_spread` > 1).")
+        return s
+    s.notes.append("At batch buckets above 1 the sweep times each context bucket's NSPLIT candidates also on a "
+                   "ragged batch (the bucket's batch size, prefixes spread geometrically over `spread`, mean 3/4 "
+                   "of the bound); export serves the NSPLIT whose worse ratio to the best over the two batches "
+                   "is least ('served'), which may give up a little on equal requests ('equal µs').")
+    s.tables.append(("NSPLIT on the ragged batch and on equal requests", t))
+    return s
+
+
 def section_history(res: Results) -> Section:
     s = Section("history", "Optimisation history")
     _, source = history_frame(res)
@@ -146,7 +161,8 @@ def section_provenance(res: Results) -> Section:
 
 
 SECTIONS: list[Callable[[Results], Section]] = [
-    section_summary, section_latency, section_speedup, section_nsplit, section_history, section_importance,
+    section_summary, section_latency, section_speedup, section_nsplit, section_ragged, section_history,
+    section_importance,
     section_problems, section_export, section_provenance,
 ]
 

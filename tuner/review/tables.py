@@ -132,3 +132,33 @@ def nsplit_table(res: Results) -> pd.DataFrame:
         return pd.DataFrame()
     st = st.assign(NSPLIT=[(p or {}).get("NSPLIT", np.nan) for p in st["best_params"]])
     return st.pivot_table(index=["backend", "tp", "bs"], columns="ctx", values="NSPLIT", aggfunc="first")
+
+
+def ragged_table(res: Results) -> pd.DataFrame:
+    """The sweep's ragged phase: per (backend, tp, batch, context) and NSPLIT timed on the
+    bucket's ragged batch, its median there and on equal requests (the latency export uses),
+    whether it is the default config, and whether the exported YAML serves it."""
+    from ..export import latencies, ragged_latencies
+    df = res.trials
+    if "phase" not in df or not (df["phase"].astype(str) == "ragged").any():
+        return pd.DataFrame()
+    rounds = sorted(set(df[df["phase"].astype(str) == "ragged"]["round"].astype(str)))
+    equal = latencies(df[df["outcome"] == "ok"])
+    served = {}
+    if res.tuned is not None:
+        for e in res.tuned.entries:
+            cp = json.dumps({k: v for k, v in e.params.items() if k != "NSPLIT"}, sort_keys=True)
+            for b in e.buckets:
+                served[(e.backend, e.tp, e.max_batch, b.max_context)] = (cp, b.NSPLIT)
+    rows = []
+    for rnd in rounds:
+        for (be, tp, bs, ctx, pj), (us, role) in sorted(ragged_latencies(df, rnd).items()):
+            p = json.loads(pj)
+            cp = json.dumps({k: v for k, v in p.items() if k != "NSPLIT"}, sort_keys=True)
+            eq = equal.get((be, tp, bs, ctx, pj))
+            rows.append({"backend": be, "tp": tp, "bs": bs, "ctx": ctx_label(ctx), "spread": rnd,
+                         "NSPLIT": p.get("NSPLIT"), "default": role == "baseline",
+                         "served": served.get((be, tp, bs, ctx)) == (cp, p.get("NSPLIT")),
+                         "ragged µs": us, "equal µs": eq[0] if eq else np.nan,
+                         "compile-time params": ", ".join(f"{k}={v}" for k, v in sorted(p.items()) if k != "NSPLIT")})
+    return pd.DataFrame(rows)
