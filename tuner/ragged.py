@@ -23,7 +23,7 @@ table as phase `ragged`, trial = the trial of the same config on equal requests,
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 from .log import get_logger
 from .measure import ragged_prefixes
@@ -110,8 +110,7 @@ def measure_ragged(sweep, backend, tp, bs) -> None:
             todo += [(dict(base, NSPLIT=n), trials.get(params_key(dict(base, NSPLIT=n))) if n in equal else None)
                      for n in cands]
         # equal requests first, then the ragged batch: the measurer builds each shape's inputs once
-        todo = [(p, t or _measure_equal(sweep, backend, tp, bs, ctx, spec, name, study, seed, dists, p))
-                for p, t in todo]
+        todo = [(p, t or _measure_equal(sweep, backend, tp, bs, ctx, (name, study, seed), p)) for p, t in todo]
         for params, trial in todo:
             if trial is None:
                 continue
@@ -132,20 +131,12 @@ class _NoTrial:
 _NONE = _NoTrial()
 
 
-def _measure_equal(sweep, backend, tp, bs, ctx, spec, name, study, seed, dists, params):
+def _measure_equal(sweep, backend, tp, bs, ctx, opened, params):
     """A trial of `params` on the bucket's equal requests (role `ragged`): the finished trial, or
     None when it did not measure correct."""
-    trial, params = sweep._ask_for(study, params, dists, ROLE)
-    try:
-        sweep.runner.prefetch.wait(backend, params, asdict(spec))
-        m = sweep._measure(backend, params, spec, seed + trial.number)
-    except BaseException:
-        sweep._interrupted(study, trial)
-        raise
-    sweep._tell(study, trial, m, sweep.runner.row(backend, tp, bs, ctx, spec, name, trial.number, ROLE, params, m))
-    sweep._progress(m, count=False)
+    trial, m = sweep.measure_trial(backend, tp, bs, ctx, opened, params, ROLE)
     if m["outcome"] != "ok":
-        log.info("note: %s: %s measured %s on equal requests (%s); not scored on the ragged batch", name, params,
-                 m["outcome"], m.get("reason"))
+        log.info("note: %s: %s measured %s on equal requests (%s); not scored on the ragged batch", opened[0],
+                 params, m["outcome"], m.get("reason"))
         return None
-    return next(t for t in study.get_trials(deepcopy=False) if t.number == trial.number)
+    return next(t for t in opened[1].get_trials(deepcopy=False) if t.number == trial.number)

@@ -142,22 +142,28 @@ class Sweep(StudyLoop):
         plan = [(ctx, options) for ctx in self.ctxs
                 for options in self._cross_options(backend, tp, bs, ctx, studies[ctx][1], oks[ctx], cands)]
         for ctx, options in plan:
-            name, study, seed = studies[ctx]
-            spec = self.runner.spec(tp, bs, ctx)
-            dists = {n: tuple(v) for n, v in study.user_attrs["dists"].items()}
             for q in options:
-                trial, params = self._ask_for(study, q, dists, "cross")
-                try:
-                    self.runner.prefetch.wait(backend, params, asdict(spec))
-                    m = self._measure(backend, params, spec, seed + trial.number)
-                except BaseException:
-                    self._interrupted(study, trial)
-                    raise
-                self._tell(study, trial, m,
-                           self.runner.row(backend, tp, bs, ctx, spec, name, trial.number, "cross", params, m))
-                self._progress(m, count=False)
+                _, m = self.measure_trial(backend, tp, bs, ctx, studies[ctx], q, "cross")
                 if m["outcome"] == "ok":
                     break
+
+    def measure_trial(self, backend, tp, bs, ctx, opened, q: dict, role: str):
+        """Measure exactly `q` on the bucket's equal requests as a new trial (role `role`) of the
+        study `opened` = (name, study, seed); told to the study and appended to the table.
+        Returns (trial, measurement)."""
+        name, study, seed = opened
+        spec = self.runner.spec(tp, bs, ctx)
+        dists = {n: tuple(v) for n, v in study.user_attrs["dists"].items()}
+        trial, params = self._ask_for(study, q, dists, role)
+        try:
+            self.runner.prefetch.wait(backend, params, asdict(spec))
+            m = self._measure(backend, params, spec, seed + trial.number)
+        except BaseException:
+            self._interrupted(study, trial)
+            raise
+        self._tell(study, trial, m, self.runner.row(backend, tp, bs, ctx, spec, name, trial.number, role, params, m))
+        self._progress(m, count=False)
+        return trial, m
 
     def _cross_options(self, backend, tp, bs, ctx, study, oks, cands) -> list[list[dict]]:
         """Per candidate this bucket has no correct config of: the configs to try here (its
