@@ -20,7 +20,8 @@
 #   bash scripts/gpu_evidence.sh tpe-vs-grid  # (carry .whl) the search against an exhaustive grid at tp 8
 #   bash scripts/gpu_evidence.sh workers      # (carry .whl, two GPUs) the same sweep with --workers 2 and 1
 #
-# Time limits per part come from the environment (TEST_S, SAN_S, BENCH_S, SWEEP_S, ...).
+# Time limits per part come from the environment (TEST_S, SAN_S, BENCH_S, SWEEP_S, EXPORT_S, ...);
+# the sweep step keeps them all inside DEADLINE_S and packs its folder into $OUT after each part.
 # Extra arguments after the step go to the benchmark (kernel) or the sweep (sweep); for the
 # sweep, `--then` separates passes run one after another into the same study storage (e.g.
 # every batch bucket at tp 8 and 4, then batch 1 at tp 2 and 1).
@@ -76,29 +77,37 @@ kernel)
   echo "bench rc=$?" >> $OUT/bench.log; tail -n 16 $OUT/bench.log
   ;;
 sweep)
+  # Everything inside one deadline (DEADLINE_S, default 560 s: under the device tool's 600-s
+  # call limit), and the result folder packed into $OUT after every part: a call stopped early
+  # still returns every finished pass (the sweep resumes from it).
+  end=$(( SECONDS + ${DEADLINE_S:-560} ))
+  cap() { local left=$(( end - SECONDS )); [ "$left" -lt "$1" ] && echo $(( left > 5 ? left : 5 )) || echo "$1"; }
   . scripts/device_env.sh wheels
   res=/tmp/res; mkdir -p $res/logs   # a copy of results/kimi-k2-h200 placed there first is resumed
+  pack() { tar czf $OUT/sweep.tgz -C $res .; }
   passes=(); cur=""
   for a in "$@"; do if [ "$a" = --then ]; then passes+=("$cur"); cur=""; else cur="$cur $a"; fi; done
   passes+=("$cur")
   for pass in "${passes[@]}"; do
     start=$(date +%s)
     echo "== sweep pass:$pass" >> $res/logs/sweep.log
-    timeout ${SWEEP_S:-400} $kv sweep $dep --device cuda --out $res --no-progress $pass >> $res/logs/sweep.log 2>&1
+    timeout $(cap ${SWEEP_S:-400}) $kv sweep $dep --device cuda --out $res --no-progress $pass >> $res/logs/sweep.log 2>&1
     echo "sweep rc=$? wall_s=$(( $(date +%s) - start ))" >> $res/logs/sweep.log
+    pack
   done
-  $kv export kimi-k2-h200 --out $res >> $res/logs/sweep.log 2>&1; echo "export rc=$?" >> $res/logs/sweep.log
+  timeout $(cap ${EXPORT_S:-200}) $kv export kimi-k2-h200 --out $res >> $res/logs/sweep.log 2>&1
+  echo "export rc=$?" >> $res/logs/sweep.log; pack
   cp $res/kimi-k2-h200/kimi-k2-h200.yaml kernels/defaults/kimi-k2-h200.yaml
-  [ "${TEST_S:-150}" -gt 0 ] && timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --timeout 120 \
+  [ "${TEST_S:-150}" -gt 0 ] && timeout $(cap ${TEST_S:-150}) python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --timeout 120 \
       tests/test_contract.py tests/test_cuda_gpu.py tests/test_runtime_gpu.py tests/test_packaged_defaults.py \
       tests/test_serving_gpu.py > $res/logs/pytest.log 2>&1
   echo "pytest rc=$?" >> $res/logs/pytest.log
   if [ "${BENCH_S:-150}" -gt 0 ]; then
-    timeout ${BENCH_S:-150} python3 scripts/bench_serving.py --defaults $res/kimi-k2-h200/kimi-k2-h200.yaml \
+    timeout $(cap ${BENCH_S:-150}) python3 scripts/bench_serving.py --defaults $res/kimi-k2-h200/kimi-k2-h200.yaml \
         --out $res/serving > $res/logs/serving.log 2>&1
     echo "bench_serving rc=$?" >> $res/logs/serving.log
   fi
-  tar czf $OUT/sweep.tgz -C $res .
+  pack
   tail -n 25 $res/logs/sweep.log; tail -n 4 $res/logs/pytest.log; tail -n 30 $res/logs/serving.log 2>/dev/null
   ;;
 serving)
