@@ -74,13 +74,20 @@ def eligible_groups(trials: pd.DataFrame, tp: int, bs: int) -> dict:
     return out
 
 
-def served_nsplit(trials: pd.DataFrame, at: pd.DataFrame, backend: str, comp: str, tp: int, bs: int, ctx: int):
+def ragged_rows(trials: pd.DataFrame, backend: str, tp: int, bs: int, ctx: int, rnd: str | None):
+    """The ok ragged-batch rows of one bucket (of spread round `rnd`; None: any)."""
+    rows = trials[(trials["phase"] == "ragged") & (trials["outcome"] == "ok") & (trials["backend"] == backend)
+                  & (trials["tp"] == tp) & (trials["bs"] == bs) & (trials["ctx"] == ctx)]
+    return rows if rnd is None else rows[rows["round"].astype(str) == rnd]
+
+
+def served_nsplit(trials: pd.DataFrame, at: pd.DataFrame, backend: str, comp: str, tp: int, bs: int, ctx: int,
+                  rnd: str | None = None):
     """(NSPLIT, ragged us or None) a bucket serves for group (backend, comp); `at`: that
     group's `config_latencies` rows at (tp, bs)."""
     mine = at[(at["compile"] == comp) & (at["ctx"] == ctx)]
     equal = dict(zip(mine["NSPLIT"], mine["latency_us"]))
-    rows = trials[(trials["phase"] == "ragged") & (trials["outcome"] == "ok") & (trials["backend"] == backend)
-                  & (trials["tp"] == tp) & (trials["bs"] == bs) & (trials["ctx"] == ctx)]
+    rows = ragged_rows(trials, backend, tp, bs, ctx, rnd)
     ragged: dict = {}
     for p, us in zip(rows["params"], rows["median_us"].astype(float)):
         p = p if isinstance(p, dict) else json.loads(p)
@@ -95,7 +102,7 @@ def served_nsplit(trials: pd.DataFrame, at: pd.DataFrame, backend: str, comp: st
     return n, ragged[n]
 
 
-def check_export(tuned: dict, trials: pd.DataFrame) -> None:
+def check_export(tuned: dict, trials: pd.DataFrame, rnd: str | None = None) -> None:
     """Asserts that the exported YAML (`tuned`, as yaml.safe_load reads it) is the brute-force
     choice of `trials` (pd.read_csv of trials.csv) at every (tp, batch) it covers, and covers every
     (tp, batch) that has a config to serve."""
@@ -119,11 +126,16 @@ def check_export(tuned: dict, trials: pd.DataFrame) -> None:
         assert e["params"]["NSPLIT"] == max(b["NSPLIT"] for b in buckets.values()), "NSPLIT is the grid size"
         at = lat[(lat["backend"] == e["backend"]) & (lat["tp"] == tp) & (lat["bs"] == bs)]
         for ctx, b in buckets.items():
-            n, ragged = served_nsplit(trials, at, e["backend"], comp, tp, bs, ctx)
+            n, ragged = served_nsplit(trials, at, e["backend"], comp, tp, bs, ctx, rnd)
             assert b["NSPLIT"] == n, (tp, bs, ctx, b, n)
             assert (b.get("ragged_us") is None) == (ragged is None), (tp, bs, ctx, b)
             if ragged is not None:
                 assert abs(b["ragged_us"] - ragged) <= TOL_US, (tp, bs, ctx, b, ragged)
+            rows = ragged_rows(trials, e["backend"], tp, bs, ctx, rnd)
+            base = rows[rows["role"] == "baseline"]["median_us"].astype(float)
+            assert (b.get("default_ragged_us") is None) == base.empty, (tp, bs, ctx, b)
+            if not base.empty:
+                assert abs(b["default_ragged_us"] - float(base.median())) <= TOL_US, (tp, bs, ctx, b)
             config = _key({**json.loads(comp), "NSPLIT": b["NSPLIT"]})
             measured = at[(at["ctx"] == ctx) & (at["config"] == config)]["latency_us"]
             assert len(measured) and abs(measured.iloc[0] - b["latency_us"]) <= TOL_US, (tp, bs, ctx, config)

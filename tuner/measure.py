@@ -92,8 +92,9 @@ class ProblemSpec:
 
 
 #: the ragged batch a batch bucket is also scored on: its mean prefix as a share of the
-#: context bucket's bound, so that the batch's total keys (what selects the bucket's NSPLIT on
-#: the device) fall inside that bucket for bucket bounds up to 1 / RAGGED_MEAN apart
+#: context bucket's bound, so that the batch's total keys (what selects CUDA's NSPLIT on the
+#: device) fall inside that bucket when the bucket below is at most RAGGED_MEAN of it (bucket
+#: bounds at least 4/3 apart)
 RAGGED_MEAN = 0.75
 
 

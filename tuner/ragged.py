@@ -8,7 +8,9 @@ about one split per request the longest request's split sets the time while the 
 idle. So after the search of a (backend, tp, batch bucket > 1), each context bucket's
 NSPLIT candidates are timed on the bucket's ragged batch (`tuner.measure.ragged_prefixes`:
 `batch` prefixes spread geometrically over the deployment's `ragged_spread`, mean 3/4 of
-the bucket, so that its total keys select this bucket's NSPLIT on the device), and the
+the bucket, so that its total keys select this bucket's NSPLIT on the device), timed as
+serving runs it (the split table of the config's best NSPLIT per bucket, the candidate at
+this one: CUDA picks the bucket by the batch's keys, Triton by each request's), and the
 export picks per bucket the NSPLIT whose worse ratio to the best, over the two batches, is
 least (`tuner.export.pick_nsplit`).
 
@@ -72,17 +74,22 @@ def served_groups(df, backend, tp, bs, ctxs) -> dict:
     return {ck: out[ck] for ck in keys if ck in out}
 
 
-def measure_ragged(sweep, backend, tp, bs) -> None:
-    """The ragged phase of one (backend, tp, bs) of `sweep` (a `tuner.sweep.Sweep`)."""
+def measure_ragged(sweep, backend, tp, bs) -> bool:
+    """The ragged phase of one (backend, tp, bs) of `sweep` (a `tuner.sweep.Sweep`); True when
+    it measured a new config on equal requests (to be re-measured against the default)."""
     spread = sweep.dep.ragged_spread
     space = sweep.spaces[backend]
-    if bs < 2 or spread <= 1 or "NSPLIT" not in space.names or not sweep.table.path.is_file():
-        return
+    if not sweep.ragged or bs < 2 or spread <= 1 or "NSPLIT" not in space.names or not sweep.table.path.is_file():
+        return False
+    from kvtune.kernels.backends import split_bounds
+
     from .table import read_trials
     df = read_trials(sweep.table.path)
     df = df[df["deployment"] == sweep.dep.name]
     groups = served_groups(df, backend, tp, bs, sweep.ctxs)
     rnd = ragged_round(spread)
+    bounds = split_bounds(backend, list(sweep.ctxs), sweep.dep.model.draft_tokens, bs)
+    new = False
     for ctx in sweep.ctxs:
         name, study, seed = sweep._open_study(backend, tp, bs, ctx)
         spec = sweep.runner.spec(tp, bs, ctx)
@@ -90,7 +97,7 @@ def measure_ragged(sweep, backend, tp, bs) -> None:
         env = problem_env(spec.draft_tokens, spec.heads, bs, ctx, spec.Dk, spec.kv_lora_rank, sweep.dep.device)
         dists = {n: tuple(v) for n, v in study.user_attrs["dists"].items()}
         trials = {params_key(t.params): t for t in sweep._finished(study)}
-        todo = []   # (params, trial or None: measure it on equal requests first)
+        todo = []   # (params, trial or None: measure it on equal requests first, split table)
         for ck, by_ctx in groups.items():
             equal = by_ctx.get(ctx)
             if not equal:
@@ -107,21 +114,32 @@ def measure_ragged(sweep, backend, tp, bs) -> None:
             cands = nsplit_candidates(equal, legal)
             cands += [n for n in equal if n not in cands and
                       trials.get(params_key(dict(base, NSPLIT=n)), _NONE).user_attrs.get("role") == "baseline"]
-            todo += [(dict(base, NSPLIT=n), trials.get(params_key(dict(base, NSPLIT=n))) if n in equal else None)
-                     for n in cands]
+            for n in cands:
+                # as serving runs it: the split table of the group's best NSPLIT per bucket, n at
+                # this one (CUDA picks a bucket by the batch's keys, Triton by each request's)
+                values = [n if c == ctx or not by_ctx.get(c) else min(by_ctx[c], key=by_ctx[c].get)
+                          for c in sweep.ctxs]
+                key = params_key(dict(base, NSPLIT=n))
+                todo.append((dict(base, NSPLIT=n), trials.get(key) if n in equal else None, [bounds, values]))
         # equal requests first, then the ragged batch: the measurer builds each shape's inputs once
-        todo = [(p, t or _measure_equal(sweep, backend, tp, bs, ctx, (name, study, seed), p)) for p, t in todo]
-        for params, trial in todo:
+        measured = []
+        for p, t, table in todo:
+            if t is None:
+                t, new = _measure_equal(sweep, backend, tp, bs, ctx, (name, study, seed), p), True
+            measured.append((p, t, table))
+        for params, trial, table in measured:
             if trial is None:
                 continue
             probe = {"study": name, "phase": PHASE, "trial": trial.number, "round": rnd}
             if sweep.table.has(probe):
                 continue
-            m = sweep._measure(backend, params, ragged, seed + 7919 + trial.number)
+            launch = dict(params, NSPLIT=max(table[1]))   # the grid: the table's largest NSPLIT
+            m = sweep._measure(backend, launch, ragged, seed + 7919 + trial.number, extra={"split_table": table})
             sweep.table.append(sweep.runner.row(backend, tp, bs, ctx, ragged, name, trial.number,
                                                 trial.user_attrs.get("role", "search"), params, m,
                                                 phase=PHASE, rnd=rnd))
             sweep._progress(m, count=False, best=False)
+    return new
 
 
 class _NoTrial:

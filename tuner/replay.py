@@ -122,6 +122,8 @@ GPU_COMPILE_WORKERS = 6
 class ReplaySweep(Sweep):
     """A Sweep whose measurements are look-ups in a GridTable, its studies in memory."""
 
+    ragged = False   # the grid measured equal requests only: no ragged phase to replay
+
     def __init__(self, dep, opts: SweepOptions, grid: GridTable, fields: dict):
         workers = GPU_COMPILE_WORKERS if opts.compile_workers is None else opts.compile_workers
         super().__init__(dep, replace(opts, device="cpu", isolate=False, compile_workers=0, progress=False,

@@ -50,6 +50,7 @@ class Sweep(StudyLoop):
     after it, the run record and the summary."""
 
     shared = False   # several processes share the studies and the trials table (tuner/workers.py)
+    ragged = True    # the ragged phase runs (tuner/ragged.py; a replay of a grid table has no ragged batch)
 
     def __init__(self, dep: Deployment, opts: SweepOptions):
         try:
@@ -118,13 +119,13 @@ class Sweep(StudyLoop):
         self.table = TrialsTable(self.out_dir / "trials.csv", names, shared=self.shared)
 
     # -- one measurement ------------------------------------------------------------------
-    def _measure(self, backend, params, spec, seed) -> dict:
+    def _measure(self, backend, params, spec, seed, extra: dict | None = None) -> dict:
         if self.o.max_measurements is not None and self.measured_now >= self.o.max_measurements:
             raise SweepStopped("measurement limit")
         if self.o.max_minutes is not None and time.time() - self.t0 > 60 * self.o.max_minutes:
             raise SweepStopped(f"time limit of {self.o.max_minutes:g} min")
         self.measured_now += 1
-        return self.runner.measure(backend, params, spec, seed)
+        return self.runner.measure(backend, params, spec, seed, extra=extra)
 
     # -- after the studies of one (backend, tp, bs) ---------------------------------------
     def _ok_trials(self, study):
@@ -266,7 +267,8 @@ class Sweep(StudyLoop):
                     self._study = f"{be} tp{tp} bs{bs} cross/remeasure/ragged"
                     self.cross_measure(be, tp, bs)
                     self.remeasure(be, tp, bs)
-                    measure_ragged(self, be, tp, bs)
+                    if measure_ragged(self, be, tp, bs):
+                        self.remeasure(be, tp, bs)   # a new NSPLIT that won on equal requests
         return "complete" if backends else "nothing to sweep (every backend was skipped)"
 
     def _close(self, status: str) -> None:

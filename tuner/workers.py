@@ -264,7 +264,8 @@ class SharedSweep(Sweep):
                         self._reconcile(self._open_study(be, tp, bs, ctx)[1])   # rows of workers on other hosts
                     self.cross_measure(be, tp, bs)
                     self.remeasure(be, tp, bs)
-                    measure_ragged(self, be, tp, bs)
+                    if measure_ragged(self, be, tp, bs):
+                        self.remeasure(be, tp, bs)   # a new NSPLIT that won on equal requests
         self.results = [self._study_result(be, tp, bs, ctx)
                         for tp in self.tps for bs in self.bss for be in backends for ctx in self.ctxs]
 
