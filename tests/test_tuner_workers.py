@@ -399,3 +399,29 @@ def test_tpe_steps_to_neighbours_of_the_best(tmp_path, workers):
         assert at_best, f"{study}: no neighbour step is next to the best config measured before it"
         n_local += len(local)
     assert n_local >= 2
+
+
+def test_workers_run_the_ragged_phase_once(tmp_path):
+    """`--workers 2` at a batch bucket of 2: the phases after the search (cross-bucket,
+    re-measurement, ragged) run once in the main process: every context bucket has ragged
+    rows, none twice, each naming a correct trial of its study, and the export is the oracle's."""
+    from export_oracle import check_export
+    name = "rw"
+    dep, spaces = _deployment(tmp_path, name)
+    doc = yaml.safe_load(dep.read_text())
+    doc.update(batches=[2], trials=3, ragged_spread=4)
+    dep.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "results"
+    cmd = _cli("sweep", dep, "--device", "cpu", "--workers", 2, "--out", out, "--space-dir", spaces, "--rounds", 1,
+               "--remeasure-top", 1, "--heartbeat", HEARTBEAT, "--grace", GRACE, "--export")
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+    df = read_trials(out / name / "trials.csv")
+    rag = df[df["phase"] == "ragged"]
+    assert set(rag["ctx"]) == {64, 128} and (rag["outcome"] == "ok").all()
+    keys = list(zip(rag["study"], rag["trial"], rag["round"].astype(str)))
+    assert len(keys) == len(set(keys)), "a ragged row measured twice"
+    for study, trial in zip(rag["study"], rag["trial"]):
+        twin = df[(df["study"] == study) & (df["phase"] == "search") & (df["trial"] == trial)]
+        assert len(twin) == 1 and twin["outcome"].iloc[0] == "ok", (study, trial)
+    check_export(yaml.safe_load((out / name / f"{name}.yaml").read_text()), df, "x4")
