@@ -232,7 +232,9 @@ def export_deployment(dep: Deployment | str, out: str = "runs", trials_csv: str 
     dump_tuned(tuned, dest)
     if not quiet:
         import pandas as pd
-        print(pd.DataFrame(report).to_string(index=False, float_format=lambda x: f"{x:.2f}"))
+        table = pd.DataFrame(report)
+        unscored = [c for c in ("ragged_us", "default_ragged_us") if c in table and table[c].isna().all()]
+        print(table.drop(columns=unscored).to_string(index=False, float_format=lambda x: f"{x:.2f}"))
         print(f"exported {dest}")
     return tuned
 
