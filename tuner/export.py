@@ -31,6 +31,7 @@ from .config import Deployment, load_deployment
 from .log import get_logger
 from .ragged import PHASE as RAGGED_PHASE
 from .ragged import ragged_round
+from .study import compile_key
 from .table import read_jsonl, read_trials
 
 log = get_logger(__name__)
@@ -54,27 +55,29 @@ def latencies(df):
     re-measurements where it has any, else of its search (and cross-bucket) measurements;
     serving-check and ragged rows never count. Role: "baseline" when the config is the backend's
     default, else its first role by name."""
-    out = {}
     ok = df[(df["outcome"] == "ok") & ~df["phase"].isin(["serve", RAGGED_PHASE])]
-    for key, g in ok.groupby(["backend", "tp", "bs", "ctx", ok["params"].map(lambda p: json.dumps(p, sort_keys=True))]):
+
+    def latency(g):
         rem = g[g["phase"] == "remeasure"]["median_us"].astype(float).tolist()
-        srch = g[g["phase"] != "remeasure"]["median_us"].astype(float).tolist()
-        lat = median(rem) if rem else median(srch)
-        roles = set(g["role"].astype(str))
-        out[tuple(key[:4]) + (key[4],)] = (lat, "baseline" if "baseline" in roles else sorted(roles)[0])
-    return out
+        return median(rem) if rem else median(g[g["phase"] != "remeasure"]["median_us"].astype(float).tolist())
+    return _per_config(ok, latency)
 
 
 def ragged_latencies(df, rnd: str | None) -> dict:
     """(backend, tp, bs, ctx, params JSON) -> (median us on the bucket's ragged batch, role),
     from the ragged rows of round `rnd` (the deployment's spread; None: none count)."""
     sel = df[(df["outcome"] == "ok") & (df["phase"] == RAGGED_PHASE) & (df["round"].astype(str) == str(rnd))]
+    return _per_config(sel, lambda g: median(g["median_us"].astype(float).tolist()))
+
+
+def _per_config(rows, latency) -> dict:
+    """(backend, tp, bs, ctx, params JSON with sorted keys) -> (latency(its rows), role): role
+    "baseline" when the config is the backend's default, else its first role by name."""
     out = {}
-    pj = sel["params"].map(lambda p: json.dumps(p, sort_keys=True))
-    for key, g in sel.groupby(["backend", "tp", "bs", "ctx", pj]):
+    config = rows["params"].map(lambda p: json.dumps(p, sort_keys=True))
+    for key, g in rows.groupby(["backend", "tp", "bs", "ctx", config]):
         roles = set(g["role"].astype(str))
-        out[tuple(key[:4]) + (key[4],)] = (median(g["median_us"].astype(float).tolist()),
-                                           "baseline" if "baseline" in roles else sorted(roles)[0])
+        out[tuple(key[:4]) + (key[4],)] = (latency(g), "baseline" if "baseline" in roles else sorted(roles)[0])
     return out
 
 
@@ -109,7 +112,7 @@ def choose(df, backends, tp, bs, contexts, exclude=frozenset(), rnd: str | None 
             if (b, t, s) != (be, tp, bs) or ctx not in contexts:
                 continue
             p = json.loads(pj)
-            ck = json.dumps({k: x for k, x in p.items() if k != "NSPLIT"}, sort_keys=True)
+            ck = compile_key(p)
             groups.setdefault(ck, {}).setdefault(ctx, {})[p.get("NSPLIT")] = v
             if role == "baseline":
                 default_lat[ctx] = v
@@ -136,7 +139,7 @@ def choose(df, backends, tp, bs, contexts, exclude=frozenset(), rnd: str | None 
             if (b, t, s, ctx) != (be, tp, bs, c):
                 continue
             p = json.loads(pj)
-            if json.dumps({k: x for k, x in p.items() if k != "NSPLIT"}, sort_keys=True) == ck:
+            if compile_key(p) == ck:
                 ragged[p.get("NSPLIT")] = v
             if role == "baseline":
                 default_ragged = v

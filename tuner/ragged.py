@@ -61,7 +61,7 @@ def served_groups(df, backend, tp, bs, ctxs) -> dict:
     pick, and the backend's default."""
     from .export import choose, latencies   # the export imports this module
     pick, _ = choose(df, [backend], tp, bs, list(ctxs))
-    keys = [json.dumps(pick[1], sort_keys=True)] if pick else []
+    keys = [compile_key(pick[1])] if pick else []
     out: dict = {}
     for (b, t, s, ctx, pj), (v, role) in latencies(df).items():
         if (b, t, s) != (backend, tp, bs) or ctx not in ctxs:
@@ -104,23 +104,25 @@ def measure_ragged(sweep, backend, tp, bs) -> bool:
                 continue
             base = json.loads(ck)
 
+            def trial_of(n, base=base):   # this config's finished trial at this bucket, or None
+                return trials.get(params_key(dict(base, NSPLIT=n)))
+
             def legal(n, base=base, equal=equal):
                 q = dict(base, NSPLIT=n)
-                earlier = trials.get(params_key(q))
+                earlier = trial_of(n)
                 # untried, or pruned by a constraint the search space no longer has
                 fresh = earlier is None or bool(earlier.user_attrs.get("constraint"))
                 return n in equal or (n in dists["NSPLIT"] and not space.violation(q, env) and fresh)
 
             cands = nsplit_candidates(equal, legal)
-            cands += [n for n in equal if n not in cands and
-                      trials.get(params_key(dict(base, NSPLIT=n)), _NONE).user_attrs.get("role") == "baseline"]
+            cands += [n for n in equal if n not in cands and trial_of(n) is not None
+                      and trial_of(n).user_attrs.get("role") == "baseline"]
             for n in cands:
                 # as serving runs it: the split table of the group's best NSPLIT per bucket, n at
                 # this one (CUDA picks a bucket by the batch's keys, Triton by each request's)
                 values = [n if c == ctx or not by_ctx.get(c) else min(by_ctx[c], key=by_ctx[c].get)
                           for c in sweep.ctxs]
-                key = params_key(dict(base, NSPLIT=n))
-                todo.append((dict(base, NSPLIT=n), trials.get(key) if n in equal else None, [bounds, values]))
+                todo.append((dict(base, NSPLIT=n), trial_of(n) if n in equal else None, [bounds, values]))
         # equal requests first, then the ragged batch: the measurer builds each shape's inputs once
         measured = []
         for p, t, table in todo:
@@ -140,13 +142,6 @@ def measure_ragged(sweep, backend, tp, bs) -> bool:
                                                 phase=PHASE, rnd=rnd))
             sweep._progress(m, count=False, best=False)
     return new
-
-
-class _NoTrial:
-    user_attrs: dict = {}
-
-
-_NONE = _NoTrial()
 
 
 def _measure_equal(sweep, backend, tp, bs, ctx, opened, params):

@@ -12,6 +12,12 @@ import json
 from dataclasses import dataclass
 
 
+#: roles of trials measured beside the search, not proposed by it: the winners of other buckets
+#: (cross) and NSPLIT candidates of the ragged phase (ragged). They never count against a study's
+#: budget, never steer a warm start, and are measured whatever the space's constraints say.
+BESIDE_SEARCH = ("cross", "ragged")
+
+
 @dataclass(frozen=True)
 class SearchStrategy:
     """Settings of the per-study search (the defaults are the sweep's policy)."""
@@ -41,7 +47,7 @@ class SearchStrategy:
 
     def counts(self, attrs: dict) -> bool:
         """Whether a finished trial (its user attributes) counts against the study's budget."""
-        if attrs.get("role", "search") in ("cross", "ragged") or attrs.get("constraint"):
+        if attrs.get("role", "search") in BESIDE_SEARCH or attrs.get("constraint"):
             return False
         return self.count_pruned or attrs.get("outcome") != "pruned"
 

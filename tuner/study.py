@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from .config import ConfigError, redact_url
 from .log import get_logger
 from .space import SearchSpace, problem_env
-from .strategy import local_proposal, params_key
+from .strategy import BESIDE_SEARCH, local_proposal, params_key
 
 log = get_logger(__name__)
 STUDY_SEP = "|"
@@ -90,7 +90,7 @@ class _State:
     waiting: set       # keys of queued configs
     busy: dict         # key -> number of a running trial
     counted: int       # finished trials that count against the budget
-    running_search: int   # running trials that will (all but cross-bucket ones)
+    running_search: int   # running trials that will (all but those beside the search: BESIDE_SEARCH)
     retries: int = 0   # queued retries of trials failed as stale: owed whatever the budget says
 
 
@@ -214,7 +214,7 @@ class StudyLoop:
             return None
         ok = [t for t in self._counted(self.storage.get_all_trials(sid, deepcopy=False))
               if t.user_attrs.get("outcome") == "ok" and t.value is not None
-              and t.user_attrs.get("role") not in ("cross", "ragged")]
+              and t.user_attrs.get("role") not in BESIDE_SEARCH]
         return dict(min(ok, key=lambda t: t.value).params) if ok else None
 
     # -- the trials a study counts --------------------------------------------------------
@@ -246,7 +246,7 @@ class StudyLoop:
                       waiting={_queued_key(t) for t in trials if t.state == TS.WAITING},
                       busy={params_key(t.params): t.number for t in running if t.params},
                       counted=sum(1 for t in measured.values() if self.o.strategy.counts(t.user_attrs)),
-                      running_search=sum(1 for t in running if t.user_attrs.get("role") not in ("cross", "ragged")),
+                      running_search=sum(1 for t in running if t.user_attrs.get("role") not in BESIDE_SEARCH),
                       retries=sum(1 for t in trials if t.state == TS.WAITING and t.system_attrs.get("retry_history")))
 
     def _owed(self, plan: StudyPlan, st: _State) -> int:
@@ -361,7 +361,7 @@ class StudyLoop:
     def _violation(role, plan: StudyPlan, params):
         """The search-space constraint `params` break, or None; the baseline and cross-bucket
         configs are measured whatever the constraints say."""
-        return None if role in ("baseline", "cross", "ragged") else plan.space.violation(params, plan.env)
+        return None if role == "baseline" or role in BESIDE_SEARCH else plan.space.violation(params, plan.env)
 
     def _run_one(self, backend, trial, params, role, plan: StudyPlan, seed, repair):
         """One batch member's outcome and the constraint that pruned it (or None): pruned

@@ -225,6 +225,15 @@ class Sweep(StudyLoop):
                     self._progress(m, count=False, best=False)
             study.set_user_attr("remeasured", sig)
 
+    def after_search(self, backend, tp, bs):
+        """The phases after the studies of one (backend, tp, bs), in order: cross-bucket,
+        re-measurement, ragged (and the re-measurement again when it measured a new NSPLIT,
+        which may have won on equal requests)."""
+        self.cross_measure(backend, tp, bs)
+        self.remeasure(backend, tp, bs)
+        if measure_ragged(self, backend, tp, bs):
+            self.remeasure(backend, tp, bs)
+
     # -- progress and the whole sweep -----------------------------------------------------
     def _progress(self, m, count=True, best=True):
         if self.bar is None:
@@ -265,10 +274,7 @@ class Sweep(StudyLoop):
                         self.search_study(be, tp, bs, ctx)
                         self.results.append(self._study_result(be, tp, bs, ctx))
                     self._study = f"{be} tp{tp} bs{bs} cross/remeasure/ragged"
-                    self.cross_measure(be, tp, bs)
-                    self.remeasure(be, tp, bs)
-                    if measure_ragged(self, be, tp, bs):
-                        self.remeasure(be, tp, bs)   # a new NSPLIT that won on equal requests
+                    self.after_search(be, tp, bs)
         return "complete" if backends else "nothing to sweep (every backend was skipped)"
 
     def _close(self, status: str) -> None:

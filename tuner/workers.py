@@ -48,7 +48,6 @@ from .config import Deployment, redact_url
 from .log import get_logger
 from .options import SweepOptions
 from .progress import Progress
-from .ragged import measure_ragged
 from .study import STUDY_SEP, study_name
 from .sweep import Sweep
 
@@ -262,10 +261,7 @@ class SharedSweep(Sweep):
                 for be in backends:
                     for ctx in self.ctxs:
                         self._reconcile(self._open_study(be, tp, bs, ctx)[1])   # rows of workers on other hosts
-                    self.cross_measure(be, tp, bs)
-                    self.remeasure(be, tp, bs)
-                    if measure_ragged(self, be, tp, bs):
-                        self.remeasure(be, tp, bs)   # a new NSPLIT that won on equal requests
+                    self.after_search(be, tp, bs)
         self.results = [self._study_result(be, tp, bs, ctx)
                         for tp in self.tps for bs in self.bss for be in backends for ctx in self.ctxs]
 

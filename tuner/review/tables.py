@@ -139,6 +139,7 @@ def ragged_table(res: Results) -> pd.DataFrame:
     bucket's ragged batch, its median there and on equal requests (the latency export uses),
     whether it is the default config, and whether the exported YAML serves it."""
     from ..export import latencies, ragged_latencies
+    from ..study import compile_key
     df = res.trials
     if "phase" not in df or not (df["phase"].astype(str) == "ragged").any():
         return pd.DataFrame()
@@ -147,14 +148,14 @@ def ragged_table(res: Results) -> pd.DataFrame:
     served = {}
     if res.tuned is not None:
         for e in res.tuned.entries:
-            cp = json.dumps({k: v for k, v in e.params.items() if k != "NSPLIT"}, sort_keys=True)
+            cp = compile_key(e.params)
             for b in e.buckets:
                 served[(e.backend, e.tp, e.max_batch, b.max_context)] = (cp, b.NSPLIT)
     rows = []
     for rnd in rounds:
         for (be, tp, bs, ctx, pj), (us, role) in sorted(ragged_latencies(df, rnd).items()):
             p = json.loads(pj)
-            cp = json.dumps({k: v for k, v in p.items() if k != "NSPLIT"}, sort_keys=True)
+            cp = compile_key(p)
             eq = equal.get((be, tp, bs, ctx, pj))
             rows.append({"backend": be, "tp": tp, "bs": bs, "ctx": ctx_label(ctx), "spread": rnd,
                          "NSPLIT": p.get("NSPLIT"), "default": role == "baseline",
