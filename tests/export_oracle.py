@@ -6,7 +6,9 @@ latency over the buckets (fastest NSPLIT per bucket) wins. Each bucket then serv
 fastest NSPLIT, unless the group's NSPLIT were also timed on the bucket's ragged batch (phase
 `ragged`): then, of those timed on both batches, the one whose worse ratio to the best (equal
 requests: the best of every NSPLIT; ragged: of those timed) is least, ties to the faster on
-equal requests. A config's latency is the median of its interleaved re-measurements where the
+equal requests. In the default's own compile-time group a bucket serves the default's NSPLIT
+unless that winner's score (worse ratio, or ratio on equal requests) is better by more than 3%.
+A config's latency is the median of its interleaved re-measurements where the
 sweep took them, else of its search measurements. A config whose serving check (phase
 `serve`) was not ok is not served.
 
@@ -21,6 +23,8 @@ import pandas as pd
 
 # the YAML rounds latencies to 3 decimals
 TOL_US = 1e-3
+# the README's margin before a bucket of the default's config leaves the default's NSPLIT
+MARGIN = 0.03
 
 
 def _key(params: dict) -> str:
@@ -87,6 +91,7 @@ def served_nsplit(trials: pd.DataFrame, at: pd.DataFrame, backend: str, comp: st
     group's `config_latencies` rows at (tp, bs)."""
     mine = at[(at["compile"] == comp) & (at["ctx"] == ctx)]
     equal = dict(zip(mine["NSPLIT"], mine["latency_us"]))
+    default = at[at["default"] & (at["compile"] == comp) & (at["ctx"] == ctx)]["NSPLIT"].tolist()
     rows = ragged_rows(trials, backend, tp, bs, ctx, rnd)
     ragged: dict = {}
     for p, us in zip(rows["params"], rows["median_us"].astype(float)):
@@ -95,11 +100,16 @@ def served_nsplit(trials: pd.DataFrame, at: pd.DataFrame, backend: str, comp: st
             ragged.setdefault(p.get("NSPLIT"), []).append(us)
     ragged = {n: float(pd.Series(v).median()) for n, v in ragged.items()}
     both = [n for n in ragged if n in equal]
-    if not both:
-        return min(equal, key=equal.get), None
-    e0, r0 = min(equal.values()), min(ragged[n] for n in both)
-    n = min(both, key=lambda n: (max(equal[n] / e0, ragged[n] / r0), equal[n]))
-    return n, ragged[n]
+    e0 = min(equal.values())
+    if both:
+        r0 = min(ragged[n] for n in both)
+        score = {n: max(equal[n] / e0, ragged[n] / r0) for n in both}
+    else:
+        score = {n: equal[n] / e0 for n in equal}
+    n = sorted(score, key=lambda n: (score[n], equal[n]))[0]
+    if default and default[0] in score and score[default[0]] <= score[n] * (1 + MARGIN):
+        n = default[0]
+    return n, (ragged[n] if both else None)
 
 
 def check_export(tuned: dict, trials: pd.DataFrame, rnd: str | None = None) -> None:

@@ -13,7 +13,7 @@ import yaml
 from export_oracle import check_export, config_latencies, eligible_groups
 
 from kvtune.tuner.config import ConfigError, parse_deployment
-from kvtune.tuner.export import export_deployment, pick_nsplit
+from kvtune.tuner.export import NSPLIT_MARGIN, export_deployment, pick_nsplit
 from kvtune.tuner.measure import RAGGED_MEAN, Ceilings, ProblemSpec, ragged_prefixes
 from kvtune.tuner.ragged import nsplit_candidates, ragged_round
 from kvtune.tuner.sweep import SweepOptions, run_sweep
@@ -68,6 +68,21 @@ def test_ragged_spec_floor_sums_its_requests():
 ])
 def test_pick_nsplit_least_worse_ratio(equal, ragged, want):
     assert pick_nsplit(equal, ragged) == want
+
+
+@pytest.mark.parametrize("equal,ragged,keep,want", [
+    ({66: 20.30, 132: 20.44}, {}, 132, 132),                     # the tp 8, 4k pick: 0.7% is noise
+    ({66: 19.00, 132: 20.44}, {}, 132, 66),                      # 7.6% is not
+    ({66: 100.0, 132: 103.0}, {}, 132, 132),                     # 3.0%: at the margin, the default stays
+    ({66: 100.0, 132: 103.1}, {}, 132, 66),
+    ({66: 100.0, 132: 101.0}, {66: 150.0, 132: 100.0}, 66, 132),  # ragged: 1.01 against 1.5
+    ({66: 100.0, 132: 102.0}, {66: 101.0, 132: 100.0}, 66, 66),  # ragged: 1.02 against 1.01, within 3%
+    ({66: 100.0, 132: 101.0}, {}, 16, 66),                       # the default's NSPLIT not measured here
+    ({66: 100.0, 132: 120.0}, {66: 100.0}, 132, 66),             # nor on the ragged batch
+])
+def test_pick_nsplit_keeps_the_default_within_the_margin(equal, ragged, keep, want):
+    assert NSPLIT_MARGIN == 0.03
+    assert pick_nsplit(equal, ragged, keep) == want
 
 
 def test_nsplit_candidates():
