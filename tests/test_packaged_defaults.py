@@ -31,3 +31,26 @@ def test_version_matches_pyproject():
     import kvtune.kernels
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     assert kvtune.kernels.__version__ == pyproject["project"]["version"]
+
+
+def test_packaged_kimi_defaults_are_the_export_of_the_committed_sweep():
+    """The shipped kimi-k2-h200 YAML is, entry by entry, the brute-force choice
+    (tests/export_oracle.py) on the trials table of the GPU sweep it was exported from
+    (results/kimi-k2-h200/trials.csv): the NSPLIT margin, the ragged rule and the default's
+    group included, on real H200 timings rather than a CPU sweep's."""
+    from pathlib import Path
+
+    import yaml
+    from export_oracle import check_export
+
+    from kvtune.tuner.config import load_deployment
+    from kvtune.tuner.ragged import ragged_round
+    from kvtune.tuner.table import read_trials
+
+    root = Path(__file__).parents[1]
+    packaged = packaged_defaults_dir() / "kimi-k2-h200.yaml"
+    committed = root / "results" / "kimi-k2-h200" / "kimi-k2-h200.yaml"
+    assert yaml.safe_load(packaged.read_text()) == yaml.safe_load(committed.read_text())
+    dep = load_deployment(root / "configs" / "deployments" / "kimi-k2-h200.yaml")
+    trials = read_trials(root / "results" / "kimi-k2-h200" / "trials.csv")
+    check_export(yaml.safe_load(packaged.read_text()), trials, ragged_round(dep.ragged_spread))
