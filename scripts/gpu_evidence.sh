@@ -11,7 +11,7 @@
 #   bash scripts/gpu_evidence.sh tests        # every test marked gpu (carry .whl for the tuner's)
 #   bash scripts/gpu_evidence.sh limits       # what bounds the kernel: mma.sync/ldmatrix ceilings, the read
 #                                             # speed of light per shape, split and merge timed apart,
-#                                             # the wgmma tile-loop probe (sm_90)
+#                                             # the wgmma tile-loop probes (sm_90)
 #   bash scripts/gpu_evidence.sh phases       # the fixed cost placed: split and merge apart, and source
 #                                             # variants with one stage left out, at 256-64k (or the
 #                                             # time_phases.py arguments given)
@@ -147,7 +147,10 @@ limits)
   echo "phases rc=$?" >> $OUT/phases.log
   timeout ${PROBE_S:-60} python3 scripts/wgmma_probe.py --out $OUT > $OUT/wgmma_probe.log 2>&1
   echo "wgmma probe rc=$?" >> $OUT/wgmma_probe.log
+  timeout ${PROBE_S:-60} python3 scripts/pingpong_probe.py --out $OUT > $OUT/pingpong_probe.log 2>&1
+  echo "pingpong probe rc=$?" >> $OUT/pingpong_probe.log
   tail -n 8 $OUT/ceilings.log; tail -n 6 $OUT/sol_read.log; tail -n 6 $OUT/phases.log; tail -n 12 $OUT/wgmma_probe.log
+  tail -n 7 $OUT/pingpong_probe.log
   ;;
 phases)
   . scripts/device_env.sh tree

@@ -47,7 +47,8 @@ __device__ __forceinline__ void wgmma_n72_t{trans_a}(float (&d)[36], u64 da, u64
 }}"""
 
 
-SRC = r"""
+#: PTX helpers shared with pingpong_probe.py: the no-swizzle descriptor, the warpgroup fences, bf16.
+HELPERS = r"""
 typedef unsigned int u32; typedef unsigned short u16; typedef unsigned long long u64;
 #define ROWBLK 9216   // bytes per 8-row block of a [rows][576] operand: 72 core matrices of 128 B
 
@@ -66,7 +67,9 @@ __device__ __forceinline__ void keep(float (&d)[36]) {
 __device__ __forceinline__ u16 bf16_bits(float x) {
   u32 u = __float_as_uint(x); u += 0x7fffu + ((u >> 16) & 1u); return (u16)(u >> 16);
 }
+"""
 
+SRC = HELPERS + r"""
 // s[4j + e]: key 16 warp + lane/4 (+8 for e >= 2), query row 8j + 2(lane%4) + (e & 1)
 __device__ __forceinline__ void dump_s(const float (&s)[36], float* s_out, int warp, int lane) {
 #pragma unroll

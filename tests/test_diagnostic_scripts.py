@@ -94,3 +94,19 @@ def test_qk_tilings_are_exactly_the_tilings_the_kernel_accepts():
         inst = f"kvtune::Config<8,32,8,8,2,9,{t[0]},{t[1]},{t[2]},{KV_BITS},1>"
         ok, _ = _compile([f'static_assert({inst}::SMEM_BYTES > 0, "instantiate");'])
         assert ok == (t in listed), t
+
+
+def test_pingpong_probe_compiles_for_sm_90a_with_its_mmas_in_flight():
+    """The ping-pong probe builds for sm_90a without spills and without ptxas serializing its
+    warpgroup MMAs (a read of an accumulator that may still be in flight makes ptxas wait after
+    every wgmma, which would time a different loop than the one described)."""
+    import pingpong_probe
+    from mma_ceiling import nvrtc_cubin
+    cubin, log = nvrtc_cubin(pingpong_probe.source(), "pingpong_probe.cu",
+                             ["--gpu-architecture=sm_90a", "-std=c++17", "--ptxas-options=-v"])
+    assert len(cubin) > 0
+    assert "C7514" not in log and "serialized" not in log, log
+    assert "0 bytes spill stores" in log, log
+    # the launch covers Q, K, four P^T buffers, the max, the factors, the column maxima, the flags
+    assert pingpong_probe.SMEM >= 17 * 9216 + 4 * 9216 + (72 + 4 * 72 + 8 * 72) * 4 + 16
+    assert pingpong_probe.SMEM <= ARCH_LIMITS["sm_90"].smem_per_block
