@@ -110,3 +110,19 @@ def test_pingpong_probe_compiles_for_sm_90a_with_its_mmas_in_flight():
     # the launch covers Q, K, four P^T buffers, the max, the factors, the column maxima, the flags
     assert pingpong_probe.SMEM >= 17 * 9216 + 4 * 9216 + (72 + 4 * 72 + 8 * 72) * 4 + 16
     assert pingpong_probe.SMEM <= ARCH_LIMITS["sm_90"].smem_per_block
+
+
+def test_rows_in_m_probe_compiles_for_sm_90a_with_its_mmas_in_flight():
+    """The rows-in-M probe (P from registers into PV) builds for sm_90a without spills and without
+    ptxas serializing its warpgroup MMAs, and its launch covers its layout."""
+    import rows_in_m_probe
+    cubin, log = rows_in_m_probe.compile_probe("sm_90a")
+    src = rows_in_m_probe.source()
+    assert len(cubin) > 0
+    assert "C7514" not in log and "serialized" not in log, log
+    assert "0 bytes spill stores" in log, log
+    assert "m64n32k16" in src and "m64n256k16" in src
+    # Q (64 rows), one 32-key tile, four P buffers, the max, the factors, the flags
+    assert rows_in_m_probe.SMEM >= 12 * 9216 + 4 * 4096 + (64 + 4 * 64) * 4 + 16
+    assert rows_in_m_probe.SMEM <= ARCH_LIMITS["sm_90"].smem_per_block
+
