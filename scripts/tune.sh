@@ -15,8 +15,10 @@ fi
 out=${KVTUNE_OUT:-runs}
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     dep=${KVTUNE_DEPLOYMENT:-configs/deployments/kimi-k2-h200.yaml}
-    # sized for about 8 minutes on one H200; --max-minutes stops resumably if it runs long
-    opts=(--device cuda --trials 6 --rounds 2 --remeasure-top 2 --max-minutes 7.5)
+    # the shipped sweep's settings (results/kimi-k2-h200/: every tp and batch bucket, CUDA, in
+    # 484 s of one H200); --max-minutes stops resumably if it runs long. The Triton backend is
+    # 3-6x slower there and never served: add `--backend triton cuda` to sweep it too.
+    opts=(--device cuda --backend cuda --trials 8 --rounds 1 --remeasure-top 1 --max-minutes 12)
     echo "kvtune: CUDA GPU found ($(python -c 'import torch; print(torch.cuda.get_device_name(0))')): sweeping $dep"
 else
     dep=${KVTUNE_DEPLOYMENT:-configs/deployments/cpu-tiny.yaml}
