@@ -29,11 +29,11 @@ without its softmax, and without its PV, per 32 keys per SM, with one CTA per SM
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 from pathlib import Path
 
 import torch
+from probe_harness import Kernel, compile_kernel, median_us
 from wgmma_probe import HELPERS, _wgmma_fn
 
 KERNEL = r"""
@@ -266,31 +266,15 @@ def source() -> str:
 
 
 def compile_probe(arch: str = "sm_90a") -> bytes:
-    from mma_ceiling import nvrtc_cubin
-    cubin, log = nvrtc_cubin(source(), "pingpong_probe.cu", [f"--gpu-architecture={arch}", "-std=c++17",
-                                                             "--ptxas-options=-v"])
-    print(log.strip(), flush=True)
-    return cubin
+    return compile_kernel(source(), "pingpong_probe.cu", arch)[0]
 
 
-class Probe:
+class Probe(Kernel):
     def __init__(self):
-        from cuda.bindings import driver as drv
-        from kvtune.kernels.cuda.nvrtc import _ensure_context, check_driver
-        self.drv, self.check = drv, check_driver
-        _ensure_context(torch.cuda.current_device())
-        mod = check_driver(drv.cuModuleLoadData(compile_probe()), "cuModuleLoadData")
-        self.fn = check_driver(drv.cuModuleGetFunction(mod, b"pingpong"), "pingpong")
-        check_driver(drv.cuFuncSetAttribute(
-            self.fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM), "smem")
+        super().__init__(source(), "pingpong_probe.cu", "pingpong", SMEM)
 
     def launch(self, grid, q, kv, o, lsum, m, iters, mode, scale):
-        vals = [ctypes.c_void_p(t.data_ptr()) for t in (q, kv, o, lsum, m)]
-        vals += [ctypes.c_int(iters), ctypes.c_int(mode), ctypes.c_float(scale)]
-        args = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
-        stream = self.drv.CUstream(torch.cuda.current_stream().cuda_stream)
-        self.check(self.drv.cuLaunchKernel(self.fn, grid, 1, 1, 256, 1, 1, SMEM, stream, ctypes.addressof(args), 0),
-                   "launch pingpong")
+        super().launch(grid, q, kv, o, lsum, m, iters, mode, float(scale))
 
 
 def check(pr: Probe, iters: int) -> dict:
@@ -328,16 +312,7 @@ def time_modes(pr: Probe, iters: int = 512) -> list[dict]:
     m = torch.empty(72, device="cuda")
     rows = []
     for name, mode in (("ping-pong: QK^T + softmax + PV", 0), ("no softmax", 4), ("no PV", 8), ("QK^T only", 12)):
-        ts = []
-        for rep in range(6):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            pr.launch(sms, q, kv, o, lsum, m, iters, mode, 0.06)
-            b.record()
-            b.synchronize()
-            if rep:
-                ts.append(a.elapsed_time(b) * 1e3)
-        us = sorted(ts)[len(ts) // 2]
+        us = median_us(lambda: pr.launch(sms, q, kv, o, lsum, m, iters, mode, 0.06))
         flops = 2 * 72 * 64 * (576 + (0 if mode & 8 else 512))
         rows.append({"what": name, "us_per_64_keys": us / iters, "us_per_32_keys": us / iters / 2,
                      "tflops_all_sms": flops * iters * sms / (us * 1e-6) / 1e12, "iters": iters, "ctas": sms})

@@ -32,6 +32,7 @@ import json
 from pathlib import Path
 
 import torch
+from probe_harness import Kernel, compile_kernel, median_us
 
 
 def _wgmma_fn(trans_a: int) -> str:
@@ -225,32 +226,16 @@ def source() -> str:
 
 
 def compile_probe(arch: str = "sm_90a") -> bytes:
-    from mma_ceiling import nvrtc_cubin
-    cubin, log = nvrtc_cubin(source(), "wgmma_probe.cu", [f"--gpu-architecture={arch}", "-std=c++17",
-                                                          "--ptxas-options=-v"])
-    print(log.strip(), flush=True)
-    return cubin
+    return compile_kernel(source(), "wgmma_probe.cu", arch)[0]
 
 
-class Probe:
+class Probe(Kernel):
     def __init__(self):
-        from cuda.bindings import driver as drv
-        from kvtune.kernels.cuda.nvrtc import _ensure_context, check_driver
-        self.drv, self.check = drv, check_driver
-        _ensure_context(torch.cuda.current_device())
-        mod = check_driver(drv.cuModuleLoadData(compile_probe()), "cuModuleLoadData")
-        self.fn = check_driver(drv.cuModuleGetFunction(mod, b"probe"), "probe")
-        check_driver(drv.cuFuncSetAttribute(
-            self.fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM), "smem")
+        super().__init__(source(), "wgmma_probe.cu", "probe", SMEM)
 
     def launch(self, grid, q, kv, s, p, o, iters, mode, lbo_k, sbo_k, lbo_v, sbo_v, scale):
-        vals = [ctypes.c_void_p(t.data_ptr()) for t in (q, kv, s, p, o)]
-        vals += [ctypes.c_int(iters), ctypes.c_int(mode)] + [ctypes.c_uint(v) for v in (lbo_k, sbo_k, lbo_v, sbo_v)]
-        vals += [ctypes.c_float(scale)]
-        args = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
-        stream = self.drv.CUstream(torch.cuda.current_stream().cuda_stream)
-        self.check(self.drv.cuLaunchKernel(self.fn, grid, 1, 1, 256, 1, 1, SMEM, stream, ctypes.addressof(args), 0),
-                   "launch probe")
+        super().launch(grid, q, kv, s, p, o, iters, mode, *[ctypes.c_uint(v) for v in (lbo_k, sbo_k, lbo_v, sbo_v)],
+                       float(scale))
 
 
 def check(pr: Probe, readings, mode: int = 1) -> list[dict]:
@@ -290,16 +275,7 @@ def time_modes(pr: Probe, reading, iters: int = 512) -> list[dict]:
     rows = []
     for name, mode in (("QK^T + softmax + PV", 0), ("QK^T + softmax only", 4), ("QK^T only", 12), ("PV only", 2),
                        ("QK^T + split softmax + PV", 16), ("QK^T + split softmax", 20)):
-        ts = []
-        for rep in range(6):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            pr.launch(sms, q, kv, s, p, o, iters, mode, *reading, 0.06)
-            b.record()
-            b.synchronize()
-            if rep:
-                ts.append(a.elapsed_time(b) * 1e3)
-        us = sorted(ts)[len(ts) // 2]
+        us = median_us(lambda: pr.launch(sms, q, kv, s, p, o, iters, mode, *reading, 0.06))
         flops = 2 * 72 * 64 * ((0 if mode & 2 else 576) + (0 if mode & 4 else 512))
         rows.append({"what": name, "us_per_64_keys": us / iters, "us_per_32_keys": us / iters / 2,
                      "tflops_all_sms": flops * iters * sms / (us * 1e-6) / 1e12, "iters": iters, "ctas": sms})
