@@ -17,14 +17,18 @@ probe measures the orientation that fits (FlashMLA's): query rows in M, keys in 
   (warpgroup w takes tiles w, w + 2, ...; the other's last tile's PV runs behind the own QK^T).
 
 Rows 65-72 of a 72-row CTA (H 8 x T 9) are not in this probe: the kernel would run them on a
-third warpgroup (mma.sync). It checks a few tiles with a moving max against torch, then times
-the loop per 32 keys per SM, one CTA per SM, every operand already in shared memory.
+third warpgroup (mma.sync). In two shared-memory layouts, the core-matrix one without swizzle
+(`wgmma_probe.py`'s) and the 128-byte swizzle that a cp.async gather fills without bank conflicts
+(its V descriptor's two byte offsets tried both ways, the first that matches kept), it checks a
+few tiles with a moving max against torch, then times the loop per 32 keys per SM, one CTA per
+SM, every operand already in shared memory.
 
     python scripts/rows_in_m_probe.py --out $OUT      # on an sm_90 GPU
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 from pathlib import Path
 
@@ -91,6 +95,13 @@ __device__ __forceinline__ float ex2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
+__device__ __forceinline__ u64 desc_sw(u32 addr, u32 lbo, u32 sbo) {  // 128-byte swizzle, 1024-aligned atoms
+  return desc(addr, lbo, sbo) | ((u64)1 << 62);
+}
+// byte offset of 16-byte chunk c (columns 8c..8c+7) of row r in a [rows][576] tile, 128-byte swizzle
+__device__ __forceinline__ u32 sw_off(int r, int c, int rows) {
+  return (c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) * 16);
+}
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) { return (u32)bf16_bits(lo) | ((u32)bf16_bits(hi) << 16); }
 __device__ __forceinline__ void keep128(float (&o)[128]) {
 #pragma unroll
@@ -110,8 +121,12 @@ __device__ __forceinline__ void rescale(float (&o)[128], float (&l)[2], float a0
 
 // mode bit 0: write O, l and the max (verify); bit 1: tile t's scores + 3 t (the max grows);
 // bit 2: no softmax (P as it is); bit 3: no PV
+// sw: 0 the core-matrix layout without swizzle (as wgmma_probe.py), 1 the 128-byte swizzle that a
+// cp.async gather can fill without bank conflicts (Q and K as in the WGMMA experiment of commit
+// 2a1a48e: 9 panels of 64 columns, row r's 16-byte chunk j at (j ^ r % 8) * 16); lbo_v / sbo_v: the
+// byte offsets of V's descriptor (MN-major), tried both ways by the check
 extern "C" __global__ void __launch_bounds__(256, 1) rows_in_m(const u16* q, const u16* kv, float* o_out,
-    float* l_out, float* m_out, int iters, int mode, float scale) {
+    float* l_out, float* m_out, int iters, int mode, float scale, int sw, u32 lbo_v, u32 sbo_v) {
   extern __shared__ __align__(1024) unsigned char smem[];
   unsigned char* Qs = smem;                       // 8 row blocks (64 query rows)
   unsigned char* Ks = smem + 8 * ROWBLK;          // 4 row blocks (32 keys)
@@ -123,11 +138,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) rows_in_m(const u16* q, con
   const int g = lane >> 2, t4 = lane & 3, r0 = 16 * warp + g, r1 = r0 + 8;
   for (int i = tid; i < 64 * 72; i += 256) {
     const int r = i / 72, c = i % 72;
-    *(uint4*)(Qs + (r >> 3) * ROWBLK + c * 128 + (r & 7) * 16) = ((const uint4*)q)[i];
+    *(uint4*)(Qs + (sw ? sw_off(r, c, 64) : (r >> 3) * ROWBLK + c * 128 + (r & 7) * 16)) = ((const uint4*)q)[i];
   }
   for (int i = tid; i < 32 * 72; i += 256) {
     const int r = i / 72, c = i % 72;
-    *(uint4*)(Ks + (r >> 3) * ROWBLK + c * 128 + (r & 7) * 16) = ((const uint4*)kv)[i];
+    *(uint4*)(Ks + (sw ? sw_off(r, c, 32) : (r >> 3) * ROWBLK + c * 128 + (r & 7) * 16)) = ((const uint4*)kv)[i];
   }
   for (int i = tid; i < 4 * PBUF / 16; i += 256) ((uint4*)Ps)[i] = make_uint4(0u, 0u, 0u, 0u);
   for (int i = tid; i < 64; i += 256) m_s[i] = -__int_as_float(0x7f800000);
@@ -138,7 +153,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) rows_in_m(const u16* q, con
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
   // V for this warpgroup's 256 value columns, keys 16 kk .. 16 kk + 15: MN-major, read transposed
-  auto v_desc = [&](int kk) { return desc(ks + (2 * kk) * ROWBLK + (256 * wg / 8) * 128, 9216, 128); };
+  auto v_desc = [&](int kk) {
+    return sw ? desc_sw(ks + (4 * wg) * 32 * 128 + (2 * kk) * 1024, lbo_v, sbo_v)
+              : desc(ks + (2 * kk) * ROWBLK + (256 * wg / 8) * 128, lbo_v, sbo_v);
+  };
+  // k16 step kk of Q (64 rows) and K (32 keys): panel kk / 4, +32 bytes per step inside it
+  auto q_desc = [&](int kk) { return sw ? desc_sw(qs + (kk >> 2) * 64 * 128 + (kk & 3) * 32, 16, 1024)
+                                        : desc(qs + kk * 256, 128, 9216); };
+  auto k_desc = [&](int kk) { return sw ? desc_sw(ks + (kk >> 2) * 32 * 128 + (kk & 3) * 32, 16, 1024)
+                                        : desc(ks + kk * 256, 128, 9216); };
   auto pv_smem = [&](int tile) {  // the other warpgroup's P, from shared memory
     wg_fence();
 #pragma unroll
@@ -161,7 +184,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) rows_in_m(const u16* q, con
     // S = Q K^T of tile t, all 576 columns
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < 36; ++kk) wgmma_ss_n32(s, desc(qs + kk * 256, 128, 9216), desc(ks + kk * 256, 128, 9216), kk);
+    for (int kk = 0; kk < 36; ++kk) wgmma_ss_n32(s, q_desc(kk), k_desc(kk), kk);
     wg_commit();
     if (t >= 1 && other_tile(t - 1)) {
       wg_wait1();  // S of tile t done; the other tile's PV runs on under the softmax
@@ -276,11 +299,18 @@ class Probe(Kernel):
     def __init__(self):
         super().__init__(source(), "rows_in_m_probe.cu", "rows_in_m", SMEM)
 
-    def launch(self, grid, q, kv, o, lsum, m, iters, mode, scale):
-        super().launch(grid, q, kv, o, lsum, m, iters, mode, float(scale))
+    def launch(self, grid, q, kv, o, lsum, m, iters, mode, scale, sw=0, lbo_v=9216, sbo_v=128):
+        super().launch(grid, q, kv, o, lsum, m, iters, mode, float(scale), sw, ctypes.c_uint(lbo_v),
+                       ctypes.c_uint(sbo_v))
 
 
-def check(pr: Probe, iters: int) -> dict:
+#: V's descriptor byte offsets (LBO, SBO) to try per layout: which one strides the value columns
+#: (N) and which the keys (K) of an MN-major operand; the no-swizzle pair is wgmma_probe.py's
+#: measured reading for V^T.
+V_READINGS = {0: [(9216, 128), (128, 9216)], 1: [(4096, 1024), (1024, 4096)]}
+
+
+def check(pr: Probe, iters: int, sw: int, reading) -> dict:
     """`iters` tiles of the same 32 keys, tile t's scores raised by 3 t (so the max moves, in both
     warpgroups), against torch in fp32: O / l per query row, and l at the kernel's own max."""
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -290,7 +320,7 @@ def check(pr: Probe, iters: int) -> dict:
     o = torch.full((64, 512), float("nan"), device="cuda")
     lsum = torch.zeros(64, device="cuda")
     m = torch.full((64,), float("nan"), device="cuda")
-    pr.launch(1, q, kv, o, lsum, m, iters, 3, scale)
+    pr.launch(1, q, kv, o, lsum, m, iters, 3, scale, sw, *reading)
     torch.cuda.synchronize()
     s = (q.float() @ kv.float().t()) * scale                  # [64 rows, 32 keys], log2 units
     ts = torch.arange(iters, device="cuda", dtype=torch.float32) * 3
@@ -301,12 +331,17 @@ def check(pr: Probe, iters: int) -> dict:
     o_err = ((o / lsum[:, None] - o_ref / l_ref[:, None]).norm() / (o_ref / l_ref[:, None]).norm()).item()
     l_err = ((lsum - l_ref).abs() / l_ref).max().item()
     lag = (m - logits.amax((0, 2))).abs().max().item()
-    row = {"iters": iters, "o_err": o_err, "l_err": l_err, "max_final_minus_true": lag}
+    row = {"sw": sw, "lbo_v": reading[0], "sbo_v": reading[1], "iters": iters, "o_err": o_err, "l_err": l_err,
+           "max_final_minus_true": lag}
     print(row, flush=True)
     return row
 
 
-def time_modes(pr: Probe, iters: int = 1024) -> list[dict]:
+def passed(row: dict) -> bool:
+    return row["o_err"] < 1e-2 and row["l_err"] < 1e-2   # NaN fails both
+
+
+def time_modes(pr: Probe, sw: int, reading, iters: int = 1024) -> list[dict]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     q = torch.randn(64, 576, device="cuda").bfloat16()
     kv = torch.randn(32, 576, device="cuda").bfloat16()
@@ -315,10 +350,11 @@ def time_modes(pr: Probe, iters: int = 1024) -> list[dict]:
     m = torch.empty(64, device="cuda")
     rows = []
     for name, mode in (("ping-pong: QK^T + softmax + PV", 0), ("no softmax", 4), ("no PV", 8), ("QK^T only", 12)):
-        us = median_us(lambda: pr.launch(sms, q, kv, o, lsum, m, iters, mode, 0.06))
+        us = median_us(lambda: pr.launch(sms, q, kv, o, lsum, m, iters, mode, 0.06, sw, *reading))
         flops = 2 * 64 * 32 * (576 + (0 if mode & 8 else 512))
         tflops = flops * iters * sms / (us * 1e-6) / 1e12
-        rows.append({"what": name, "us_per_32_keys": us / iters, "tflops_all_sms": tflops, "iters": iters, "ctas": sms})
+        rows.append({"sw": sw, "what": name, "us_per_32_keys": us / iters, "tflops_all_sms": tflops, "iters": iters,
+                     "ctas": sms})
     return rows
 
 
@@ -327,20 +363,29 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     pr = Probe()
-    checks = [check(pr, n) for n in (1, 2, 7, 12)]
-    ok = all(c["o_err"] < 1e-2 and c["l_err"] < 1e-2 for c in checks)
-    res = {"device": torch.cuda.get_device_name(0), "checks": checks, "timings": time_modes(pr) if ok else []}
+    res = {"device": torch.cuda.get_device_name(0), "checks": [], "timings": []}
+    for sw in (0, 1):   # each layout: the first reading of V's descriptor that matches, then all checks
+        for reading in V_READINGS[sw]:
+            first = check(pr, 2, sw, reading)
+            res["checks"].append(first)
+            if passed(first):
+                rows = [check(pr, n, sw, reading) for n in (1, 7, 12)]
+                res["checks"] += rows
+                if all(passed(r) for r in rows):
+                    res["timings"] += time_modes(pr, sw, reading)
+                break
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "rows_in_m_probe.json").write_text(json.dumps(res, indent=1))
-    if not ok:
-        print("the loop does not match torch: nothing timed")
+    if not res["timings"]:
+        print("no layout matched torch: nothing timed")
         return 1
     print(f"\nping-pong wgmma loop, query rows in M, 64 rows, 32-key tiles in shared memory, one CTA per SM "
           f"({res['device']}):")
     for r in res["timings"]:
-        print(f"  {r['what']:<32} {r['us_per_32_keys']:.3f} us per 32-key tile per SM, "
+        layout = "128-byte swizzle" if r["sw"] else "no swizzle"
+        print(f"  {layout:<16} {r['what']:<32} {r['us_per_32_keys']:.3f} us per 32-key tile per SM, "
               f"{r['tflops_all_sms']:.0f} TFLOP/s")
-    return 0
+    return 0 if len({r["sw"] for r in res["timings"]}) == 2 else 1
 
 
 if __name__ == "__main__":
