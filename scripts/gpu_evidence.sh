@@ -151,8 +151,10 @@ limits)
   echo "pingpong probe rc=$?" >> $OUT/pingpong_probe.log
   timeout ${PROBE_S:-60} python3 scripts/rows_in_m_probe.py --out $OUT > $OUT/rows_in_m_probe.log 2>&1
   echo "rows-in-M probe rc=$?" >> $OUT/rows_in_m_probe.log
+  timeout ${PROBE_S:-90} python3 scripts/stream_probe.py --out $OUT > $OUT/stream_probe.log 2>&1
+  echo "stream probe rc=$?" >> $OUT/stream_probe.log
   tail -n 8 $OUT/ceilings.log; tail -n 6 $OUT/sol_read.log; tail -n 6 $OUT/phases.log; tail -n 12 $OUT/wgmma_probe.log
-  tail -n 7 $OUT/pingpong_probe.log; tail -n 7 $OUT/rows_in_m_probe.log
+  tail -n 7 $OUT/pingpong_probe.log; tail -n 9 $OUT/rows_in_m_probe.log; tail -n 6 $OUT/stream_probe.log
   ;;
 phases)
   . scripts/device_env.sh tree

@@ -74,7 +74,8 @@ __device__ __forceinline__ void wgmma_ssv_n{n}(float (&d)[{k}], u64 da, u64 db) 
 }}"""
 
 
-KERNEL = r"""
+#: device functions shared with stream_probe.py (barriers, the swizzled layout, P packing, rescale)
+DEVICE_FNS = r"""
 #define SLACK 8.f
 #define PBUF 4096   // one tile's P: 64 rows x 32 keys bf16, K-major core matrices (8 row blocks of 512 B)
 __device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
@@ -118,7 +119,9 @@ __device__ __forceinline__ void rescale(float (&o)[128], float (&l)[2], float a0
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] *= ((i >> 1) & 1) ? a1 : a0;
 }
+"""
 
+KERNEL = DEVICE_FNS + r"""
 // mode bit 0: write O, l and the max (verify); bit 1: tile t's scores + 3 t (the max grows);
 // bit 2: no softmax (P as it is); bit 3: no PV
 // sw: 0 the core-matrix layout without swizzle (as wgmma_probe.py), 1 the 128-byte swizzle that a

@@ -3,7 +3,9 @@ edit of verify.cu or of a script is caught here rather than in a device call:
 
 - time_phases.py --variants patches copies of verify.cu at fixed anchors: each anchor must still
   occur exactly once, and each patched copy must compile;
-- wgmma_probe.py compiles for sm_90a, with the two warpgroup MMAs it was written for;
+- wgmma_probe.py compiles for sm_90a, with the two warpgroup MMAs it was written for; the later
+  probes (pingpong, rows in M, stream) compile without spills or serialized warpgroup MMAs and
+  fit their shared memory, and the stream probe's merge of split partials is one softmax;
 - bench_proxy.py's candidates for sm_120 fit sm_120's shared memory by the Python geometry
   (computed apart from the NVRTC report the script filters on), the sm_120 default among them;
 - the QK^T tilings time_tilings.py times (`backend.qk_tilings`, from which the launcher picks)
@@ -15,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("cuda.bindings.nvrtc")
 
@@ -125,4 +128,37 @@ def test_rows_in_m_probe_compiles_for_sm_90a_with_its_mmas_in_flight():
     # Q (64 rows), one 32-key tile, four P buffers, the max, the factors, the flags
     assert rows_in_m_probe.SMEM >= 12 * 9216 + 4 * 4096 + (64 + 4 * 64) * 4 + 16
     assert rows_in_m_probe.SMEM <= ARCH_LIMITS["sm_90"].smem_per_block
+
+
+def test_stream_probe_compiles_for_sm_90a_within_shared_memory():
+    """The gather-fed loop builds for sm_90a without spills or serialized warpgroup MMAs, and its
+    four 32-key buffers, 64-row Q and two P buffers fit one sm_90 block."""
+    import stream_probe
+    cubin, log = stream_probe.compile_probe("sm_90a")
+    assert len(cubin) > 0
+    assert "C7514" not in log and "serialized" not in log, log
+    assert "0 bytes spill stores" in log, log
+    assert stream_probe.SMEM >= 64 * 1152 + 4 * 32 * 1152 + 2 * 4096 + 320 * 4
+    assert stream_probe.SMEM <= ARCH_LIMITS["sm_90"].smem_per_block
+
+
+def test_stream_probe_merge_is_the_softmax_of_all_splits():
+    """The probe's check merges per-split partials (o / l, l, max in log2) in torch; on CPU tensors
+    that merge must equal one softmax over every key."""
+    import stream_probe
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(64, 16, generator=g), torch.randn(96, 16, generator=g)
+    v = torch.randn(96, 512, generator=g)
+    logits2 = q @ k.t()                       # log2 units
+    parts_o, parts_l, parts_m = [], [], []
+    for lo in (0, 32, 64):
+        s = logits2[:, lo:lo + 32]
+        m = s.amax(1)
+        p = torch.exp2(s - m[:, None])
+        parts_o.append(p @ v[lo:lo + 32] / p.sum(1)[:, None])
+        parts_l.append(p.sum(1))
+        parts_m.append(m)
+    out = stream_probe.merged(torch.stack(parts_o), torch.stack(parts_l), torch.stack(parts_m))
+    ref = torch.softmax(logits2 * 0.6931471805599453, dim=-1) @ v
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
 
