@@ -139,22 +139,21 @@ tests)
 limits)
   . scripts/device_env.sh tree
   env_log
-  timeout ${CEIL_S:-60} python3 scripts/mma_ceiling.py --out $OUT > $OUT/ceilings.log 2>&1
-  echo "ceilings rc=$?" >> $OUT/ceilings.log
-  timeout ${SOL_S:-60} python3 scripts/sol_read.py --out $OUT > $OUT/sol_read.log 2>&1
-  echo "sol rc=$?" >> $OUT/sol_read.log
-  timeout ${PHASES_S:-120} python3 scripts/time_phases.py --out $OUT > $OUT/phases.log 2>&1
-  echo "phases rc=$?" >> $OUT/phases.log
-  timeout ${PROBE_S:-60} python3 scripts/wgmma_probe.py --out $OUT > $OUT/wgmma_probe.log 2>&1
-  echo "wgmma probe rc=$?" >> $OUT/wgmma_probe.log
-  timeout ${PROBE_S:-60} python3 scripts/pingpong_probe.py --out $OUT > $OUT/pingpong_probe.log 2>&1
-  echo "pingpong probe rc=$?" >> $OUT/pingpong_probe.log
-  timeout ${PROBE_S:-60} python3 scripts/rows_in_m_probe.py --out $OUT > $OUT/rows_in_m_probe.log 2>&1
-  echo "rows-in-M probe rc=$?" >> $OUT/rows_in_m_probe.log
-  timeout ${PROBE_S:-90} python3 scripts/stream_probe.py --out $OUT > $OUT/stream_probe.log 2>&1
-  echo "stream probe rc=$?" >> $OUT/stream_probe.log
-  tail -n 8 $OUT/ceilings.log; tail -n 6 $OUT/sol_read.log; tail -n 6 $OUT/phases.log; tail -n 12 $OUT/wgmma_probe.log
-  tail -n 7 $OUT/pingpong_probe.log; tail -n 9 $OUT/rows_in_m_probe.log; tail -n 6 $OUT/stream_probe.log
+  # every output under one folder, packed into $OUT/limits.tgz: the device tool returns 8 files
+  o=/tmp/limits; mkdir -p $o
+  timeout ${CEIL_S:-60} python3 scripts/mma_ceiling.py --out $o > $o/ceilings.log 2>&1
+  echo "ceilings rc=$?" >> $o/ceilings.log
+  timeout ${SOL_S:-60} python3 scripts/sol_read.py --out $o > $o/sol_read.log 2>&1
+  echo "sol rc=$?" >> $o/sol_read.log
+  timeout ${PHASES_S:-120} python3 scripts/time_phases.py --out $o > $o/phases.log 2>&1
+  echo "phases rc=$?" >> $o/phases.log
+  for probe in wgmma_probe pingpong_probe rows_in_m_probe stream_probe; do
+    timeout ${PROBE_S:-90} python3 scripts/$probe.py --out $o > $o/$probe.log 2>&1
+    echo "$probe rc=$?" >> $o/$probe.log
+  done
+  tar czf $OUT/limits.tgz -C $o .
+  tail -n 8 $o/ceilings.log; tail -n 6 $o/sol_read.log; tail -n 6 $o/phases.log; tail -n 12 $o/wgmma_probe.log
+  tail -n 7 $o/pingpong_probe.log; tail -n 9 $o/rows_in_m_probe.log; tail -n 6 $o/stream_probe.log
   ;;
 phases)
   . scripts/device_env.sh tree

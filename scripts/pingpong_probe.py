@@ -33,10 +33,12 @@ import json
 from pathlib import Path
 
 import torch
-from probe_harness import Kernel, compile_kernel, median_us
+from probe_harness import Kernel, compile_kernel
+from probe_harness import time_modes as harness_time_modes
 from wgmma_probe import HELPERS, _wgmma_fn
 
-KERNEL = r"""
+#: the warpgroup barriers, the lazy max's slack and exp2, shared with rows_in_m_probe.py
+SYNC_FNS = r"""
 #define SLACK 8.f
 __device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 __device__ __forceinline__ void bar_sync(int id, int n) {
@@ -56,7 +58,9 @@ __device__ __forceinline__ float ex2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
-__device__ __forceinline__ void keep4(float (&o)[4][36]) {
+"""
+
+KERNEL = SYNC_FNS + r"""__device__ __forceinline__ void keep4(float (&o)[4][36]) {
 #pragma unroll
   for (int m = 0; m < 4; ++m) keep(o[m]);
 }
@@ -304,19 +308,14 @@ def check(pr: Probe, iters: int) -> dict:
 
 
 def time_modes(pr: Probe, iters: int = 512) -> list[dict]:
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     q = torch.randn(72, 576, device="cuda").bfloat16()
     kv = torch.randn(64, 576, device="cuda").bfloat16()
     o = torch.empty(512, 72, device="cuda")
     lsum = torch.zeros(72, device="cuda")
     m = torch.empty(72, device="cuda")
-    rows = []
-    for name, mode in (("ping-pong: QK^T + softmax + PV", 0), ("no softmax", 4), ("no PV", 8), ("QK^T only", 12)):
-        us = median_us(lambda: pr.launch(sms, q, kv, o, lsum, m, iters, mode, 0.06))
-        flops = 2 * 72 * 64 * (576 + (0 if mode & 8 else 512))
-        rows.append({"what": name, "us_per_64_keys": us / iters, "us_per_32_keys": us / iters / 2,
-                     "tflops_all_sms": flops * iters * sms / (us * 1e-6) / 1e12, "iters": iters, "ctas": sms})
-    return rows
+    modes = (("ping-pong: QK^T + softmax + PV", 0), ("no softmax", 4), ("no PV", 8), ("QK^T only", 12))
+    return harness_time_modes(lambda sms, mode: pr.launch(sms, q, kv, o, lsum, m, iters, mode, 0.06), modes,
+                              lambda mode: 2 * 72 * 64 * (576 + (0 if mode & 8 else 512)), iters, 64)
 
 
 def main(argv=None) -> int:

@@ -57,3 +57,17 @@ def median_us(launch, reps: int = 6) -> float:
         if rep:
             ts.append(a.elapsed_time(b) * 1e3)
     return sorted(ts)[len(ts) // 2]
+
+
+def time_modes(launch, modes, flops, iters: int, keys: int) -> list[dict]:
+    """One CTA per SM, `iters` tiles of `keys` keys each: per (name, mode) of `modes`, the median
+    time of `launch(ctas, mode)` per tile per SM (also per 32 keys) and the TFLOP/s over all SMs of
+    `flops(mode)` per tile per CTA."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for name, mode in modes:
+        us = median_us(lambda: launch(sms, mode))
+        row = {"what": name} if keys == 32 else {"what": name, f"us_per_{keys}_keys": us / iters}
+        rows.append({**row, "us_per_32_keys": us / iters * 32 / keys,
+                     "tflops_all_sms": flops(mode) * iters * sms / (us * 1e-6) / 1e12, "iters": iters, "ctas": sms})
+    return rows

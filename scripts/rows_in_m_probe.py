@@ -33,7 +33,9 @@ import json
 from pathlib import Path
 
 import torch
-from probe_harness import Kernel, compile_kernel, median_us
+from probe_harness import Kernel, compile_kernel
+from probe_harness import time_modes as harness_time_modes
+from pingpong_probe import SYNC_FNS
 from wgmma_probe import HELPERS
 
 
@@ -75,27 +77,8 @@ __device__ __forceinline__ void wgmma_ssv_n{n}(float (&d)[{k}], u64 da, u64 db) 
 
 
 #: device functions shared with stream_probe.py (barriers, the swizzled layout, P packing, rescale)
-DEVICE_FNS = r"""
-#define SLACK 8.f
+DEVICE_FNS = SYNC_FNS + r"""
 #define PBUF 4096   // one tile's P: 64 rows x 32 keys bf16, K-major core matrices (8 row blocks of 512 B)
-__device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
-__device__ __forceinline__ void bar_sync(int id, int n) {
-  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(n) : "memory");
-}
-__device__ __forceinline__ void bar_arrive(int id, int n) {
-  asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(n) : "memory");
-}
-__device__ __forceinline__ int bar_or(int id, int pred) {  // warpgroup-wide OR (128 threads)
-  int r;
-  asm volatile("{\n.reg .pred p, q;\nsetp.ne.s32 p, %2, 0;\nbar.red.or.pred q, %1, 128, p;\nselp.s32 %0, 1, 0, q;\n}\n"
-               : "=r"(r) : "r"(id), "r"(pred) : "memory");
-  return r;
-}
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 __device__ __forceinline__ u64 desc_sw(u32 addr, u32 lbo, u32 sbo) {  // 128-byte swizzle, 1024-aligned atoms
   return desc(addr, lbo, sbo) | ((u64)1 << 62);
 }
@@ -118,6 +101,61 @@ __device__ __forceinline__ void rescale(float (&o)[128], float (&l)[2], float a0
   l[1] *= a1;
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] *= ((i >> 1) & 1) ? a1 : a0;
+}
+// The softmax of one tile, lazy max: this thread's rows r0 = 16 warp + lane / 4 and r1 = r0 + 8
+// (t4 = lane % 4). S (s) is scaled to log2 units plus `bias`; a row's max moves only past SLACK,
+// and when some row's moves (one bar.red.or over the warpgroup, barrier `bar`) the maxima go to
+// m_s and the rescale factors to alpha_t, and this warpgroup's O and l are rescaled once its MMAs
+// in flight are done. P leaves as the A fragments of the own PV (a: a0 row g / k 2t, a1 row g+8,
+// a2 / a3 k 2t+8, per k16 step) and in shared memory at pt for the other warpgroup (K-major core
+// matrices: row r, keys 8j + 2 t4 .. +1 in one 4-byte store). Returns whether a max moved.
+__device__ __forceinline__ int softmax_tile(float (&s)[16], float scale, float bias, float* m_s, float* alpha_t,
+    unsigned char* pt, int bar, int r0, int r1, int t4, float (&o)[128], float (&l)[2], u32 (&a)[2][4]) {
+  float m0 = m_s[r0], m1 = m_s[r1], mx0 = -__int_as_float(0x7f800000), mx1 = mx0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    s[i] = s[i] * scale + bias;
+    if ((i >> 1) & 1) mx1 = fmaxf(mx1, s[i]); else mx0 = fmaxf(mx0, s[i]);
+  }
+  const int grew = bar_or(bar, (mx0 > m0 + SLACK) | (mx1 > m1 + SLACK));
+  if (grew) {  // each warp owns its 16 rows: the row max is a quad reduction
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float n0 = mx0 > m0 + SLACK ? mx0 : m0, n1 = mx1 > m1 + SLACK ? mx1 : m1;
+    const float a0 = n0 == m0 ? 1.f : ex2(m0 - n0), a1 = n1 == m1 ? 1.f : ex2(m1 - n1);
+    if (t4 == 0) {
+      m_s[r0] = n0;
+      m_s[r1] = n1;
+      alpha_t[r0] = a0;
+      alpha_t[r1] = a1;
+    }
+    m0 = n0;
+    m1 = n1;
+    wg_wait0();  // own O: the other tile's PV may still be accumulating into it
+    keep128(o);
+    rescale(o, l, a0, a1);
+  }
+  float p[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    p[i] = ex2(s[i] - (((i >> 1) & 1) ? m1 : m0));
+    l[(i >> 1) & 1] += p[i];
+  }
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) {
+    a[kk][0] = pack_bf16(p[8 * kk + 0], p[8 * kk + 1]);
+    a[kk][1] = pack_bf16(p[8 * kk + 2], p[8 * kk + 3]);
+    a[kk][2] = pack_bf16(p[8 * kk + 4], p[8 * kk + 5]);
+    a[kk][3] = pack_bf16(p[8 * kk + 6], p[8 * kk + 7]);
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    *(u32*)(pt + (r0 >> 3) * 512 + j * 128 + (r0 & 7) * 16 + 4 * t4) = pack_bf16(p[4 * j], p[4 * j + 1]);
+    *(u32*)(pt + (r1 >> 3) * 512 + j * 128 + (r1 & 7) * 16 + 4 * t4) = pack_bf16(p[4 * j + 2], p[4 * j + 3]);
+  }
+  return grew;
 }
 """
 
@@ -198,54 +236,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) rows_in_m(const u16* q, con
     u32 a[2][4];
     int grew = 0;
     if (!(mode & 4)) {
-      const float bias = (mode & 2) ? 3.f * t : 0.f;
-      float m0 = m_s[r0], m1 = m_s[r1], mx0 = -__int_as_float(0x7f800000), mx1 = mx0;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        s[i] = s[i] * scale + bias;
-        if ((i >> 1) & 1) mx1 = fmaxf(mx1, s[i]); else mx0 = fmaxf(mx0, s[i]);
-      }
-      grew = bar_or(1 + wg, (mx0 > m0 + SLACK) | (mx1 > m1 + SLACK));
-      if (grew) {  // each warp owns its 16 rows: the row max is a quad reduction
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float n0 = mx0 > m0 + SLACK ? mx0 : m0, n1 = mx1 > m1 + SLACK ? mx1 : m1;
-        const float a0 = n0 == m0 ? 1.f : ex2(m0 - n0), a1 = n1 == m1 ? 1.f : ex2(m1 - n1);
-        if (t4 == 0) {
-          m_s[r0] = n0;
-          m_s[r1] = n1;
-          alpha_s[(t % 4) * 64 + r0] = a0;
-          alpha_s[(t % 4) * 64 + r1] = a1;
-        }
-        m0 = n0;
-        m1 = n1;
-        wg_wait0();  // own O: the other tile's PV may still be accumulating into it
-        keep128(o);
-        rescale(o, l, a0, a1);
-      }
-      float p[16];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        p[i] = ex2(s[i] - (((i >> 1) & 1) ? m1 : m0));
-        l[(i >> 1) & 1] += p[i];
-      }
-      // A fragments of the two k16 steps (keys 16 kk ..): a0 (row g, k 2t), a1 (row g+8), a2 / a3 (k 2t+8)
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        a[kk][0] = pack_bf16(p[8 * kk + 0], p[8 * kk + 1]);
-        a[kk][1] = pack_bf16(p[8 * kk + 2], p[8 * kk + 3]);
-        a[kk][2] = pack_bf16(p[8 * kk + 4], p[8 * kk + 5]);
-        a[kk][3] = pack_bf16(p[8 * kk + 6], p[8 * kk + 7]);
-      }
-      // P for the other warpgroup: row r, keys 8j + 2 t4 .. +1 in one 4-byte store
-      unsigned char* pt = Ps + (t % 4) * PBUF;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        *(u32*)(pt + (r0 >> 3) * 512 + j * 128 + (r0 & 7) * 16 + 4 * t4) = pack_bf16(p[4 * j], p[4 * j + 1]);
-        *(u32*)(pt + (r1 >> 3) * 512 + j * 128 + (r1 & 7) * 16 + 4 * t4) = pack_bf16(p[4 * j + 2], p[4 * j + 3]);
-      }
+      grew = softmax_tile(s, scale, (mode & 2) ? 3.f * t : 0.f, m_s, alpha_s + (t % 4) * 64, Ps + (t % 4) * PBUF,
+                          1 + wg, r0, r1, t4, o, l, a);
     } else {
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk)
@@ -345,20 +337,15 @@ def passed(row: dict) -> bool:
 
 
 def time_modes(pr: Probe, sw: int, reading, iters: int = 1024) -> list[dict]:
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     q = torch.randn(64, 576, device="cuda").bfloat16()
     kv = torch.randn(32, 576, device="cuda").bfloat16()
     o = torch.empty(64, 512, device="cuda")
     lsum = torch.zeros(64, device="cuda")
     m = torch.empty(64, device="cuda")
-    rows = []
-    for name, mode in (("ping-pong: QK^T + softmax + PV", 0), ("no softmax", 4), ("no PV", 8), ("QK^T only", 12)):
-        us = median_us(lambda: pr.launch(sms, q, kv, o, lsum, m, iters, mode, 0.06, sw, *reading))
-        flops = 2 * 64 * 32 * (576 + (0 if mode & 8 else 512))
-        tflops = flops * iters * sms / (us * 1e-6) / 1e12
-        rows.append({"sw": sw, "what": name, "us_per_32_keys": us / iters, "tflops_all_sms": tflops, "iters": iters,
-                     "ctas": sms})
-    return rows
+    modes = (("ping-pong: QK^T + softmax + PV", 0), ("no softmax", 4), ("no PV", 8), ("QK^T only", 12))
+    rows = harness_time_modes(lambda sms, mode: pr.launch(sms, q, kv, o, lsum, m, iters, mode, 0.06, sw, *reading),
+                              modes, lambda mode: 2 * 64 * 32 * (576 + (0 if mode & 8 else 512)), iters, 32)
+    return [{"sw": sw, **r} for r in rows]
 
 
 def main(argv=None) -> int:

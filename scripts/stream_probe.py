@@ -123,53 +123,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) stream(const u16* q, const 
       wg_wait0();
     }
     keep16(s);
-    // the softmax, lazy max (see rows_in_m_probe.py)
-    float m0 = m_s[r0], m1 = m_s[r1], mx0 = -__int_as_float(0x7f800000), mx1 = mx0;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      s[i] *= scale;
-      if ((i >> 1) & 1) mx1 = fmaxf(mx1, s[i]); else mx0 = fmaxf(mx0, s[i]);
-    }
-    const int grew = bar_or(1 + wg, (mx0 > m0 + SLACK) | (mx1 > m1 + SLACK));
-    if (grew) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      const float n0 = mx0 > m0 + SLACK ? mx0 : m0, n1 = mx1 > m1 + SLACK ? mx1 : m1;
-      const float a0 = n0 == m0 ? 1.f : ex2(m0 - n0), a1 = n1 == m1 ? 1.f : ex2(m1 - n1);
-      if (t4 == 0) {
-        m_s[r0] = n0;
-        m_s[r1] = n1;
-        alpha_s[(t % NPB) * 64 + r0] = a0;
-        alpha_s[(t % NPB) * 64 + r1] = a1;
-      }
-      m0 = n0;
-      m1 = n1;
-      wg_wait0();
-      keep128(o);
-      rescale(o, l, a0, a1);
-    }
-    float p[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      p[i] = ex2(s[i] - (((i >> 1) & 1) ? m1 : m0));
-      l[(i >> 1) & 1] += p[i];
-    }
     u32 a[2][4];
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      a[kk][0] = pack_bf16(p[8 * kk + 0], p[8 * kk + 1]);
-      a[kk][1] = pack_bf16(p[8 * kk + 2], p[8 * kk + 3]);
-      a[kk][2] = pack_bf16(p[8 * kk + 4], p[8 * kk + 5]);
-      a[kk][3] = pack_bf16(p[8 * kk + 6], p[8 * kk + 7]);
-    }
-    unsigned char* pt = Ps + (t % NPB) * PBUF;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      *(u32*)(pt + (r0 >> 3) * 512 + j * 128 + (r0 & 7) * 16 + 4 * t4) = pack_bf16(p[4 * j], p[4 * j + 1]);
-      *(u32*)(pt + (r1 >> 3) * 512 + j * 128 + (r1 & 7) * 16 + 4 * t4) = pack_bf16(p[4 * j + 2], p[4 * j + 3]);
-    }
+    const int grew = softmax_tile(s, scale, 0.f, m_s, alpha_s + (t % NPB) * 64, Ps + (t % NPB) * PBUF, 1 + wg, r0,
+                                  r1, t4, o, l, a);
     if (wt == 0) grew_s[t % NPB] = grew;
     // every MMA this warpgroup issued is done: the other's PV of t-1 (its P buffer and key buffer
     // are free once the other warpgroup says the same of its own) and this one's PV of t-2

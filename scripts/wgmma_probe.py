@@ -32,7 +32,8 @@ import json
 from pathlib import Path
 
 import torch
-from probe_harness import Kernel, compile_kernel, median_us
+from probe_harness import Kernel, compile_kernel
+from probe_harness import time_modes as harness_time_modes
 
 
 def _wgmma_fn(trans_a: int) -> str:
@@ -266,20 +267,16 @@ def check(pr: Probe, readings, mode: int = 1) -> list[dict]:
 
 
 def time_modes(pr: Probe, reading, iters: int = 512) -> list[dict]:
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     q = torch.randn(72, 576, device="cuda").bfloat16()
     kv = torch.randn(64, 576, device="cuda").bfloat16()
     s = torch.empty(64, 72, device="cuda")
     p = torch.empty(64, 72, dtype=torch.bfloat16, device="cuda")
     o = torch.empty(512, 72, device="cuda")
-    rows = []
-    for name, mode in (("QK^T + softmax + PV", 0), ("QK^T + softmax only", 4), ("QK^T only", 12), ("PV only", 2),
-                       ("QK^T + split softmax + PV", 16), ("QK^T + split softmax", 20)):
-        us = median_us(lambda: pr.launch(sms, q, kv, s, p, o, iters, mode, *reading, 0.06))
-        flops = 2 * 72 * 64 * ((0 if mode & 2 else 576) + (0 if mode & 4 else 512))
-        rows.append({"what": name, "us_per_64_keys": us / iters, "us_per_32_keys": us / iters / 2,
-                     "tflops_all_sms": flops * iters * sms / (us * 1e-6) / 1e12, "iters": iters, "ctas": sms})
-    return rows
+    modes = (("QK^T + softmax + PV", 0), ("QK^T + softmax only", 4), ("QK^T only", 12), ("PV only", 2),
+             ("QK^T + split softmax + PV", 16), ("QK^T + split softmax", 20))
+    return harness_time_modes(lambda sms, mode: pr.launch(sms, q, kv, s, p, o, iters, mode, *reading, 0.06), modes,
+                              lambda mode: 2 * 72 * 64 * ((0 if mode & 2 else 576) + (0 if mode & 4 else 512)),
+                              iters, 64)
 
 
 def main(argv=None) -> int:
