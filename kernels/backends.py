@@ -172,6 +172,7 @@ _REGISTRY: dict[str, str] = {
     "reference": "kvtune.kernels.reference:ReferenceBackend",
     "triton": "kvtune.kernels.triton_kernel:TritonBackend",
     "cuda": "kvtune.kernels.cuda.backend:CudaBackend",
+    "wgmma": "kvtune.kernels.cuda.wgmma:WgmmaBackend",
 }
 _INSTANCES: dict[str, Backend] = {}
 

@@ -201,6 +201,7 @@ def declared(decl: Declaration):
 _PARAM_TYPES: dict[str, str] = {
     "triton": "kvtune.kernels.triton_params:TritonParams",
     "cuda": "kvtune.kernels.cuda.params:CudaParams",
+    "wgmma": "kvtune.kernels.cuda.params:WgmmaParams",
 }
 
 

@@ -2,7 +2,8 @@
 """Kernel benchmark (not a test): CUDA vs Triton vs the floor vs a gather-read speed of light.
 
 Per shape (H heads, B requests of `prefix` keys + T=9 drafts each): the CUDA backend's default,
-the Triton backend's default, optional other CUDA configs (--extra), each through the tuner's
+the Triton backend's default, the wgmma backend's default where the GPU has wgmma (and other
+NSPLIT values of it: --wgmma-nsplit), optional other CUDA configs (--extra), each through the tuner's
 measurement helper (`kvtune.tuner.measure.Measurer`: static pruning, a correctness gate against
 the fp32 oracle on fresh inputs with poisoned outputs, then cold-L2 CUDA-graph replays timed
 with CUDA events, median of 15), and:
@@ -117,12 +118,14 @@ def sol_us(n_keys: int, l2_bytes: int, sms: int) -> tuple[float, str]:
 
 def _print_table(rows: list, shapes) -> None:
     print(f"\n{'H':>3} {'B':>3} {'prefix':>7} {'floor':>7} {'SOL':>7} {'SOL%fl':>6} {'cuda':>8} {'%floor':>6} "
-          f"{'%SOL':>5} {'triton':>8} {'cu/tr':>6} {'best cuda':>9} {'%floor':>6} best config")
+          f"{'%SOL':>5} {'triton':>8} {'cu/tr':>6} {'wgmma':>8} {'%floor':>6} {'%SOL':>5} {'best':>9} {'%floor':>6} "
+          "best config")
     for H, B, prefix in shapes:
         sel = [r for r in rows if (r["H"], r["batch"], r["prefix"]) == (H, B, prefix)]
         cu = next(r for r in sel if r["backend"] == "cuda" and r["config"] == "default")
         tr = next((r for r in sel if r["backend"] == "triton"), None)
-        ok = [r for r in sel if r["backend"] == "cuda" and r["outcome"] == "ok"]
+        wg = next((r for r in sel if r["backend"] == "wgmma" and r["config"] == "default"), None)
+        ok = [r for r in sel if r["backend"] in ("cuda", "wgmma") and r["outcome"] == "ok"]
         best = min(ok, key=lambda r: r["median_us"]) if ok else None
 
         def us(r):
@@ -130,8 +133,9 @@ def _print_table(rows: list, shapes) -> None:
         fl = cu["floor_us"] or 0.0
         sp = (f"{tr['median_us'] / cu['median_us']:.2f}x" if tr and cu["outcome"] == tr["outcome"] == "ok" else "-")
         print(f"{H:>3} {B:>3} {prefix:>7} {fl:>7.2f} {cu['sol_us']:>7.2f} {cu['pct_floor_sol']:>6.1f} {us(cu):>8} "
-              f"{cu['pct_floor'] or 0:>6.1f} {cu['pct_sol'] or 0:>5.1f} {us(tr):>8} {sp:>6} {us(best):>9} "
-              f"{(best or {}).get('pct_floor') or 0:>6.1f} {best['config'] if best else '-'}")
+              f"{cu['pct_floor'] or 0:>6.1f} {cu['pct_sol'] or 0:>5.1f} {us(tr):>8} {sp:>6} {us(wg):>8} "
+              f"{(wg or {}).get('pct_floor') or 0:>6.1f} {(wg or {}).get('pct_sol') or 0:>5.1f} {us(best):>9} "
+              f"{(best or {}).get('pct_floor') or 0:>6.1f} {best['backend'] + ' ' + best['config'] if best else '-'}")
 
 
 def main(argv=None) -> int:
@@ -141,6 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("--T", type=int, default=9)
     ap.add_argument("--extra", action="append", default=[], help="other CUDA configs (k=v,k=v), at H=8")
     ap.add_argument("--no-triton", action="store_true")
+    ap.add_argument("--wgmma-nsplit", default="",
+                    help="other NSPLIT values of the wgmma backend (comma-separated), beside its default, where it runs")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="also time the CUDA default with KVTUNE_CUDA_PDL=1 (PDL launch of the merge)")
     args = ap.parse_args(argv)
@@ -170,6 +176,11 @@ def main(argv=None) -> int:
             runs.append(("triton", "default", None))
         if args.pdl_ab:
             runs.append(("cuda", "default, PDL on", base))
+        wgmma = get_backend("wgmma")
+        if wgmma.supports(torch.device("cuda")) is None:
+            runs.append(("wgmma", "default", wgmma.default_params(spec.problem("cuda")).__dict__))
+            for n in (int(v) for v in args.wgmma_nsplit.split(",") if v):
+                runs.append(("wgmma", f"NSPLIT={n}", {"NSPLIT": n}))
         if H == 8:
             for ex in args.extra:
                 runs.append(("cuda", ex, {**base, **parse_kv(ex)}))
@@ -197,7 +208,8 @@ def main(argv=None) -> int:
     meta = {"device": props.name, "sms": props.multi_processor_count, "ceilings": ceil, "torch": torch.__version__,
             "triton": triton.__version__, "timing": "graph, cold L2, median of 15", "argv": sys.argv}
     from kvtune.kernels.cuda.nvrtc import kernel_source_hash, nvrtc_version
-    meta.update(nvrtc=nvrtc_version(), cuda_source_hash=kernel_source_hash())
+    meta.update(nvrtc=nvrtc_version(), cuda_source_hash=kernel_source_hash(),
+                wgmma_source_hash=kernel_source_hash(("verify.cu", "verify_wgmma.cu")))
     write_csv(out_dir / "bench.csv", rows)  # every row has the same keys
     (out_dir / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 

@@ -69,7 +69,8 @@ kernel)
   . scripts/device_env.sh tree
   env_log
   timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs -x --timeout 120 \
-      tests/test_cuda_gpu.py tests/test_contract.py tests/test_nan_and_input_errors.py > $OUT/pytest.log 2>&1
+      tests/test_cuda_gpu.py tests/test_wgmma_gpu.py tests/test_contract.py tests/test_nan_and_input_errors.py \
+      > $OUT/pytest.log 2>&1
   echo "pytest rc=$?" >> $OUT/pytest.log; tail -n 3 $OUT/pytest.log
   [ "${SAN_S:-60}" -gt 0 ] && MEMCHECK=0 SAN_S=${SAN_S:-60} sanitize
   grep -E "rel err|rc=|ERROR SUMMARY|RACECHECK SUMMARY" $OUT/sanitizer.log 2>/dev/null | head -20

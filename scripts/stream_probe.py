@@ -260,7 +260,7 @@ def main(argv=None) -> int:
             break
     if reading is not None:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        for tiles in (1, 4, 16, 31):   # about 4k, 16k, 64k and 128k keys over one wave of CTAs
+        for tiles in (1, 2, 4, 8, 16, 31):   # about 4k to 128k keys over one wave of CTAs
             res["timings"].append(time_launch(pr, reading, sms, tiles))
             print(res["timings"][-1], flush=True)
     Path(a.out).mkdir(parents=True, exist_ok=True)

@@ -264,49 +264,55 @@ class CudaBackend(Backend):
         return self._launch(a, params)
 
     def _launch(self, a: LaunchArgs, params: CudaParams) -> None:
-        from cuda.bindings import driver as drv
-        from .nvrtc import check_driver
-        pb = a.problem
-        split_k, merge_k, geo, pdl = self._get(params, pb.T, pb.device)
-        VEC = params.VEC
-        kv = a.kv_cache
-        if kv.stride(0) % VEC or kv.data_ptr() % (2 * VEC):
-            raise ValueError(f"kv_cache: row stride {kv.stride(0)} / base address must be multiples of "
-                             f"VEC={VEC} elements for {2 * VEC}-byte loads; use a smaller VEC")
-        out = a.out
-        q = a.q
-        q_vec16 = int(q.data_ptr() % 16 == 0 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0)
-        ns = params.NSPLIT
-        items = work_items(params, pb.B)
-        n_rows = items * pb.T * pb.H   # partial rows
-        base = a.workspace.data_ptr()
-        part_o, part_lse = base, base + 2 * n_rows * pb.Dv
-        meta = part_lse + 4 * n_rows
-        st = a.split_table
-        nb = st.num_buckets if st is not None else 0
-        smk = st.max_keys.data_ptr() if st is not None else a.kv_indptr.data_ptr()
-        sv = st.nsplit.data_ptr() if st is not None else a.kv_indptr.data_ptr()
-        sa = _SplitArgs(q.data_ptr(), kv.data_ptr(), a.kv_indptr.data_ptr(), a.kv_indices.data_ptr(),
-                        a.tree_mask.data_ptr(), part_o, part_lse, meta, smk, sv,
-                        q.stride(0), q.stride(1), kv.stride(0), a.sm_scale * LOG2E,
-                        pb.H, pb.B, nb, ns, int(a.kv_indices.dtype == torch.int64), q_vec16)
-        lse = a.lse
-        ma = _MergeArgs(part_o, part_lse, out.data_ptr(), lse.data_ptr() if lse is not None else 0, meta,
-                        out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0, pb.H, pb.T)
-        stream = drv.CUstream(torch.cuda.current_stream(pb.device).cuda_stream)
-        sp = (ctypes.c_void_p * 1)(ctypes.addressof(sa))
-        mp = (ctypes.c_void_p * 1)(ctypes.addressof(ma))
-        split_shape, merge_shape = launch_shapes(params, pb.B, pb.T, pb.H)
-        check_driver(drv.cuLaunchKernel(split_k.function, *split_shape[0], *split_shape[1], geo.smem_bytes, stream,
-                                        ctypes.addressof(sp), 0),
-                     "cuLaunchKernel(verify_split)")
-        merge_grid = (*merge_shape[0], *merge_shape[1])
-        if pdl:
-            check_driver(drv.cuLaunchKernelEx(_pdl_config(merge_grid, stream), merge_k.function,
-                                              ctypes.addressof(mp), 0), "cuLaunchKernelEx(verify_merge)")
-        else:
-            check_driver(drv.cuLaunchKernel(merge_k.function, *merge_grid, 0, stream, ctypes.addressof(mp), 0),
-                         "cuLaunchKernel(verify_merge)")
+        split_k, merge_k, geo, pdl = self._get(params, a.problem.T, a.problem.device)
+        split_shape, merge_shape = launch_shapes(params, a.problem.B, a.problem.T, a.problem.H)
+        launch_split_merge(a, params.VEC, params.NSPLIT, work_items(params, a.problem.B), split_k, split_shape,
+                           geo.smem_bytes, merge_k, merge_shape, pdl)
+
+
+def launch_split_merge(a: LaunchArgs, vec: int, nsplit: int, items: int, split_k, split_shape, smem: int, merge_k,
+                       merge_shape, pdl: bool) -> None:
+    """Launch a split kernel taking verify.cu's SplitArgs (`split_shape`: (grid, block), `smem`
+    bytes of dynamic shared memory, `vec`-element key loads, `items` work items per row group)
+    and the merge kernel on torch's current stream: no allocation, no host sync."""
+    from cuda.bindings import driver as drv
+    from .nvrtc import check_driver
+    pb = a.problem
+    kv = a.kv_cache
+    if kv.stride(0) % vec or kv.data_ptr() % (2 * vec):
+        raise ValueError(f"kv_cache: row stride {kv.stride(0)} / base address must be multiples of "
+                         f"VEC={vec} elements for {2 * vec}-byte loads; use a smaller VEC")
+    out = a.out
+    q = a.q
+    q_vec16 = int(q.data_ptr() % 16 == 0 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0)
+    n_rows = items * pb.T * pb.H   # partial rows
+    base = a.workspace.data_ptr()
+    part_o, part_lse = base, base + 2 * n_rows * pb.Dv
+    meta = part_lse + 4 * n_rows
+    st = a.split_table
+    nb = st.num_buckets if st is not None else 0
+    smk = st.max_keys.data_ptr() if st is not None else a.kv_indptr.data_ptr()
+    sv = st.nsplit.data_ptr() if st is not None else a.kv_indptr.data_ptr()
+    sa = _SplitArgs(q.data_ptr(), kv.data_ptr(), a.kv_indptr.data_ptr(), a.kv_indices.data_ptr(),
+                    a.tree_mask.data_ptr(), part_o, part_lse, meta, smk, sv,
+                    q.stride(0), q.stride(1), kv.stride(0), a.sm_scale * LOG2E,
+                    pb.H, pb.B, nb, nsplit, int(a.kv_indices.dtype == torch.int64), q_vec16)
+    lse = a.lse
+    ma = _MergeArgs(part_o, part_lse, out.data_ptr(), lse.data_ptr() if lse is not None else 0, meta,
+                    out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0, pb.H, pb.T)
+    stream = drv.CUstream(torch.cuda.current_stream(pb.device).cuda_stream)
+    sp = (ctypes.c_void_p * 1)(ctypes.addressof(sa))
+    mp = (ctypes.c_void_p * 1)(ctypes.addressof(ma))
+    check_driver(drv.cuLaunchKernel(split_k.function, *split_shape[0], *split_shape[1], smem, stream,
+                                    ctypes.addressof(sp), 0),
+                 "cuLaunchKernel(verify_split)")
+    merge_grid = (*merge_shape[0], *merge_shape[1])
+    if pdl:
+        check_driver(drv.cuLaunchKernelEx(_pdl_config(merge_grid, stream), merge_k.function,
+                                          ctypes.addressof(mp), 0), "cuLaunchKernelEx(verify_merge)")
+    else:
+        check_driver(drv.cuLaunchKernel(merge_k.function, *merge_grid, 0, stream, ctypes.addressof(mp), 0),
+                     "cuLaunchKernel(verify_merge)")
 
 
 def _pdl_config(grid: tuple, stream):

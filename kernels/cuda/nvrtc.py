@@ -22,6 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 SOURCE_PATH = Path(__file__).with_name("verify.cu")
+#: sources a module may be built from, compiled as one text in this order (verify_wgmma.cu uses
+#: verify.cu's arguments, schedule and merge kernel, so it always comes after it)
+SOURCE_PARTS = ("verify.cu", "verify_wgmma.cu")
 NAMESPACE = "kvtune"
 
 
@@ -66,11 +69,19 @@ _source_lock = threading.Lock()
 _source_cache: dict[str, str] = {}
 
 
-def kernel_source() -> str:
+def kernel_source(parts: tuple[str, ...] = ("verify.cu",)) -> str:
+    """The text compiled for a module built from `parts` (names in SOURCE_PARTS, verify.cu first)."""
+    if not parts or parts[0] != "verify.cu" or any(p not in SOURCE_PARTS for p in parts):
+        raise ValueError(f"parts: expected verify.cu first, then names from {SOURCE_PARTS}; got {parts}")
     with _source_lock:
         if "src" not in _source_cache:
             _source_cache["src"] = SOURCE_PATH.read_text()
-        return _source_cache["src"]
+        texts = [_source_cache["src"]]
+        for name in parts[1:]:
+            if name not in _source_cache:
+                _source_cache[name] = SOURCE_PATH.with_name(name).read_text()
+            texts.append(_source_cache[name])
+        return "\n".join(texts)
 
 
 @contextmanager
@@ -92,9 +103,10 @@ def source_override(text: str):
                 _source_cache["src"] = old
 
 
-def kernel_source_hash() -> str:
-    """sha256 (first 16 hex digits) of the CUDA source: provenance for exported configs."""
-    return hashlib.sha256(kernel_source().encode()).hexdigest()[:16]
+def kernel_source_hash(parts: tuple[str, ...] = ("verify.cu",)) -> str:
+    """sha256 (first 16 hex digits) of the CUDA source built from `parts`: provenance for
+    exported configs (verify.cu alone is the cuda backend's)."""
+    return hashlib.sha256(kernel_source(parts).encode()).hexdigest()[:16]
 
 
 def _nvrtc():
@@ -195,9 +207,10 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-def _compile_uncached(name_exprs: list[str], arch: str, extra_options: list[str]) -> CompiledModule:
+def _compile_uncached(name_exprs: list[str], arch: str, extra_options: list[str],
+                      parts: tuple[str, ...] = ("verify.cu",)) -> CompiledModule:
     nvrtc = _nvrtc()
-    src = kernel_source().encode()
+    src = kernel_source(parts).encode()
     prog = _check_nvrtc(nvrtc.nvrtcCreateProgram(src, b"verify.cu", 0, [], []), "nvrtcCreateProgram")
     try:
         for e in name_exprs:
@@ -228,15 +241,16 @@ _mem_cache: dict[str, CompiledModule] = {}
 _mem_lock = threading.Lock()
 
 
-def compile_module(name: str, name_exprs: list[str], arch: str, extra_options: list[str] = ()) -> CompiledModule:
+def compile_module(name: str, name_exprs: list[str], arch: str, extra_options: list[str] = (),
+                   parts: tuple[str, ...] = ("verify.cu",)) -> CompiledModule:
     """Compile (or fetch from cache) the CUBIN holding `name_exprs` for `arch` ("sm_90").
 
-    `name` must identify every template value; the arch, NVRTC version and source hash are
-    appended here. Raises NvrtcError with the log on a compile error.
+    `name` must identify every template value; the arch, NVRTC version and source hash (of
+    the text built from `parts`) are appended here. Raises NvrtcError with the log on a compile error.
     """
     if not re.fullmatch(r"sm_\d+[a-z]?", arch):
         raise ValueError(f"arch: expected 'sm_XX' (e.g. sm_90, sm_120), got {arch!r}")
-    full = f"{name}_{arch}_nvrtc{nvrtc_version()}_{kernel_source_hash()}"
+    full = f"{name}_{arch}_nvrtc{nvrtc_version()}_{kernel_source_hash(parts)}"
     if extra_options:   # -lineinfo / -G builds must not share a CUBIN with the plain one
         full += "_opt" + hashlib.sha256(" ".join(extra_options).encode()).hexdigest()[:8]
     with _mem_lock:
@@ -258,11 +272,11 @@ def compile_module(name: str, name_exprs: list[str], arch: str, extra_options: l
             except (OSError, ValueError, KeyError, TypeError):
                 mod = None  # a damaged entry is rebuilt
         if mod is None:
-            mod = _compile_uncached(list(name_exprs), arch, list(extra_options))
+            mod = _compile_uncached(list(name_exprs), arch, list(extra_options), parts)
             mod.name = full
             _atomic_write(cubin_path, mod.cubin)
             meta = {"name_exprs": list(name_exprs), "lowered": mod.lowered, "arch": arch,
-                    "nvrtc": nvrtc_version(), "source_hash": kernel_source_hash(),
+                    "nvrtc": nvrtc_version(), "source_hash": kernel_source_hash(parts),
                     "resources": {k: asdict(v) for k, v in mod.resources.items()}, "log": mod.log}
             _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
     with _mem_lock:

@@ -1,4 +1,4 @@
-"""The CUDA kernel's parameters (`verify.cu`), declared once: legal values, the rules that
+"""The CUDA kernels' parameters (`verify.cu`, and `verify_wgmma.cu` for sm_90a), declared once: legal values, the rules that
 mirror the kernel's static_asserts, and the per-arch limits a config is judged against.
 Imports neither torch nor the NVRTC bindings."""
 from __future__ import annotations
@@ -39,6 +39,23 @@ class CudaParams:
     @property
     def threads(self) -> int:
         return self.NUM_WARPS * 32
+
+
+WGMMA_PARAMS = Declaration("WgmmaParams", [
+    Param("NSPLIT", range(1, 1025), 66,
+          "key-range splits per 64-row block across the batch (a launch-time value), cut as the cuda "
+          "backend's NSPLIT is (32-key tiles); one CTA per SM, so NSPLIT x ceil(H x T / 64) near the SM count "
+          "is one wave", launch=True),
+], rules=[
+    ("draft_tokens", "T", "1 <= T <= 64", "the wgmma kernel supports 1..64 draft tokens (one int64 mask per row)"),
+])
+
+
+@declared(WGMMA_PARAMS)
+class WgmmaParams:
+    """Parameters of the wgmma kernel (`verify_wgmma.cu`, sm_90a): its block shape is fixed
+    (64 query rows, 32-key tiles, 4 key buffers, 2 warpgroups) by the 227 KB it fills; fields,
+    legal values, defaults and meanings: `WGMMA_PARAMS`."""
 
 
 @dataclass(frozen=True)

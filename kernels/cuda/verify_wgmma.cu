@@ -1,0 +1,415 @@
+// MLA verify attention, split-K, with wgmma (sm_90a only: H100 / H200). Compiled appended to
+// verify.cu: it takes the same SplitArgs, the same key-balanced schedule (find_work) and writes
+// the same partials, which verify.cu's merge kernel combines.
+//
+// One CTA: 64 query rows (rows r = head * T + t of one request, 64 per row block: H*T rows take
+// ceil(H*T / 64) row blocks, blockIdx.x) against one work item's keys (blockIdx.y), in 32-key
+// tiles gathered through the index list by cp.async into the 128-byte-swizzled layout wgmma
+// reads. Two warpgroups play ping-pong (scripts/stream_probe.py measured this loop):
+// - warpgroup w owns tiles w, w + 2, ...: it gathers them (tile t + 2 as soon as S of tile t is
+//   done and tile t-2's buffer is free), runs S = Q K^T (36 wgmma m64n32k16, both operands in shared memory), the
+//   softmax in registers (a row's 32 keys sit in one quad: no shared memory), and P V on its 256
+//   value columns with P from registers; it publishes P (4 KB) for the other warpgroup, which
+//   runs P V of the same tile on its own 256 columns behind its next QK^T;
+// - a lazy row max: it moves only past RESCALE_SLACK (log2 units); one bar.red.or per tile tells
+//   the warpgroup whether any row moved, and only then are the maxima and factors shared and O
+//   rescaled;
+// - softmax steps run in tile order (each waits for the other warpgroup's publication of the
+//   previous tile), so both warpgroups see the same running max.
+// Shared memory: Q 72 KB + four 36 KB key buffers + two P buffers: 225 KB, one CTA per SM.
+// Register use is near the cap (o: 128 fp32 per thread for 64 rows x 256 columns).
+
+namespace kvtune {
+namespace wg {
+
+constexpr int ROWS = 64;                        // query rows per CTA: wgmma's M
+constexpr int BN = 32;                          // keys per tile
+constexpr int NBUF = 4;                         // key buffers: t-1 (the other's PV), t, t+1, t+2 (loading)
+constexpr int NPB = 2;                          // P buffers: publishing t+1 frees t-1's
+constexpr int CHUNKS = DK / 8;                  // 16-byte chunks per row: 72
+constexpr int KBUF = BN * DK * 2;               // 36864 bytes per key tile
+constexpr int PBUF = ROWS * BN * 2;             // 4096 bytes per tile's P
+constexpr int K_OFF = ROWS * DK * 2;            // after Q (73728)
+constexpr int P_OFF = K_OFF + NBUF * KBUF;
+constexpr int M_OFF = P_OFF + NPB * PBUF;       // float [ROWS]: running max, log2 units
+constexpr int ALPHA_OFF = M_OFF + ROWS * 4;     // float [NPB][ROWS]: the tile's rescale factors
+constexpr int L_OFF = ALPHA_OFF + NPB * ROWS * 4;  // float [2][ROWS]: each warpgroup's l
+constexpr int GREW_OFF = L_OFF + 2 * ROWS * 4;  // int [NPB]: the tile moved some row's max
+constexpr int WORK_OFF = GREW_OFF + NPB * 4;    // int [3]: the work item (b, split, chunk)
+constexpr int SMEM_BYTES = WORK_OFF + 16;
+static_assert(K_OFF % 1024 == 0 && KBUF % 1024 == 0, "128-byte swizzle atoms are 1024-byte aligned");
+static_assert(SMEM_BYTES <= 227 * 1024, "over sm_90's shared memory per block");
+
+// wgmma matrix descriptor: start address, leading / stride byte offsets (no swizzle, base 0)
+__device__ __forceinline__ u64 desc(u32 addr, u32 lbo, u32 sbo) {
+  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo >> 4) & 0x3FFF) << 16) | ((u64)((sbo >> 4) & 0x3FFF) << 32);
+}
+__device__ __forceinline__ u64 desc_sw(u32 addr, u32 lbo, u32 sbo) {  // 128-byte swizzle
+  return desc(addr, lbo, sbo) | ((u64)1 << 62);
+}
+// Byte offset of 16-byte chunk c (columns 8c .. 8c+7) of row r in a [rows][576] operand, 128-byte
+// swizzle: 9 panels of 64 columns, each rows x 128 bytes; chunk c of row r lands at
+// ((c % 8) ^ (r % 8)) * 16, so 8 rows' copies of one chunk hit 8 different bank groups.
+__device__ __forceinline__ u32 sw_off(int r, int c, int rows) {
+  return (c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) * 16);
+}
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
+// generic-proxy writes (cp.async, st.shared) made visible to wgmma's async proxy
+__device__ __forceinline__ void async_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void bar_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ int bar_or(int id, int pred) {  // warpgroup-wide OR (128 threads)
+  int r;
+  asm volatile("{\n.reg .pred p, q;\nsetp.ne.s32 p, %2, 0;\nbar.red.or.pred q, %1, 128, p;\nselp.s32 %0, 1, 0, q;\n}\n"
+               : "=r"(r) : "r"(id), "r"(pred) : "memory");
+  return r;
+}
+// The accumulators stay in registers across wgmma's asynchronous writes: these empty asm
+// statements keep the compiler from moving their reads above a wait.
+__device__ __forceinline__ void keep128(float (&o)[128]) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(o[i])::"memory");
+}
+__device__ __forceinline__ void keep16(float (&s)[16]) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) asm volatile("" : "+f"(s[i])::"memory");
+}
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+  return (u32)bf16_bits(lo) | ((u32)bf16_bits(hi) << 16);
+}
+
+// wgmma with the accumulators in registers (m64 nN k16, bf16 in, fp32 out)
+__device__ __forceinline__ void mma_ss_n32(float (&d)[16], u64 da, u64 db, int acc) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+               : "l"(da), "l"(db), "r"(acc));
+}
+// O += P V: P from registers (the A fragments of the own softmax), V transposed (MN-major)
+__device__ __forceinline__ void mma_rs_n256(float (&d)[128], const u32 (&a)[4], u64 db) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+// O += P V: P from shared memory (the other warpgroup's), V transposed (MN-major)
+__device__ __forceinline__ void mma_ss_pv_n256(float (&d)[128], u64 da, u64 db) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 1;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+               : "l"(da), "l"(db), "r"(1));
+}
+
+// Accumulator element i of m64nN (this thread): row 16 warp + lane / 4 + 8 ((i >> 1) & 1),
+// column 8 (i >> 2) + 2 (lane % 4) + (i & 1).
+__device__ __forceinline__ void rescale(float (&o)[128], float (&l)[2], float a0, float a1) {
+  l[0] *= a0;
+  l[1] *= a1;
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] *= ((i >> 1) & 1) ? a1 : a0;
+}
+
+// The softmax of one tile (S already scaled to log2 units and masked to -inf), lazy max, for
+// this thread's rows r0 = 16 warp + lane / 4 and r1 = r0 + 8. When some row's max moves (one
+// bar.red.or over the warpgroup, barrier `bar`), the maxima go to m_s and the factors to alpha_t
+// and this warpgroup's O and l are rescaled once its MMAs in flight are done. P leaves as the A
+// fragments of the own PV (a[kk]: rows g / g+8, keys 16 kk + 2 t4 .. and + 8) and in shared
+// memory at pt for the other warpgroup (K-major core matrices). Returns whether a max moved.
+__device__ __forceinline__ int softmax_tile(float (&s)[16], float* m_s, float* alpha_t, unsigned char* pt, int bar,
+                                            int r0, int r1, int t4, float (&o)[128], float (&l)[2], u32 (&a)[2][4]) {
+  const float NEG_INF = -__int_as_float(0x7f800000);
+  float m0 = m_s[r0], m1 = m_s[r1], mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    if ((i >> 1) & 1) mx1 = fmaxf(mx1, s[i]); else mx0 = fmaxf(mx0, s[i]);
+  }
+  // false while both are -inf: a row that saw nothing yet keeps m = -inf
+  const int grew = bar_or(bar, (mx0 > m0 + RESCALE_SLACK) | (mx1 > m1 + RESCALE_SLACK));
+  if (grew) {  // each warp owns its 16 rows: a row max is a quad reduction
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float n0 = mx0 > m0 + RESCALE_SLACK ? mx0 : m0, n1 = mx1 > m1 + RESCALE_SLACK ? mx1 : m1;
+    const float a0 = n0 == m0 ? 1.f : fast_exp2(m0 - n0), a1 = n1 == m1 ? 1.f : fast_exp2(m1 - n1);
+    if (t4 == 0) {
+      m_s[r0] = n0;
+      m_s[r1] = n1;
+      alpha_t[r0] = a0;
+      alpha_t[r1] = a1;
+    }
+    m0 = n0;
+    m1 = n1;
+    wait0();  // own O: the other tile's PV may still be accumulating into it
+    keep128(o);
+    rescale(o, l, a0, a1);
+  }
+  const float z0 = m0 == NEG_INF ? 0.f : m0, z1 = m1 == NEG_INF ? 0.f : m1;  // masked keys: ex2(-inf) = 0
+  float p[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    p[i] = fast_exp2(s[i] - (((i >> 1) & 1) ? z1 : z0));
+    l[(i >> 1) & 1] += p[i];
+  }
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) {
+    a[kk][0] = pack_bf16(p[8 * kk + 0], p[8 * kk + 1]);
+    a[kk][1] = pack_bf16(p[8 * kk + 2], p[8 * kk + 3]);
+    a[kk][2] = pack_bf16(p[8 * kk + 4], p[8 * kk + 5]);
+    a[kk][3] = pack_bf16(p[8 * kk + 6], p[8 * kk + 7]);
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    *(u32*)(pt + (r0 >> 3) * 512 + j * 128 + (r0 & 7) * 16 + 4 * t4) = pack_bf16(p[4 * j], p[4 * j + 1]);
+    *(u32*)(pt + (r1 >> 3) * 512 + j * 128 + (r1 & 7) * 16 + 4 * t4) = pack_bf16(p[4 * j + 2], p[4 * j + 3]);
+  }
+  return grew;
+}
+
+// A NaN in a draft key's V must not reach the rows that may not see that key (their p is 0, and
+// 0 * NaN = NaN): zero the NaN values of V in rows k_lo .. k_hi-1 of a key buffer, after QK^T
+// read them (a row that sees the key has a NaN score already) and before any PV.
+__device__ __forceinline__ void scrub_nan_v(unsigned char* kbuf, int k_lo, int k_hi, int wt) {
+  constexpr int PIECES = DV / 8;
+  for (int c = wt; c < (k_hi - k_lo) * PIECES; c += 128) {
+    const int k = k_lo + c / PIECES;
+    uint4* piece = reinterpret_cast<uint4*>(kbuf + sw_off(k, c % PIECES, BN));
+    const uint4 v = *piece;
+    u32 w[4] = {v.x, v.y, v.z, v.w};
+    bool nan = false;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const u32 sh = 16 * (e & 1);
+      if (((w[e >> 1] >> sh) & 0x7fffu) > 0x7f80u) {
+        w[e >> 1] &= ~(0xffffu << sh);
+        nan = true;
+      }
+    }
+    if (nan) *piece = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+}  // namespace wg
+
+// grid (ceil(H * T / 64), NSPLIT + B): x the row block, y the work item; block 256 (two
+// warpgroups); dynamic smem wg::SMEM_BYTES.
+template <int T>
+__global__ void __launch_bounds__(256, 1) verify_wgmma_kernel(const SplitArgs a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace wg;
+  const float NEG_INF = -__int_as_float(0x7f800000);
+  static_assert(T >= 1 && T <= 64, "T in [1, 64]: the tree mask is one int64 per row");
+  extern __shared__ __align__(1024) unsigned char smem[];
+  {  // the launcher sizes dynamic smem from a Python mirror; the swizzle needs 1024-byte atoms
+    u32 dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dyn));
+    if (dyn < (u32)SMEM_BYTES || (smem_u32(smem) & 1023u)) __trap();
+  }
+  unsigned char* Qs = smem;
+  unsigned char* Ks = smem + K_OFF;
+  unsigned char* Ps = smem + P_OFF;
+  float* m_s = reinterpret_cast<float*>(smem + M_OFF);
+  float* alpha_s = reinterpret_cast<float*>(smem + ALPHA_OFF);
+  float* l_s = reinterpret_cast<float*>(smem + L_OFF);
+  int* grew_s = reinterpret_cast<int*>(smem + GREW_OFF);
+  int* work_s = reinterpret_cast<int*>(smem + WORK_OFF);
+  const int tid = threadIdx.x, wgi = tid >> 7, wt = tid & 127, warp = wt >> 5, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3, r0 = 16 * warp + g, r1 = r0 + 8;
+  const int mb = blockIdx.x, item = blockIdx.y;
+  pdl_launch_dependents();  // the merge waits for this whole grid before it reads anything
+
+  if (tid < 32) {
+    const Work w = find_work<BN>(a, item, item == 0 && mb == 0);
+    if (lane == 0) {
+      work_s[0] = w.b;
+      work_s[1] = w.split;
+      work_s[2] = w.chunk;
+    }
+  }
+  __syncthreads();
+  const int b = work_s[0];
+  if (b < 0) return;  // past the batch's last item: the merge never reads it
+  const int split = work_s[1], chunk = work_s[2];
+  const int kv_start = a.indptr[b];
+  const int L = a.indptr[b + 1] - kv_start;
+  const int P = L - T;  // prefix keys; draft key d sits at P + d
+  const int lo = split * chunk, hi = min(lo + chunk, L);
+  const int n_tiles = (hi - lo + BN - 1) / BN;
+  const int HT = a.H * T;
+  const u32 qs = smem_u32(Qs), ks = smem_u32(Ks), ps = smem_u32(Ps);
+
+  // -- Q: rows mb * 64 .. of this request (row r: head r / T, draft token r % T), zero past H * T
+  if (a.q_vec16) {
+    for (int i = tid; i < ROWS * CHUNKS; i += 256) {
+      const int r = i / CHUNKS, c = i % CHUNKS, rg = mb * ROWS + r;
+      const bool ok = rg < HT;
+      const u16* src = ok ? a.q + (i64)(b * T + rg % T) * a.q_stride_m + (i64)(rg / T) * a.q_stride_h + c * 8 : a.q;
+      cp_async<16>(qs + sw_off(r, c, ROWS), src, ok ? 16 : 0);
+    }
+  } else {
+    for (int i = tid; i < ROWS * DK; i += 256) {
+      const int r = i / DK, col = i % DK, rg = mb * ROWS + r;
+      *reinterpret_cast<u16*>(Qs + sw_off(r, col >> 3, ROWS) + (col & 7) * 2) =
+          rg < HT ? a.q[(i64)(b * T + rg % T) * a.q_stride_m + (i64)(rg / T) * a.q_stride_h + col] : (u16)0;
+    }
+  }
+  cp_async_commit();
+
+  // -- key tiles: this thread copies key row wt / 4 of its warpgroup's tiles, chunks wt % 4 + 4 k
+  const int crow = wt >> 2, csub = wt & 3;
+  // A slot is loaded two tiles before its copy is issued, as a raw 32-bit word (the low word of an
+  // int64 index, as verify.cu reads it): converting it at the load would wait for the load there.
+  const int* idx32 = reinterpret_cast<const int*>(a.indices);
+  const int idx_shift = a.indices_64 ? 1 : 0;
+  auto slot_of = [&](int t) -> u32 {  // ~0u: past the split (the row is zero-filled)
+    const int n = lo + BN * t + crow;
+    if (t >= n_tiles || n >= hi) return ~0u;
+    return (u32)idx32[(i64)(kv_start + n) << idx_shift];
+  };
+  auto issue_tile = [&](int t, u32 slot) {
+    const bool ok = slot != ~0u;
+    const u16* src = ok ? a.kv + (i64)slot * a.kv_stride : a.kv;
+    const int bytes = ok ? 16 : 0;
+    const u32 dst = ks + (t % NBUF) * KBUF;
+#pragma unroll
+    for (int k = 0; k < CHUNKS / 4; ++k) {
+      const int c = csub + 4 * k;
+      cp_async<16>(dst + sw_off(crow, c, BN), src + c * 8, bytes);
+    }
+    cp_async_commit();
+  };
+  if (wgi < n_tiles) issue_tile(wgi, slot_of(wgi));
+  u32 slot_next = slot_of(wgi + 2);
+  for (int i = tid; i < ROWS; i += 256) m_s[i] = NEG_INF;
+  // this thread's rows: their partial rows (-1 past H * T) and tree-mask bits
+  const int rg0 = mb * ROWS + r0, rg1 = mb * ROWS + r1;
+  const u64 bits0 = rg0 < HT ? (u64)a.tree_mask[b * T + rg0 % T] : 0ull;
+  const u64 bits1 = rg1 < HT ? (u64)a.tree_mask[b * T + rg1 % T] : 0ull;
+  cp_async_wait<0>();  // Q and this warpgroup's first tile
+  async_fence();
+  __syncthreads();  // Q, m_s and the first tiles visible to both warpgroups
+
+  float o[128], l[2] = {0.f, 0.f}, s[16];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  // V for this warpgroup's 256 value columns (panels 4 wgi ..), keys 16 kk ..: MN-major
+  auto v_desc = [&](int t, int kk) {
+    return desc_sw(ks + (t % NBUF) * KBUF + (4 * wgi) * (BN * 128) + (2 * kk) * 1024, 4096, 1024);
+  };
+  auto other_tile = [&](int tile) {  // published: its P, max and factors; then its PV on these columns
+    bar_sync(3 + tile % NPB, 256);
+    if (grew_s[tile % NPB]) {
+      wait0();
+      keep128(o);
+      rescale(o, l, alpha_s[(tile % NPB) * ROWS + r0], alpha_s[(tile % NPB) * ROWS + r1]);
+    }
+    fence();
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk)
+      mma_ss_pv_n256(o, desc(ps + (tile % NPB) * PBUF + kk * 256, 128, 512), v_desc(tile, kk));
+    commit();
+  };
+  int t = wgi;
+  for (; t < n_tiles; t += 2) {
+    // tile t's keys have landed: this thread's copies, then the warpgroup's
+    cp_async_wait<0>();
+    async_fence();
+    bar_sync(1 + wgi, 128);
+    fence();
+    const u32 kb = ks + (t % NBUF) * KBUF;
+#pragma unroll
+    for (int kk = 0; kk < 36; ++kk)
+      mma_ss_n32(s, desc_sw(qs + (kk >> 2) * ROWS * 128 + (kk & 3) * 32, 16, 1024),
+                 desc_sw(kb + (kk >> 2) * BN * 128 + (kk & 3) * 32, 16, 1024), kk);
+    commit();
+    if (t >= 1) {
+      other_tile(t - 1);
+      wait1();  // S of tile t done; the other tile's PV runs on under the softmax
+    } else {
+      wait0();
+    }
+    keep16(s);
+    // tile t+2 into the buffer of t-2, as early as it is free: its last readers were this
+    // warpgroup's PV of t-2 (done: committed before S of t) and the other's (done before it
+    // published t-1, which other_tile waited for)
+    if (t + 2 < n_tiles) issue_tile(t + 2, slot_next);
+    slot_next = slot_of(t + 4);
+    const int k0 = lo + BN * t;
+    {  // draft keys in this tile: NaNs out of their V (uniform over the warpgroup)
+      const int d_lo = max(k0, P), d_hi = min(k0 + BN, hi);
+      if (d_lo < d_hi) {
+        scrub_nan_v(Ks + (t % NBUF) * KBUF, d_lo - k0, d_hi - k0, wt);
+        async_fence();
+        bar_sync(1 + wgi, 128);
+      }
+    }
+    // scale to log2 units; -inf for keys past the split and draft keys the row may not see
+    const bool all_visible = k0 + BN <= min(hi, P);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int n = k0 + 8 * (i >> 2) + 2 * t4 + (i & 1), d = n - P;
+      const u64 bits = ((i >> 1) & 1) ? bits1 : bits0;
+      // bitwise, not short-circuit: fewer branches
+      const bool vis = all_visible | ((n < hi) & ((d < 0) | (bool)((bits >> (d & 63)) & 1ull)));
+      s[i] = vis ? s[i] * a.qk_scale : NEG_INF;
+    }
+    u32 pa[2][4];
+    const int grew = softmax_tile(s, m_s, alpha_s + (t % NPB) * ROWS, Ps + (t % NPB) * PBUF, 1 + wgi, r0, r1, t4, o,
+                                  l, pa);
+    if (wt == 0) grew_s[t % NPB] = grew;
+    // every MMA this warpgroup issued is done, the other's PV of t-1 included: the other
+    // warpgroup may reuse t-1's P buffer and key buffer once this one publishes t
+    wait0();
+    keep128(o);
+    async_fence();
+    bar_arrive(3 + t % NPB, 256);
+    fence();
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) mma_rs_n256(o, pa[kk], v_desc(t, kk));
+    commit();
+  }
+  if (t - 1 < n_tiles) other_tile(t - 1);  // the other warpgroup's last tile
+  wait0();
+  keep128(o);
+
+  // -- l of both warpgroups (each summed its own tiles' keys; both rescaled by every move)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float v = l[h];
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    if (t4 == 0) l_s[wgi * ROWS + (h ? r1 : r0)] = v;
+  }
+  __syncthreads();
+  const float l0 = l_s[r0] + l_s[ROWS + r0], l1 = l_s[r1] + l_s[ROWS + r1];
+  const float i0 = l0 == 0.f ? 0.f : 1.f / l0, i1 = l1 == 0.f ? 0.f : 1.f / l1;  // NaN stays NaN
+  // partial row of row rg: ((item * T + t) * H + head)
+  const i64 pr0 = rg0 < HT ? ((i64)item * T + rg0 % T) * a.H + rg0 / T : -1;
+  const i64 pr1 = rg1 < HT ? ((i64)item * T + rg1 % T) * a.H + rg1 / T : -1;
+  if (wgi == 0 && t4 == 0) {  // l = 0: the row saw no key here; a NaN l (a NaN was read) stays NaN
+    if (pr0 >= 0) a.part_lse[pr0] = l0 == 0.f ? NEG_INF : (m_s[r0] + __log2f(l0)) * LN2;
+    if (pr1 >= 0) a.part_lse[pr1] = l1 == 0.f ? NEG_INF : (m_s[r1] + __log2f(l1)) * LN2;
+  }
+#pragma unroll
+  for (int i = 0; i < 128; i += 2) {
+    const bool hi_row = (i >> 1) & 1;
+    const i64 pr = hi_row ? pr1 : pr0;
+    const float inv = hi_row ? i1 : i0;
+    if (pr >= 0)
+      *reinterpret_cast<u32*>(a.part_o + pr * DV + 256 * wgi + 8 * (i >> 2) + 2 * t4) =
+          pack_bf16(o[i] * inv, o[i + 1] * inv);
+  }
+#else
+  __trap();  // wgmma needs sm_90a: the backend compiles this kernel for nothing else
+#endif
+}
+
+}  // namespace kvtune
