@@ -20,13 +20,13 @@ from typing import Sequence
 import torch
 
 from .backends import get_backend
-from .tuned import SchemaError, TunedDefaults, load_tuned
+from .tuned import BACKEND_NAMES, SchemaError, TunedDefaults, load_tuned
 
 log = logging.getLogger("kvtune.runtime")
 
 ENV_CONFIG_DIR = "KVTUNE_CONFIG_DIR"
 ENV_VERIFY = "KVTUNE_VERIFY"
-VERIFY_MODES = ("off", "auto", "reference", "triton", "cuda")
+VERIFY_MODES = ("off", "auto") + BACKEND_NAMES
 
 
 class ProvenanceError(ValueError):

@@ -43,7 +43,7 @@ from typing import Any
 import yaml
 
 SCHEMA_VERSION = 1
-BACKEND_NAMES = ("reference", "triton", "cuda")
+BACKEND_NAMES = ("reference", "triton", "cuda", "wgmma")
 PROVENANCE_KEYS = ("device_name", "arch", "sm_count", "driver", "cuda", "nvrtc", "torch", "triton",
                    "kernel_hash", "date", "timing", "kvtune")
 MODEL_KEYS = ("name", "num_heads", "kv_lora_rank", "qk_rope_head_dim", "draft_tokens", "sm_scale")

@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     ap.add_argument("--extra", action="append", default=[], help="other CUDA configs (k=v,k=v), at H=8")
     ap.add_argument("--no-triton", action="store_true")
     ap.add_argument("--wgmma-nsplit", default="",
-                    help="other NSPLIT values of the wgmma backend (comma-separated), beside its default, where it runs")
+                    help="other NSPLIT values of the wgmma backend (comma-separated) beside its default, where it runs")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="also time the CUDA default with KVTUNE_CUDA_PDL=1 (PDL launch of the merge)")
     args = ap.parse_args(argv)

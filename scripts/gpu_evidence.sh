@@ -9,6 +9,8 @@
 #   bash scripts/gpu_evidence.sh serving      # serving GPU tests with the packaged defaults, the serving
 #                                             # benchmark at tp 8 and tp 4, the per-bucket dispatch cost
 #   bash scripts/gpu_evidence.sh tests        # every test marked gpu (carry .whl for the tuner's)
+#   bash scripts/gpu_evidence.sh sanitize     # compute-sanitizer racecheck (and memcheck unless MEMCHECK=0) of
+#                                             # the cuda and wgmma kernels on small odd shapes
 #   bash scripts/gpu_evidence.sh limits       # what bounds the kernel: mma.sync/ldmatrix ceilings, the read
 #                                             # speed of light per shape, split and merge timed apart,
 #                                             # the wgmma tile-loop probes (sm_90)
@@ -27,7 +29,7 @@
 # every batch bucket at tp 8 and 4, then batch 1 at tp 2 and 1).
 set -u
 OUT=${OUT:?}
-step=${1:?say kernel, sweep, serving, tests, limits, phases, proxy, tpe-vs-grid or workers}; shift
+step=${1:?say kernel, sweep, serving, tests, sanitize, limits, phases, proxy, tpe-vs-grid or workers}; shift
 kv="python3 -m kvtune.tuner.cli"
 dep=configs/deployments/kimi-k2-h200.yaml
 
@@ -41,11 +43,13 @@ for (B, T, H, prefix, tree) in [(1, 9, 8, [54], "chain"), (3, 1, 8, [97, 1, 7], 
                                 (2, 16, 16, [300, 5], "random"), (1, 2, 64, [1000], "random")]:
     x = make_inputs(B, T, H, prefix, tree=tree, device="cuda", seed=B * 100 + T)
     ref, _ = reference_attention(*x.args)
-    o = verify_attention(*x.args, backend="cuda")
-    st = SplitTable.build([64, 512], [1, 4], "cuda")
-    o2 = verify_attention(*x.args, backend="cuda", split_table=st)
-    torch.cuda.synchronize()
-    print(B, T, H, prefix, tree, "rel err", round(rel_error(o, ref), 5), round(rel_error(o2, ref), 5), flush=True)
+    for be in ("cuda", "wgmma") if torch.cuda.get_device_capability() == (9, 0) else ("cuda",):
+        o = verify_attention(*x.args, backend=be)
+        st = SplitTable.build([64, 512], [1, 4], "cuda")
+        o2 = verify_attention(*x.args, backend=be, split_table=st)
+        torch.cuda.synchronize()
+        print(be, B, T, H, prefix, tree, "rel err", round(rel_error(o, ref), 5), round(rel_error(o2, ref), 5),
+              flush=True)
 PYEOF
   { python3 /tmp/san.py; echo "plain rc=$?"
     timeout ${SAN_S:-150} compute-sanitizer --tool racecheck --racecheck-report hazard python3 /tmp/san.py 2>&1 \
@@ -110,6 +114,10 @@ sweep)
   fi
   pack
   tail -n 25 $res/logs/sweep.log; tail -n 4 $res/logs/pytest.log; tail -n 30 $res/logs/serving.log 2>/dev/null
+  ;;
+sanitize)
+  . scripts/device_env.sh tree
+  sanitize; grep -E "rel err|rc=|ERROR SUMMARY|RACECHECK SUMMARY" $OUT/sanitizer.log | head -20
   ;;
 serving)
   . scripts/device_env.sh tree

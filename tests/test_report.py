@@ -347,11 +347,13 @@ def test_ragged_section_lists_the_phase_beside_the_yaml():
     buckets = [(e, b) for e in tuned["entries"] for b in e["buckets"] if "ragged_us" in b]
     assert len(buckets) >= 20
     for e, b in buckets:
-        at = t[(t["tp"] == e["tp"]) & (t["bs"] == e["max_batch"]) & (t["ctx"] == f"{b['max_context'] // 1024}k")]
+        # the entry's backend's rows (the sweep ran the ragged phase for cuda and wgmma alike)
+        at = t[(t["tp"] == e["tp"]) & (t["bs"] == e["max_batch"]) & (t["ctx"] == f"{b['max_context'] // 1024}k")
+               & (t["backend"] == e["backend"])]
         mine = at[at["served"]]
         assert len(mine) == 1 and mine["NSPLIT"].iloc[0] == b["NSPLIT"], (e["tp"], e["max_batch"], b)
         rows = rag[(rag["tp"] == e["tp"]) & (rag["bs"] == e["max_batch"]) & (rag["ctx"] == b["max_context"])
-                   & (rag["NSPLIT"] == b["NSPLIT"])]
+                   & (rag["NSPLIT"] == b["NSPLIT"]) & (rag["backend"] == e["backend"])]
         assert mine["ragged µs"].iloc[0] == pytest.approx(rows["median_us"].median(), rel=1e-9)
         assert b["ragged_us"] == pytest.approx(rows["median_us"].median(), abs=1e-3)
         default = at[at["default"]]

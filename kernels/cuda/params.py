@@ -1,5 +1,6 @@
-"""The CUDA kernels' parameters (`verify.cu`, and `verify_wgmma.cu` for sm_90a), declared once: legal values, the rules that
-mirror the kernel's static_asserts, and the per-arch limits a config is judged against.
+"""The CUDA kernels' parameters (`verify.cu`, and `verify_wgmma.cu` for sm_90a), declared once:
+legal values, the rules that mirror the kernels' static_asserts, and the per-arch limits a config
+is judged against.
 Imports neither torch nor the NVRTC bindings."""
 from __future__ import annotations
 

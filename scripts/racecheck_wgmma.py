@@ -1,0 +1,34 @@
+#!/usr/bin/env python3
+"""Diagnosis (not a test): the wgmma kernel on small odd shapes, for compute-sanitizer racecheck.
+
+`--publish sync` compiles a copy of verify_wgmma.cu in which the warpgroup that publishes a tile
+(its P, row maxima and rescale factors) waits at the publication barrier (bar.sync) instead of
+only arriving (bar.arrive): the same ordering of the shared-memory handoff, stated with a barrier
+both sides wait at. Racecheck hazards that the arrive/sync handoff shows and the sync/sync one
+does not are the tool's reading of bar.arrive, not a race in the kernel.
+
+    compute-sanitizer --tool racecheck python3 scripts/racecheck_wgmma.py [--publish sync]
+"""
+import argparse
+
+import torch
+
+from kvtune.kernels import get_backend, make_inputs, reference_attention, rel_error, verify_attention
+from kvtune.kernels.cuda import nvrtc
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--publish", choices=("arrive", "sync"), default="arrive")
+args = ap.parse_args()
+if args.publish == "sync":
+    text = nvrtc.SOURCE_PATH.with_name("verify_wgmma.cu").read_text()
+    old = "bar_arrive(3 + t % NPB, 256);"
+    assert text.count(old) == 1
+    nvrtc._source_cache["verify_wgmma.cu"] = text.replace(old, "bar_sync(3 + t % NPB, 256);")
+    get_backend("wgmma")._kernels.clear()
+for (B, T, H, prefix, tree) in [(1, 9, 8, [54], "chain"), (3, 1, 8, [97, 1, 7], "chain"),
+                                (2, 16, 16, [300, 5], "random"), (1, 2, 64, [1000], "random")]:
+    x = make_inputs(B, T, H, prefix, tree=tree, device="cuda", seed=B * 100 + T)
+    ref, _ = reference_attention(*x.args)
+    o = verify_attention(*x.args, backend="wgmma")
+    torch.cuda.synchronize()
+    print(args.publish, B, T, H, prefix, tree, "rel err", round(rel_error(o, ref), 5), flush=True)
