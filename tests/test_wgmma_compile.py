@@ -1,0 +1,88 @@
+"""The wgmma backend without a GPU: NVRTC builds it for sm_90a (registers, spills), its Python
+mirror of the kernel's shared memory, its parameters and their errors, and its source identity.
+The kernel itself runs in tests/test_wgmma_gpu.py (sm_90 only)."""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtune.kernels import describe_problem, get_backend, make_inputs
+from kvtune.kernels.cuda import nvrtc
+from kvtune.kernels.cuda.params import WgmmaParams
+
+pytest.importorskip("cuda.bindings.nvrtc")
+
+
+@pytest.mark.parametrize("T", [1, 9, 16, 64])
+def test_compiles_for_sm90a_without_spills(T):
+    from kvtune.kernels.cuda import wgmma
+    res = wgmma.compile_wgmma(T).resources[wgmma.split_expr(T)]
+    assert res.spills == 0 and res.stack == 0
+    # 256 threads, one CTA per SM: registers are capped at 255, and must be there
+    assert 0 < res.registers <= 255
+
+
+def test_the_smem_mirror_is_the_kernels_sum():
+    """wgmma.SMEM_BYTES against wg::SMEM_BYTES, evaluated here from verify_wgmma.cu's own
+    constexpr chain (the kernel traps if launched with less)."""
+    from kvtune.kernels.cuda import wgmma
+    text = nvrtc.SOURCE_PATH.with_name("verify_wgmma.cu").read_text()
+    body = text[text.index("namespace wg {"):text.index("static_assert(K_OFF")]
+    env = {"DK": 576, "DV": 512}
+    for name, expr in re.findall(r"constexpr int (\w+) = ([^;]+);", body):
+        env[name] = eval(expr, {}, dict(env))   # the source's integer expressions, in order
+    assert env["SMEM_BYTES"] == wgmma.SMEM_BYTES <= 227 * 1024
+
+
+def _problem(T=9, H=8, prefix=100):
+    return describe_problem(*make_inputs(1, T, H, prefix, device="cpu").args)
+
+
+@pytest.mark.parametrize("H,T,nsplit", [(8, 9, 66), (64, 9, 14), (32, 9, 26), (16, 9, 44), (1, 1, 132)])
+def test_default_nsplit_is_one_wave_of_row_blocks(H, T, nsplit):
+    # ceil(H * T / 64) CTAs per split, one per SM: 132 SMs when no GPU is asked
+    assert get_backend("wgmma").default_params(_problem(T, H)) == WgmmaParams(NSPLIT=nsplit)
+
+
+def test_static_reject_names_the_arch_and_accepts_sm90():
+    be = get_backend("wgmma")
+    p = be.default_params(_problem())
+    assert be.static_reject(p, _problem(), "sm_90") is None
+    for arch in ("sm_80", "sm_89", "sm_120"):
+        why = be.static_reject(p, _problem(), arch)
+        assert why and "wgmma" in why and arch in why
+    assert "needs a CUDA device" in be.supports(torch.device("cpu"))
+
+
+def test_bad_parameters_name_the_field():
+    with pytest.raises(ValueError, match="NSPLIT"):
+        WgmmaParams(NSPLIT=0)
+    with pytest.raises(TypeError):
+        WgmmaParams(NSPLIT=8, BLOCK_N=32)
+    from kvtune.kernels.cuda.params import CudaParams
+    with pytest.raises(ValueError, match="WgmmaParams"):
+        get_backend("wgmma").check_params(CudaParams(), _problem())
+
+
+def test_source_identity():
+    """The wgmma module is built from verify.cu then verify_wgmma.cu; the cuda backend's hash
+    stays verify.cu's alone (its tuned files survive a wgmma change), the two differ."""
+    parts = ("verify.cu", "verify_wgmma.cu")
+    assert nvrtc.kernel_source(parts).startswith(nvrtc.SOURCE_PATH.read_text())
+    assert get_backend("cuda").kernel_hash() == nvrtc.kernel_source_hash()
+    assert get_backend("wgmma").kernel_hash() == nvrtc.kernel_source_hash(parts) != nvrtc.kernel_source_hash()
+    for bad in ((), ("verify_wgmma.cu",), ("verify.cu", "other.cu")):
+        with pytest.raises(ValueError, match="parts"):
+            nvrtc.kernel_source(bad)
+
+
+def test_search_space_and_deployment_know_it():
+    from kvtune.kernels.lookup import VERIFY_MODES
+    from kvtune.tuner.config import load_deployment
+    from kvtune.tuner.space import load_space
+    space = load_space("wgmma")
+    assert all(WgmmaParams(NSPLIT=n) for n in space.choices["NSPLIT"])
+    dep = Path(__file__).parents[1] / "configs" / "deployments" / "kimi-k2-h200.yaml"
+    assert "wgmma" in load_deployment(dep).backends
+    assert "wgmma" in VERIFY_MODES
