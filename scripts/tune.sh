@@ -15,17 +15,23 @@ fi
 out=${KVTUNE_OUT:-runs}
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     dep=${KVTUNE_DEPLOYMENT:-configs/deployments/kimi-k2-h200.yaml}
-    # the shipped sweep's settings (results/kimi-k2-h200/: every tp and batch bucket, CUDA, in
-    # 484 s of one H200); --max-minutes stops resumably if it runs long. The Triton backend is
-    # 3-6x slower there and never served: add `--backend triton cuda` to sweep it too.
-    opts=(--device cuda --backend cuda --trials 8 --rounds 1 --remeasure-top 1 --max-minutes 12)
+    # the shipped sweep's settings (results/kimi-k2-h200/: every tp and batch bucket, CUDA with
+    # 8 trials per study in 484 s of one H200, then wgmma, NSPLIT only, 5 trials in 244 s);
+    # --max-minutes stops resumably if it runs long. The Triton backend is 3-6x slower there and
+    # never served: add `--backend triton` to a pass to sweep it too.
+    opts=(--device cuda --backend cuda --trials 8 --rounds 1 --remeasure-top 1 --max-minutes 10)
+    wgmma_opts=(--device cuda --backend wgmma --trials 5 --rounds 1 --remeasure-top 1 --max-minutes 6)
     echo "kvtune: CUDA GPU found ($(python -c 'import torch; print(torch.cuda.get_device_name(0))')): sweeping $dep"
 else
     dep=${KVTUNE_DEPLOYMENT:-configs/deployments/cpu-tiny.yaml}
     opts=(--device cpu --rounds 1 --remeasure-top 2)
+    wgmma_opts=()
     echo "kvtune: no CUDA GPU: sweeping the small CPU deployment $dep (Triton interpreter; CPU timings, not GPU numbers)"
 fi
 start=$(date +%s)
 kvtune sweep "$dep" --out "$out" "${opts[@]}" "$@"
+if [ -n "${wgmma_opts[*]:-}" ] && python -c "import torch, sys; sys.exit(0 if torch.cuda.get_device_capability() == (9, 0) else 1)"; then
+    kvtune sweep "$dep" --out "$out" "${wgmma_opts[@]}" "$@"    # H100/H200 only
+fi
 kvtune export "$dep" --out "$out"
 echo "kvtune: done in $(( $(date +%s) - start )) s; results under $out/$(python -c "import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))['name'])" "$dep")/"
