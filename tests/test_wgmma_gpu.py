@@ -2,9 +2,10 @@
 
 Odd shapes on purpose: H x T from 1 row (one block of 64, 63 padded) to 1152 (18 blocks), 72
 rows (a second block holding 8), prefixes that leave partial last tiles, splits of one tile
-(one warpgroup idle), ragged batches, growing maxima, NaN in a draft key's V, a row that sees
-nothing, non-contiguous and unaligned q, int64 indices, padded KV rows, split tables that must
-give different partial counts, and a CUDA graph replayed on new lengths and trees.
+(warpgroup 1 with no tile of its own), ragged batches, a request of 0 keys, growing maxima, NaN
+in a draft key's V, a row that sees nothing, non-contiguous and unaligned q, int64 indices,
+padded KV rows, split tables that must give different partial counts, and a CUDA graph replayed
+on new lengths and trees.
 """
 import pytest
 import torch
@@ -113,14 +114,16 @@ def test_split_table_sets_the_partial_count():
     assert items(None) == _expected_items(lengths, 64, 32)
 
 
-def test_nan_in_a_hidden_draft_keys_v_stays_out():
+@pytest.mark.parametrize("nsplit", [None, 1])
+def test_nan_in_a_hidden_draft_keys_v_stays_out(nsplit):
     """A NaN in the V part of a draft key reaches only the rows that may see that key (chain:
-    draft key 8 is seen by draft row 8 only)."""
+    draft key 8 is seen by draft row 8 only). NSPLIT 1: the draft tile is tile 9 of one split,
+    warpgroup 1's, whose scrubbed V warpgroup 0 then reads."""
     x = make_inputs(1, 9, 8, [300], tree="chain", device="cuda")
     ref_o, _ = reference_attention(*x.args)
     slot = int(x.kv_indices[300 + 8])
     x.kv_cache[slot, 100] = float("nan")
-    o = verify_attention(*x.args, backend="wgmma")
+    o = verify_attention(*x.args, backend="wgmma", params=_params(nsplit, x))
     assert torch.isnan(o[8]).any()
     assert not torch.isnan(o[:8]).any()
     assert rel_error(o[:8], ref_o[:8]) < TOL
@@ -136,6 +139,22 @@ def test_nan_in_q_gives_nan_rows_only():
     keep[3, 5] = False
     assert not torch.isnan(o[keep]).any() and not torch.isnan(lse[keep]).any()
     assert rel_error(o[keep], ref_o[keep]) < TOL
+
+
+@pytest.mark.parametrize("backend", ["cuda", "wgmma"])
+def test_a_request_without_keys_gives_zeros_not_a_hang(backend):
+    """Metadata the value checks reject (a request of 0 keys) but graph capture lets through:
+    its rows get o = 0 and lse = -inf, the other request's rows are right."""
+    x = make_inputs(1, 9, 8, [300], tree="random", device="cuda")
+    ref_o, ref_lse = reference_attention(*x.args)
+    q = torch.cat([x.q, torch.randn_like(x.q)])
+    indptr = torch.tensor([0, 309, 309], dtype=torch.int32, device="cuda")
+    mask = torch.cat([x.tree_mask, x.tree_mask])
+    o, lse = verify_attention(q, x.kv_cache, indptr, x.kv_indices, mask, x.sm_scale, backend=backend,
+                              return_lse=True, check_values_=False)
+    torch.cuda.synchronize()
+    assert rel_error(o[:9], ref_o) < TOL and torch.allclose(lse[:9], ref_lse, atol=2e-2, rtol=0)
+    assert torch.all(o[9:] == 0) and torch.all(torch.isneginf(lse[9:]))
 
 
 def test_row_that_sees_nothing():

@@ -271,17 +271,18 @@ class CudaBackend(Backend):
 
 
 def launch_split_merge(a: LaunchArgs, vec: int, nsplit: int, items: int, split_k, split_shape, smem: int, merge_k,
-                       merge_shape, pdl: bool) -> None:
+                       merge_shape, pdl: bool, vec_hint: str = "use a smaller VEC") -> None:
     """Launch a split kernel taking verify.cu's SplitArgs (`split_shape`: (grid, block), `smem`
     bytes of dynamic shared memory, `vec`-element key loads, `items` work items per row group)
-    and the merge kernel on torch's current stream: no allocation, no host sync."""
+    and the merge kernel on torch's current stream: no allocation, no host sync. `vec_hint`
+    ends the error for KV rows the key loads cannot read."""
     from cuda.bindings import driver as drv
     from .nvrtc import check_driver
     pb = a.problem
     kv = a.kv_cache
     if kv.stride(0) % vec or kv.data_ptr() % (2 * vec):
         raise ValueError(f"kv_cache: row stride {kv.stride(0)} / base address must be multiples of "
-                         f"VEC={vec} elements for {2 * vec}-byte loads; use a smaller VEC")
+                         f"VEC={vec} elements for {2 * vec}-byte loads; {vec_hint}")
     out = a.out
     q = a.q
     q_vec16 = int(q.data_ptr() % 16 == 0 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0)

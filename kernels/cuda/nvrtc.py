@@ -211,7 +211,8 @@ def _compile_uncached(name_exprs: list[str], arch: str, extra_options: list[str]
                       parts: tuple[str, ...] = ("verify.cu",)) -> CompiledModule:
     nvrtc = _nvrtc()
     src = kernel_source(parts).encode()
-    prog = _check_nvrtc(nvrtc.nvrtcCreateProgram(src, b"verify.cu", 0, [], []), "nvrtcCreateProgram")
+    # one program of the parts in order: a compile error's line counts from the first part's top
+    prog = _check_nvrtc(nvrtc.nvrtcCreateProgram(src, "+".join(parts).encode(), 0, [], []), "nvrtcCreateProgram")
     try:
         for e in name_exprs:
             _check_nvrtc(nvrtc.nvrtcAddNameExpression(prog, e.encode()), f"nvrtcAddNameExpression({e})")

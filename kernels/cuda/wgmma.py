@@ -3,8 +3,8 @@
 
 Its block shape is fixed by the shared memory it fills (64 query rows, four 32-key buffers,
 225 KB: one CTA per SM); NSPLIT is its one parameter (`params.WGMMA_PARAMS`). A request's
-H x T query rows take ceil(H x T / 64) CTAs per work item, each reading the item's keys: 64-row
-multiples (H 64 or 32 at T 9: 576, 288 rows) waste nothing, 72 rows (H 8) pad to 128.
+H x T query rows take ceil(H x T / 64) CTAs per work item, each reading the item's keys: at T 9,
+576 rows (H 64) waste nothing, 288 (H 32) pad to 320, 144 (H 16) to 192 and 72 (H 8) to 128.
 """
 from __future__ import annotations
 
@@ -157,4 +157,5 @@ class WgmmaBackend(Backend):
         items = params.NSPLIT + pb.B
         split_shape = ((row_blocks(pb.H, pb.T), items, 1), (THREADS, 1, 1))
         merge_shape = ((pb.B * pb.T * pb.H, DV // 128, 1), (16 * MERGE_SPLIT_GROUPS, 1, 1))
-        launch_split_merge(a, 8, params.NSPLIT, items, k.split, split_shape, SMEM_BYTES, k.merge, merge_shape, k.pdl)
+        launch_split_merge(a, 8, params.NSPLIT, items, k.split, split_shape, SMEM_BYTES, k.merge, merge_shape, k.pdl,
+                           "the wgmma kernel's copies are 16 bytes: use the cuda backend with a smaller VEC")
