@@ -165,6 +165,45 @@ def pdl_enabled(arch: str) -> bool:
     return int(arch.split("_")[1]) >= 90 and os.environ.get("KVTUNE_CUDA_PDL", "0") == "1"
 
 LOG2E = 1.4426950408889634
+_SM_COUNTS: dict[int, int] = {}
+
+
+def sm_count(problem: VerifyProblem, default: int = 132) -> int:
+    """SMs of the problem's GPU (read once per device), or `default` (an H100/H200's) when
+    the problem is planned without one."""
+    if not (problem.is_cuda and torch.cuda.is_available()):
+        return default
+    idx = problem.device.index if problem.device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNTS:
+        _SM_COUNTS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNTS[idx]
+
+
+def nvrtc_unsupported(device: torch.device, archs_ok, need: str) -> str | None:
+    """Why an NVRTC-compiled kernel cannot run on `device` (`archs_ok(arch)` says whether its
+    arch can, `need` names what it needs), or None."""
+    if device.type != "cuda":
+        return f"needs a CUDA device, got {device}"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    if not archs_ok(device_arch(device)):
+        return f"needs {need}, got {device_arch(device)}"
+    try:
+        import cuda.bindings.driver  # noqa: F401
+        import cuda.bindings.nvrtc  # noqa: F401
+    except ImportError as e:
+        return f"cuda-bindings missing: {e}"
+    return None
+
+
+def on_tensors_device(a: LaunchArgs, launch) -> None:
+    """`launch()` in the context of the problem's GPU: the driver calls use the thread's current
+    context, and the tensors may sit on another GPU than the current one."""
+    idx = a.problem.device.index
+    if idx is not None and idx != torch.cuda.current_device():
+        with torch.cuda.device(idx):
+            return launch()
+    return launch()
 
 
 class CudaBackend(Backend):
@@ -173,7 +212,6 @@ class CudaBackend(Backend):
     nsplit_per_batch = True
 
     def __init__(self):
-        self._sms: dict[int, int] = {}
         self._kernels: dict[tuple, tuple] = {}
 
     # -- parameters
@@ -187,12 +225,7 @@ class CudaBackend(Backend):
         # warp tiles (half the shared-memory traffic per key of 16 warps; qk_tiling).
         # NSPLIT: about one CTA per SM.
         hpb = max(1, min(problem.H, 72 // problem.T))
-        sms = 132
-        if problem.is_cuda and torch.cuda.is_available():
-            idx = problem.device.index if problem.device.index is not None else torch.cuda.current_device()
-            if idx not in self._sms:
-                self._sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-            sms = self._sms[idx]
+        sms = sm_count(problem)
         arch = device_arch(problem.device) if problem.is_cuda and torch.cuda.is_available() else "sm_90"
         p = default_for_arch(problem.T, hpb, arch)
         # NSPLIT counts splits of the whole batch's keys per head group (key-balanced)
@@ -221,18 +254,7 @@ class CudaBackend(Backend):
         return reject_reason(params, problem.T, arch)
 
     def supports(self, device: torch.device) -> str | None:
-        if device.type != "cuda":
-            return f"needs a CUDA device, got {device}"
-        if not torch.cuda.is_available():
-            return "CUDA is not available"
-        if torch.cuda.get_device_capability(device) < (8, 0):
-            return f"needs sm_80 or newer, got {device_arch(device)}"
-        try:
-            import cuda.bindings.driver  # noqa: F401
-            import cuda.bindings.nvrtc  # noqa: F401
-        except ImportError as e:
-            return f"cuda-bindings missing: {e}"
-        return None
+        return nvrtc_unsupported(device, lambda arch: int(arch.split("_")[1]) >= 80, "sm_80 or newer")
 
     # -- launch
     def _get(self, params: CudaParams, T: int, device: torch.device):
@@ -255,13 +277,7 @@ class CudaBackend(Backend):
         return got
 
     def launch(self, a: LaunchArgs, params: CudaParams) -> None:
-        idx = a.problem.device.index
-        if idx is not None and idx != torch.cuda.current_device():
-            # tensors on another GPU than the current one: load and launch in that GPU's
-            # primary context (the driver calls use the thread's current context)
-            with torch.cuda.device(idx):
-                return self._launch(a, params)
-        return self._launch(a, params)
+        on_tensors_device(a, lambda: self._launch(a, params))
 
     def _launch(self, a: LaunchArgs, params: CudaParams) -> None:
         split_k, merge_k, geo, pdl = self._get(params, a.problem.T, a.problem.device)

@@ -14,7 +14,8 @@ import torch
 
 from ..backends import Backend, LaunchArgs
 from ..shapes import VerifyProblem, cdiv
-from .backend import DV, DK, MERGE_EXPR, device_arch, launch_split_merge, pdl_enabled
+from .backend import (DK, DV, MERGE_EXPR, device_arch, launch_split_merge, nvrtc_unsupported, on_tensors_device,
+                      pdl_enabled, sm_count)
 from .params import ARCH_LIMITS, WgmmaParams
 
 #: the sources of its module, in order (nvrtc.SOURCE_PARTS)
@@ -64,7 +65,6 @@ class WgmmaBackend(Backend):
     nsplit_per_batch = True
 
     def __init__(self):
-        self._sms: dict[int, int] = {}
         self._kernels: dict[tuple, _Loaded] = {}
 
     def kernel_hash(self) -> str:
@@ -74,12 +74,7 @@ class WgmmaBackend(Backend):
     def default_params(self, problem: VerifyProblem) -> WgmmaParams:
         # one wave: NSPLIT x row blocks CTAs, one resident per SM (a 136th CTA on 132 SMs doubles
         # the time)
-        sms = 132
-        if problem.is_cuda and torch.cuda.is_available():
-            idx = problem.device.index if problem.device.index is not None else torch.cuda.current_device()
-            if idx not in self._sms:
-                self._sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-            sms = self._sms[idx]
+        sms = sm_count(problem)
         return WgmmaParams(NSPLIT=max(1, min(256, sms // row_blocks(problem.H, problem.T))))
 
     def check_params(self, params: WgmmaParams, problem: VerifyProblem) -> None:
@@ -116,18 +111,7 @@ class WgmmaBackend(Backend):
         return None
 
     def supports(self, device: torch.device) -> str | None:
-        if device.type != "cuda":
-            return f"needs a CUDA device, got {device}"
-        if not torch.cuda.is_available():
-            return "CUDA is not available"
-        if device_arch(device) not in WGMMA_ARCHS:
-            return f"needs wgmma (sm_90: H100 / H200), got {device_arch(device)}"
-        try:
-            import cuda.bindings.driver  # noqa: F401
-            import cuda.bindings.nvrtc  # noqa: F401
-        except ImportError as e:
-            return f"cuda-bindings missing: {e}"
-        return None
+        return nvrtc_unsupported(device, lambda arch: arch in WGMMA_ARCHS, "wgmma (sm_90: H100 / H200)")
 
     def _get(self, T: int, device: torch.device) -> _Loaded:
         idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -144,11 +128,7 @@ class WgmmaBackend(Backend):
         return got
 
     def launch(self, a: LaunchArgs, params: WgmmaParams) -> None:
-        idx = a.problem.device.index
-        if idx is not None and idx != torch.cuda.current_device():
-            with torch.cuda.device(idx):   # the driver calls use the thread's current context
-                return self._launch(a, params)
-        return self._launch(a, params)
+        on_tensors_device(a, lambda: self._launch(a, params))
 
     def _launch(self, a: LaunchArgs, params: WgmmaParams) -> None:
         from .backend import MERGE_SPLIT_GROUPS
