@@ -209,7 +209,7 @@ def main(argv=None) -> int:
             "triton": triton.__version__, "timing": "graph, cold L2, median of 15", "argv": sys.argv}
     from kvtune.kernels.cuda.nvrtc import kernel_source_hash, nvrtc_version
     meta.update(nvrtc=nvrtc_version(), cuda_source_hash=kernel_source_hash(),
-                wgmma_source_hash=kernel_source_hash(("verify.cu", "verify_wgmma.cu")))
+                wgmma_source_hash=get_backend("wgmma").kernel_hash())
     write_csv(out_dir / "bench.csv", rows)  # every row has the same keys
     (out_dir / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 

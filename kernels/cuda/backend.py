@@ -145,16 +145,28 @@ class _MergeArgs(ctypes.Structure):
 assert ctypes.sizeof(_SplitArgs) == 136 and ctypes.sizeof(_MergeArgs) == 72
 
 
-def work_items(p: CudaParams, B: int) -> int:
+def work_items(p, B: int) -> int:
     """Upper bound on the key-balanced schedule's work items per head group (the split
-    grid's y): the kernel's chunk keeps sum_b ceil(L_b / chunk) <= max(NSPLIT, B)."""
+    grid's y): the kernel's chunk keeps sum_b ceil(L_b / chunk) <= max(NSPLIT, B). `p`: the
+    parameters of a backend on verify.cu's schedule (CudaParams, WgmmaParams)."""
     return p.NSPLIT + B
+
+
+def split_workspace_bytes(p, problem: VerifyProblem) -> int:
+    """The workspace of a launch on verify.cu's schedule and merge: per work item the partial o
+    in bf16 (half the split-K traffic of fp32) and lse in fp32 for its T x H rows; then the
+    per-request (first item, count) table."""
+    return work_items(p, problem.B) * problem.T * problem.H * (2 * problem.Dv + 4) + 8 * problem.B
+
+
+def merge_shape(B: int, T: int, H: int) -> tuple[tuple, tuple]:
+    """((grid x, y, z), (block x, y, z)) of the merge launch."""
+    return (B * T * H, DV // 128, 1), (16 * MERGE_SPLIT_GROUPS, 1, 1)
 
 
 def launch_shapes(p: CudaParams, B: int, T: int, H: int) -> tuple[tuple, tuple]:
     """((grid x, y, z), (block x, y, z)) of the split launch and of the merge launch."""
-    return (((cdiv(H, p.HEADS_PER_BLOCK), work_items(p, B), 1), (p.threads, 1, 1)),
-            ((B * T * H, DV // 128, 1), (16 * MERGE_SPLIT_GROUPS, 1, 1)))
+    return ((cdiv(H, p.HEADS_PER_BLOCK), work_items(p, B), 1), (p.threads, 1, 1)), merge_shape(B, T, H)
 
 
 def pdl_enabled(arch: str) -> bool:
@@ -240,9 +252,7 @@ class CudaBackend(Backend):
         check_static(params, problem.T)
 
     def workspace_bytes(self, problem: VerifyProblem, params: CudaParams) -> int:
-        # per work item: partial o in bf16 (half the split-K traffic of fp32) and lse in fp32
-        # for its T x H rows; then the per-request (first item, count) table
-        return work_items(params, problem.B) * problem.T * problem.H * (2 * problem.Dv + 4) + 8 * problem.B
+        return split_workspace_bytes(params, problem)
 
     def static_reject(self, params: CudaParams, problem: VerifyProblem, arch: str | None = None) -> str | None:
         try:
@@ -281,17 +291,16 @@ class CudaBackend(Backend):
 
     def _launch(self, a: LaunchArgs, params: CudaParams) -> None:
         split_k, merge_k, geo, pdl = self._get(params, a.problem.T, a.problem.device)
-        split_shape, merge_shape = launch_shapes(params, a.problem.B, a.problem.T, a.problem.H)
-        launch_split_merge(a, params.VEC, params.NSPLIT, work_items(params, a.problem.B), split_k, split_shape,
-                           geo.smem_bytes, merge_k, merge_shape, pdl)
+        split_shape = launch_shapes(params, a.problem.B, a.problem.T, a.problem.H)[0]
+        launch_split_merge(a, params, split_k, split_shape, geo.smem_bytes, merge_k, pdl, params.VEC)
 
 
-def launch_split_merge(a: LaunchArgs, vec: int, nsplit: int, items: int, split_k, split_shape, smem: int, merge_k,
-                       merge_shape, pdl: bool, vec_hint: str = "use a smaller VEC") -> None:
-    """Launch a split kernel taking verify.cu's SplitArgs (`split_shape`: (grid, block), `smem`
-    bytes of dynamic shared memory, `vec`-element key loads, `items` work items per row group)
-    and the merge kernel on torch's current stream: no allocation, no host sync. `vec_hint`
-    ends the error for KV rows the key loads cannot read."""
+def launch_split_merge(a: LaunchArgs, params, split_k, split_shape, smem: int, merge_k, pdl: bool, vec: int,
+                       vec_hint: str = "use a smaller VEC") -> None:
+    """Launch a split kernel taking verify.cu's SplitArgs (`params` with its NSPLIT,
+    `split_shape`: (grid, block), `smem` bytes of dynamic shared memory, `vec`-element key
+    loads) and the merge kernel on torch's current stream: no allocation, no host sync.
+    `vec_hint` ends the error for KV rows the key loads cannot read."""
     from cuda.bindings import driver as drv
     from .nvrtc import check_driver
     pb = a.problem
@@ -302,7 +311,7 @@ def launch_split_merge(a: LaunchArgs, vec: int, nsplit: int, items: int, split_k
     out = a.out
     q = a.q
     q_vec16 = int(q.data_ptr() % 16 == 0 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0)
-    n_rows = items * pb.T * pb.H   # partial rows
+    n_rows = work_items(params, pb.B) * pb.T * pb.H   # partial rows
     base = a.workspace.data_ptr()
     part_o, part_lse = base, base + 2 * n_rows * pb.Dv
     meta = part_lse + 4 * n_rows
@@ -313,7 +322,7 @@ def launch_split_merge(a: LaunchArgs, vec: int, nsplit: int, items: int, split_k
     sa = _SplitArgs(q.data_ptr(), kv.data_ptr(), a.kv_indptr.data_ptr(), a.kv_indices.data_ptr(),
                     a.tree_mask.data_ptr(), part_o, part_lse, meta, smk, sv,
                     q.stride(0), q.stride(1), kv.stride(0), a.sm_scale * LOG2E,
-                    pb.H, pb.B, nb, nsplit, int(a.kv_indices.dtype == torch.int64), q_vec16)
+                    pb.H, pb.B, nb, params.NSPLIT, int(a.kv_indices.dtype == torch.int64), q_vec16)
     lse = a.lse
     ma = _MergeArgs(part_o, part_lse, out.data_ptr(), lse.data_ptr() if lse is not None else 0, meta,
                     out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0, pb.H, pb.T)
@@ -323,7 +332,7 @@ def launch_split_merge(a: LaunchArgs, vec: int, nsplit: int, items: int, split_k
     check_driver(drv.cuLaunchKernel(split_k.function, *split_shape[0], *split_shape[1], smem, stream,
                                     ctypes.addressof(sp), 0),
                  "cuLaunchKernel(verify_split)")
-    merge_grid = (*merge_shape[0], *merge_shape[1])
+    merge_grid = tuple(v for dims in merge_shape(pb.B, pb.T, pb.H) for v in dims)
     if pdl:
         check_driver(drv.cuLaunchKernelEx(_pdl_config(merge_grid, stream), merge_k.function,
                                           ctypes.addressof(mp), 0), "cuLaunchKernelEx(verify_merge)")

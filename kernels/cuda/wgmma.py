@@ -15,7 +15,7 @@ import torch
 from ..backends import Backend, LaunchArgs
 from ..shapes import VerifyProblem, cdiv
 from .backend import (DK, DV, MERGE_EXPR, device_arch, launch_split_merge, nvrtc_unsupported, on_tensors_device,
-                      pdl_enabled, sm_count)
+                      pdl_enabled, sm_count, split_workspace_bytes, work_items)
 from .params import ARCH_LIMITS, WgmmaParams
 
 #: the sources of its module, in order (nvrtc.SOURCE_PARTS)
@@ -86,8 +86,7 @@ class WgmmaBackend(Backend):
         WgmmaParams.declaration.check_problem(vars(params), T=problem.T, Dk=DK, Dv=DV)
 
     def workspace_bytes(self, problem: VerifyProblem, params: WgmmaParams) -> int:
-        # as the cuda backend: per work item bf16 partial o and fp32 lse, then the merge's table
-        return (params.NSPLIT + problem.B) * problem.T * problem.H * (2 * problem.Dv + 4) + 8 * problem.B
+        return split_workspace_bytes(params, problem)
 
     def static_reject(self, params: WgmmaParams, problem: VerifyProblem, arch: str | None = None) -> str | None:
         try:
@@ -131,11 +130,8 @@ class WgmmaBackend(Backend):
         on_tensors_device(a, lambda: self._launch(a, params))
 
     def _launch(self, a: LaunchArgs, params: WgmmaParams) -> None:
-        from .backend import MERGE_SPLIT_GROUPS
         pb = a.problem
         k = self._get(pb.T, pb.device)
-        items = params.NSPLIT + pb.B
-        split_shape = ((row_blocks(pb.H, pb.T), items, 1), (THREADS, 1, 1))
-        merge_shape = ((pb.B * pb.T * pb.H, DV // 128, 1), (16 * MERGE_SPLIT_GROUPS, 1, 1))
-        launch_split_merge(a, 8, params.NSPLIT, items, k.split, split_shape, SMEM_BYTES, k.merge, merge_shape, k.pdl,
+        split_shape = ((row_blocks(pb.H, pb.T), work_items(params, pb.B), 1), (THREADS, 1, 1))
+        launch_split_merge(a, params, k.split, split_shape, SMEM_BYTES, k.merge, k.pdl, 8,
                            "the wgmma kernel's copies are 16 bytes: use the cuda backend with a smaller VEC")
