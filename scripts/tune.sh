@@ -30,8 +30,10 @@ else
 fi
 start=$(date +%s)
 kvtune sweep "$dep" --out "$out" "${opts[@]}" "$@"
-if [ -n "${wgmma_opts[*]:-}" ] && python -c "import torch, sys; sys.exit(0 if torch.cuda.get_device_capability() == (9, 0) else 1)"; then
-    kvtune sweep "$dep" --out "$out" "${wgmma_opts[@]}" "$@"    # H100/H200 only
+# the wgmma kernel runs where its backend says it can (H100/H200); a sweep of nothing else fails
+if [ -n "${wgmma_opts[*]:-}" ] && python -c "import sys, torch; from kvtune.kernels import get_backend
+sys.exit(get_backend('wgmma').supports(torch.device('cuda')) is not None)"; then
+    kvtune sweep "$dep" --out "$out" "${wgmma_opts[@]}" "$@"
 fi
 kvtune export "$dep" --out "$out"
 echo "kvtune: done in $(( $(date +%s) - start )) s; results under $out/$(python -c "import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))['name'])" "$dep")/"
