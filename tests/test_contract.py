@@ -26,6 +26,11 @@ def _runnable_backends():
             why = f"cannot import: {e}"
         if why:
             marks.append(pytest.mark.skip(reason=f"{name}: {why}"))
+        try:   # a backend that cannot run on a CPU is in `pytest -m gpu`'s set
+            if get_backend(name).supports(torch.device("cpu")):
+                marks.append(pytest.mark.gpu)
+        except ImportError:
+            marks.append(pytest.mark.gpu)
         out.append(pytest.param(name, marks=marks, id=name))
     return out
 

@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "kvtune.tuner.compile_check",   # kvtune compile-check (CUDA backend)
     "kvtune.tuner.sweep_cli",       # kvtune sweep, kvtune worker (distributed sweeps)
     "kvtune.tuner.export",          # kvtune export
+    "kvtune.tuner.forget",          # kvtune forget (a backend's trials, after its kernel changed)
     "kvtune.tuner.calibrate",       # kvtune calibrate
     "kvtune.tuner.report",          # kvtune report (review)
 ]

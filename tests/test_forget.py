@@ -1,0 +1,88 @@
+"""`kvtune forget` and export's rule that a backend's rows on an older kernel source do not count,
+on a copy of the committed kimi-k2-h200 sweep (real H200 rows of two backends)."""
+import csv
+import logging
+import shutil
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+
+from kvtune.tuner.cli import main
+from kvtune.tuner.export import export_deployment
+
+ROOT = Path(__file__).parents[1]
+SWEEP = ROOT / "results" / "kimi-k2-h200"
+DEP = ROOT / "configs" / "deployments" / "kimi-k2-h200.yaml"
+
+
+@pytest.fixture
+def out(tmp_path):
+    shutil.copytree(SWEEP, tmp_path / "kimi-k2-h200", ignore=shutil.ignore_patterns("report", "logs"))
+    return tmp_path
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _study_backends(out):
+    summaries = optuna.get_all_study_summaries(f"sqlite:///{out / 'kimi-k2-h200' / 'studies.db'}")
+    return {s.study_name.split("|")[1] for s in summaries}
+
+
+def test_forget_moves_one_backends_rows_and_deletes_its_studies(out, capsys):
+    before = _rows(out / "kimi-k2-h200" / "trials.csv")
+    n_wgmma = sum(r["backend"] == "wgmma" for r in before)
+    assert n_wgmma and _study_backends(out) == {"cuda", "wgmma"}
+    assert main(["forget", str(DEP), "--backend", "wgmma", "--out", str(out)]) == 0
+    assert f"{n_wgmma} trial row(s) moved" in capsys.readouterr().out
+    after = _rows(out / "kimi-k2-h200" / "trials.csv")
+    gone = _rows(out / "kimi-k2-h200" / "trials.forgotten.csv")
+    assert after == [r for r in before if r["backend"] != "wgmma"]
+    assert gone == [r for r in before if r["backend"] == "wgmma"]
+    assert _study_backends(out) == {"cuda"}
+    tuned = export_deployment(str(DEP), out=str(out), path=str(out / "after.yaml"), quiet=True)
+    assert {e.backend for e in tuned.entries} == {"cuda"}
+    assert set(tuned.provenance["kernel_hash"]) == {"cuda"}
+    # again: nothing left to move, and the forgotten rows are not duplicated
+    assert main(["forget", str(DEP), "--backend", "wgmma", "--out", str(out)]) == 0
+    assert "0 trial row(s) moved" in capsys.readouterr().out
+    assert len(_rows(out / "kimi-k2-h200" / "trials.forgotten.csv")) == n_wgmma
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--backend", "wgmm"], "--backend wgmm: not a backend"),
+    (["--backend", "wgmma", "--out", "/nonexistent-kvtune"], "trials.csv: no trials table"),
+])
+def test_forget_names_what_is_wrong(out, capsys, argv, says):
+    argv = ["forget", str(DEP), *argv] + ([] if "--out" in argv else ["--out", str(out)])
+    assert main(argv) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_export_ignores_rows_measured_on_an_older_kernel_source(out, caplog):
+    """Rows of an older wgmma source, 10x faster than the real ones and appended before them,
+    would win every wgmma bucket if they counted: the export must equal the one without them."""
+    table = out / "kimi-k2-h200" / "trials.csv"
+    rows = _rows(table)
+    fake = []
+    for r in rows:
+        if r["backend"] == "wgmma":
+            f = dict(r, kernel_hash="0000000000000000", params=r["params"].replace('"NSPLIT": ', '"NSPLIT": 1'))
+            if f["median_us"]:
+                f["median_us"] = str(float(f["median_us"]) / 10)
+            fake.append(f)
+    clean = export_deployment(str(DEP), out=str(out), path=str(out / "clean.yaml"), quiet=True)
+    with table.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(fake + rows)
+    with caplog.at_level(logging.WARNING, logger="kvtune"):
+        mixed = export_deployment(str(DEP), out=str(out), path=str(out / "mixed.yaml"), quiet=True)
+    assert "older kernel source" in caplog.text and "0000000000000000" in caplog.text
+    strip = lambda p: {k: v for k, v in yaml.safe_load(p.read_text()).items() if k != "provenance"}  # noqa: E731
+    assert strip(out / "mixed.yaml") == strip(out / "clean.yaml")
+    assert mixed.provenance["kernel_hash"] == clean.provenance["kernel_hash"]

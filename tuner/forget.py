@@ -1,0 +1,102 @@
+"""`kvtune forget DEPLOYMENT --backend B`: set a backend's tuning aside so the next sweep starts it
+over, e.g. after its kernel source changed (its trials were measured on code that no longer runs).
+
+The backend's Optuna studies are deleted from the study storage (a resumed sweep would otherwise
+find them finished), and its rows move from `trials.csv` to `trials.forgotten.csv` beside it
+(appended: nothing measured is lost, and export no longer reads them). The other backends' rows
+and studies are untouched. Stop any sweep writing into the folder first.
+"""
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+from .config import load_deployment
+from .log import get_logger
+from .study import STUDY_SEP
+from .table import scan_table
+
+log = get_logger(__name__)
+
+
+def forget_backend(deployment: str, backends: list[str], out: str = "runs", storage: str | None = None) -> dict:
+    """Move `backends`' rows of `<out>/<deployment>/trials.csv` to `trials.forgotten.csv` and
+    delete their studies. Returns {"rows": rows moved, "studies": studies deleted}."""
+    from kvtune.kernels.tuned import BACKEND_NAMES
+    unknown = [b for b in backends if b not in BACKEND_NAMES]
+    if unknown:
+        raise ValueError(f"--backend {' '.join(unknown)}: not a backend (known: {', '.join(BACKEND_NAMES)})")
+    dep = load_deployment(deployment)
+    out_dir = Path(out) / dep.name
+    table = out_dir / "trials.csv"
+    if not table.is_file():
+        raise FileNotFoundError(f"{table}: no trials table (is --out the folder the sweep wrote into?)")
+    cols, rows, bad, _ = scan_table(table)
+    if bad:
+        raise ValueError(f"{table}: {len(bad)} torn or malformed row(s) (first at line {bad[0][0]}: {bad[0][2]}); "
+                         "run the sweep or export once to set them aside, then forget")
+    if "backend" not in cols:
+        raise ValueError(f"{table}: no 'backend' column in its header")
+    gone = [r for r in rows if r["backend"] in backends]
+    keep = [r for r in rows if r["backend"] not in backends]
+    if gone:
+        _append_rows(out_dir / "trials.forgotten.csv", cols, gone)
+        _write_rows(table, cols, keep)
+    studies = _delete_studies(storage or f"sqlite:///{out_dir / 'studies.db'}", dep.name, backends,
+                              must_exist=storage is None and (out_dir / "studies.db").is_file())
+    return {"rows": len(gone), "studies": studies}
+
+
+def _write_rows(path: Path, cols: list[str], rows: list[dict]) -> None:
+    tmp = path.with_suffix(".csv.tmp")
+    with tmp.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows(rows)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)   # a kill leaves the old table or the new one, never half of one
+
+
+def _append_rows(path: Path, cols: list[str], rows: list[dict]) -> None:
+    if path.is_file() and path.stat().st_size:
+        old_cols, old, bad, _ = scan_table(path)
+        if bad:
+            raise ValueError(f"{path}: {len(bad)} torn or malformed row(s); move it away, then forget again")
+        cols = old_cols + [c for c in cols if c not in old_cols]
+        rows = old + rows
+    _write_rows(path, cols, [{c: r.get(c, "") for c in cols} for r in rows])
+
+
+def _delete_studies(url: str, dep: str, backends: list[str], must_exist: bool) -> int:
+    if url.startswith("sqlite:///") and not Path(url[len("sqlite:///"):]).is_file() and not must_exist:
+        return 0   # no study storage yet: only the table held the backend
+    import optuna
+    from .storage import open_storage
+    st, _ = open_storage(url)
+    n = 0
+    for s in optuna.get_all_study_summaries(st, include_best_trial=False):
+        parts = s.study_name.split(STUDY_SEP)
+        if len(parts) >= 2 and parts[0] == dep and parts[1] in backends:
+            optuna.delete_study(study_name=s.study_name, storage=st)
+            n += 1
+    return n
+
+
+def _cmd_forget(args) -> int:
+    got = forget_backend(args.deployment, args.backend, out=args.out, storage=args.storage)
+    dest = Path(args.out) / load_deployment(args.deployment).name
+    print(f"forgot {', '.join(args.backend)} in {dest}: {got['rows']} trial row(s) moved to "
+          f"trials.forgotten.csv, {got['studies']} stud{'y' if got['studies'] == 1 else 'ies'} deleted")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("forget", help="set a backend's trials and studies aside so the next sweep re-tunes it",
+                              description=__doc__)
+    p.add_argument("deployment", help="deployment name or YAML path")
+    p.add_argument("--backend", nargs="+", required=True, help="the backend(s) to forget, e.g. wgmma")
+    p.add_argument("--out", default="runs", help="the sweep's output root (default ./runs)")
+    p.add_argument("--storage", help="Optuna storage URL, when not <out>/<deployment>/studies.db")
+    p.set_defaults(func=_cmd_forget)
