@@ -307,6 +307,25 @@ CSV_KEYS = ["case", "B", "prefix", "keys", "variant", "outcome", "median_us", "p
             "launches", "pools", "config", "reason", "wall_s"]
 
 
+def _run_case(m, spec, prefixes, opts, ci, va, va_b1, ad, defaults, args, common, cuda, rows) -> None:
+    B = spec.batch
+    case = Case(m, spec, prefixes, opts, seed=ci)
+    out = torch.empty(B * va.T, va.H, va.Dv, dtype=torch.bfloat16, device=va.device)
+    variants = _kernel_variants(va, va_b1, defaults, B, out, args.nsplit)
+    res = _time_kernels(m, case, opts, variants, common, cuda, rows)
+    _time_steps(va, ad, case, args.layers, args.reps, res["tuned"].get("median_us"), common, cuda, rows)
+    del case
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def _write(out_dir: Path, rows: list, va, meta: dict) -> dict:
+    _add_speedups(rows, va)
+    write_csv(out_dir / "serving.csv", [{k: r.get(k) for k in CSV_KEYS} for r in rows])
+    (out_dir / "serving.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    return meta
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     t_start = time.perf_counter()
@@ -352,24 +371,16 @@ def main(argv=None) -> int:
             rows.append({**common, "variant": "tuned", "outcome": "skipped",
                          "reason": f"workspace {need / 2**20:.0f} MiB > budget {budget / 2**20:.0f} MiB"})
             print(json.dumps(rows[-1]), flush=True)
-            continue
-        case = Case(m, spec, prefixes, opts, seed=ci)
-        out = torch.empty(B * va.T, va.H, va.Dv, dtype=torch.bfloat16, device=dev)
-        variants = _kernel_variants(va, va_b1, defaults, B, out, args.nsplit)
-        res = _time_kernels(m, case, opts, variants, common, cuda, rows)
-        _time_steps(va, ad, case, args.layers, args.reps, res["tuned"].get("median_us"), common, cuda, rows)
-        del case
-        if cuda:
-            torch.cuda.empty_cache()
-    _add_speedups(rows, va)
-    out_dir = Path(args.out)
-    write_csv(out_dir / "serving.csv", [{k: r.get(k) for k in CSV_KEYS} for r in rows])
-    meta = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "device": str(dev) if not cuda else
-            torch.cuda.get_device_name(dev), "defaults": tuned.source, "budget_bytes": budget,
+        else:
+            _run_case(m, spec, prefixes, opts, ci, va, va_b1, ad, defaults, args, common, cuda, rows)
+        # after every case: a run cut short (a time limit, a fault) keeps the cases it finished
+        meta = _write(Path(args.out), rows, va, {
+            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "device": torch.cuda.get_device_name(dev)
+            if cuda else str(dev), "defaults": tuned.source, "budget_bytes": budget,
             "ceilings": dataclasses.asdict(ceil), "runtime": {k: v for k, v in va.describe().items() if k != "plans"},
-            "wall_s": round(time.perf_counter() - t_start, 1)}
-    (out_dir / "serving.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+            "wall_s": round(time.perf_counter() - t_start, 1), "cases_done": ci + 1, "cases": len(cases)})
     _print_table(rows)
+    out_dir = Path(args.out)
     print(f"wrote {out_dir / 'serving.csv'} and {out_dir / 'serving.json'} in {meta['wall_s']} s")
     return 0
 

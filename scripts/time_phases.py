@@ -1,9 +1,13 @@
 #!/usr/bin/env python3
-"""Diagnosis (not a test): the CUDA backend's two launches timed apart, H=8, T=9, bs=1.
+"""Diagnosis (not a test): the CUDA (or wgmma) backend's two launches timed apart, H=8, T=9, bs=1.
 
 Graph replay over rotating inputs (cold L2, as the Measurer times; `sol_read.graph_us`), median
 of 15, of: both kernels, the split kernel alone, the merge kernel alone (it then merges stale
-partials: timing only). The launch of the other kernel is filtered out at `cuLaunchKernel`.
+partials: timing only). The launch of the other kernel is filtered out at `cuLaunchKernel`
+(and `cuLaunchKernelEx`, the merge's launch with programmatic dependent launch).
+`--backend wgmma` times the wgmma kernel the same way (its default NSPLIT unless --params says);
+its variants (WGMMA_VARIANTS: full, no_tiles, no_q, no_o_store, exit_early, no_gather) patch
+verify_wgmma.cu at its own anchors.
 
 --variants also times copies of the source with one stage left out (METHOD.md: place time
 inside a kernel by differences), compiled in memory (`nvrtc.source_override`), never shipped;
@@ -26,6 +30,7 @@ their outputs are wrong, only their times mean anything:
     python scripts/time_phases.py --out $OUT      # on a GPU; or: bash scripts/gpu_evidence.sh limits
     python scripts/time_phases.py --out $OUT --prefixes 256,4096,16384 --variants all
     python scripts/time_phases.py --out $OUT --prefixes 65536 --variants full,no_gather,no_softmax,no_pv
+    python scripts/time_phases.py --out $OUT --backend wgmma --heads 7 --prefixes 256,131072
 """
 from __future__ import annotations
 
@@ -65,6 +70,19 @@ VARIANTS = {
                    "            if (a.H < 0 && nt + 1 < C::NT) mma_bf16(")],
 }
 
+#: the same stages of the wgmma split kernel (`--backend wgmma`), anchors in verify_wgmma.cu
+WGMMA_VARIANTS = {
+    "full": [],
+    "no_tiles": [("const int n_tiles = (hi - lo + BN - 1) / BN;",
+                  "const int n_tiles = 0 * ((hi - lo + BN - 1) / BN);")],
+    "no_q": [("  if (a.q_vec16) {\n    for (int i = tid; i < ROWS * CHUNKS;",
+              "  if (a.H > 0) {\n  } else if (a.q_vec16) {\n    for (int i = tid; i < ROWS * CHUNKS;")],
+    "no_o_store": [("    if (rg < HT)\n      *reinterpret_cast<uint4*>(a.part_o",
+                    "    if (rg < HT && a.H < 0)\n      *reinterpret_cast<uint4*>(a.part_o")],
+    "exit_early": [("  if (b < 0) return;  // past", "  if (b < 0 || a.H > 0) return;  // past")],
+    "no_gather": [("    const int bytes = ok ? 16 : 0;", "    const int bytes = 0 * ok;")],
+}
+
 #: variants that may fault (see the docstring): only when named
 UNSAFE = {"no_stage_barriers"}
 
@@ -80,10 +98,12 @@ def cold_pools(heads: int, prefix: int) -> list:
             for i in range(max(2, min(48, math.ceil(3 * l2 / nbytes))))]
 
 
-def patched_source(src: str, variant: str) -> str:
-    for anchor, repl in VARIANTS[variant]:
+def patched_source(src: str, variant: str, backend: str = "cuda") -> str:
+    """`src` (verify.cu, or verify_wgmma.cu for `backend` wgmma) with `variant`'s stage left out."""
+    table, part = (WGMMA_VARIANTS, "verify_wgmma.cu") if backend == "wgmma" else (VARIANTS, "verify.cu")
+    for anchor, repl in table[variant]:
         if src.count(anchor) != 1:
-            raise SystemExit(f"variant {variant}: anchor {anchor!r} occurs {src.count(anchor)} times in verify.cu")
+            raise SystemExit(f"variant {variant}: anchor {anchor!r} occurs {src.count(anchor)} times in {part}")
         src = src.replace(anchor, repl)
     return src
 
@@ -91,32 +111,43 @@ def patched_source(src: str, variant: str) -> str:
 class Phases:
     """Times one prefix's launches, with the merge or the split launch filtered out."""
 
-    def __init__(self, heads: int):
+    def __init__(self, heads: int, backend: str = "cuda"):
         from kvtune.kernels import get_backend
-        self.heads, self.be = heads, get_backend("cuda")
+        self.heads, self.name, self.be = heads, backend, get_backend(backend)
         self.skip = None
-        orig = drv.cuLaunchKernel
+        orig, orig_ex = drv.cuLaunchKernel, drv.cuLaunchKernelEx
 
         def launch(f, *rest):
             if self.skip is not None and int(f) == self.skip:
                 return (drv.CUresult.CUDA_SUCCESS,)
             return orig(f, *rest)
 
-        drv.cuLaunchKernel = launch
+        def launch_ex(cfg, f, *rest):
+            if self.skip is not None and int(f) == self.skip:
+                return (drv.CUresult.CUDA_SUCCESS,)
+            return orig_ex(cfg, f, *rest)
+
+        drv.cuLaunchKernel, drv.cuLaunchKernelEx = launch, launch_ex
+
+    def kernels(self, p):
+        if self.name == "wgmma":
+            k = self.be._get(9, torch.device("cuda"))
+            return k.split, k.merge
+        return self.be._get(p, 9, torch.device("cuda"))[:2]
 
     def time(self, pools, over: dict) -> dict:
         from kvtune.kernels import verify_attention
         from kvtune.kernels.api import describe_problem
         problem = describe_problem(*pools[0].args)
         p = replace(self.be.default_params(problem), **over)
-        split_k, merge_k = self.be._get(p, 9, torch.device("cuda"))[:2]
+        split_k, merge_k = self.kernels(p)
         out = torch.empty(9, self.heads, 512, dtype=torch.bfloat16, device="cuda")
         ws = torch.empty(self.be.workspace_bytes(problem, p), dtype=torch.uint8, device="cuda")
         reps = max(len(pools), 96 // len(pools) * len(pools))
         row = {"params": str(p)}
         for what, skip in (("both", None), ("split", int(merge_k.function)), ("merge", int(split_k.function))):
             self.skip = skip
-            fns = [lambda x=x, p=p, out=out, ws=ws: verify_attention(*x.args, backend="cuda", params=p, out=out,
+            fns = [lambda x=x, p=p, out=out, ws=ws: verify_attention(*x.args, backend=self.name, params=p, out=out,
                                                                     workspace=ws, check_values_=False)
                    for x in pools]
             row[f"{what}_us"] = round(graph_us([fns[i % len(fns)] for i in range(reps)]), 2)
@@ -129,28 +160,31 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--prefixes", default="4096,16384,65536,131072")
     ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--params", default="", help="NAME=VALUE,... over the CUDA default (e.g. NUM_WARPS=4)")
+    ap.add_argument("--backend", default="cuda", choices=["cuda", "wgmma"])
+    ap.add_argument("--params", default="", help="NAME=VALUE,... over the backend's default (e.g. NUM_WARPS=4)")
     ap.add_argument("--variants", default="", help="'all', or a comma-separated list of the variants above to time")
     args = ap.parse_args(argv)
     from kvtune.kernels.cuda import nvrtc
-    from kvtune.kernels.cuda.params import CUDA_PARAMS
+    from kvtune.kernels.cuda.params import CUDA_PARAMS, WGMMA_PARAMS
 
+    known = (WGMMA_PARAMS if args.backend == "wgmma" else CUDA_PARAMS).params
     over = {k: int(v) for k, v in (kv.split("=") for kv in args.params.split(",") if kv)}
-    if set(over) - set(CUDA_PARAMS.params):
-        raise SystemExit(f"--params: unknown {sorted(set(over) - set(CUDA_PARAMS.params))}; "
-                         f"known: {sorted(CUDA_PARAMS.params)}")
+    if set(over) - set(known):
+        raise SystemExit(f"--params: unknown {sorted(set(over) - set(known))}; known: {sorted(known)}")
+    table, part = (WGMMA_VARIANTS, "verify_wgmma.cu") if args.backend == "wgmma" else (VARIANTS, "verify.cu")
     names = [v.strip() for v in args.variants.split(",")] if args.variants else ["full"]
-    names = [v for v in VARIANTS if v not in UNSAFE] if names == ["all"] else names
-    if set(names) - set(VARIANTS):
-        raise SystemExit(f"--variants: unknown {sorted(set(names) - set(VARIANTS))}; known: all, {', '.join(VARIANTS)}")
-    ph = Phases(args.heads)
-    source = nvrtc.kernel_source()
+    names = [v for v in table if v not in UNSAFE] if names == ["all"] else names
+    if set(names) - set(table):
+        raise SystemExit(f"--variants: unknown for {args.backend} {sorted(set(names) - set(table))}; "
+                         f"known: all, {', '.join(table)}")
+    ph = Phases(args.heads, args.backend)
+    source = nvrtc.SOURCE_PATH.with_name(part).read_text()
     rows = []
     for prefix in [int(p) for p in args.prefixes.split(",")]:
         pools = cold_pools(args.heads, prefix)
         for variant in names:
             runs = [(variant, pools)] + ([("full, hot L2", pools[:1])] if variant == "full" and args.variants else [])
-            with nvrtc.source_override(patched_source(source, variant)):
+            with nvrtc.source_override(patched_source(source, variant, args.backend), part):
                 ph.be._kernels.clear()
                 for name, use in runs:
                     row = {"prefix": prefix, "H": args.heads, "variant": name, **ph.time(use, over)}

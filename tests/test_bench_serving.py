@@ -4,6 +4,7 @@ interpreter and the runtime on the oracle, no timing): every variant of every ca
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -23,4 +24,5 @@ def test_bench_serving_smoke(tmp_path):
     assert {"tuned", "tuned-b1", "default-triton", "step:runtime", "step:adapter", "step:per-call"} <= variants
     assert all(r["outcome"] == "ok" for r in rows), [(r["case"], r["variant"], r["outcome"], r["reason"]) for r in rows]
     assert all(float(r["floor_us"]) > 0 for r in rows)
-    assert (tmp_path / "serving.json").is_file()
+    meta = json.loads((tmp_path / "serving.json").read_text())["meta"]
+    assert meta["cases_done"] == meta["cases"] == 2   # written after each case: a cut run keeps what it timed

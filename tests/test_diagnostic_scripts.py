@@ -53,6 +53,22 @@ def test_phase_variants_patch_once_and_compile(cache):
         assert nvrtc.kernel_source() == src, name   # restored after the block
 
 
+def test_wgmma_phase_variants_patch_once_and_compile(cache):
+    import time_phases
+    from kvtune.kernels.cuda.wgmma import PARTS, compile_wgmma, split_expr as wgmma_expr
+    part = PARTS[1]
+    src = nvrtc.SOURCE_PATH.with_name(part).read_text()
+    shipped_hash = nvrtc.kernel_source_hash(PARTS)
+    for name in time_phases.WGMMA_VARIANTS:
+        patched = time_phases.patched_source(src, name, "wgmma")
+        assert (patched == src) == (name == "full"), name
+        with nvrtc.source_override(patched, part):
+            assert (nvrtc.kernel_source_hash(PARTS) == shipped_hash) == (name == "full"), name
+            mod = compile_wgmma(9, "sm_90")
+        assert mod.resources[wgmma_expr(9)].spills == 0, name
+        assert nvrtc.kernel_source_hash(PARTS) == shipped_hash, name   # restored after the block
+
+
 def test_phase_variant_with_a_lost_anchor_is_refused():
     import time_phases
     with pytest.raises(SystemExit, match="occurs 0 times"):

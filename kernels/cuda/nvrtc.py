@@ -85,22 +85,25 @@ def kernel_source(parts: tuple[str, ...] = ("verify.cu",)) -> str:
 
 
 @contextmanager
-def source_override(text: str):
-    """Compile `text` in place of verify.cu inside the block (diagnostics that time copies of
-    the source with a stage left out: scripts/time_phases.py). The source hash, so every
-    compile-cache name, follows the text: nothing compiled from it is ever served for verify.cu.
-    Loaded kernels are the caller's to drop (the backend caches them by parameters)."""
+def source_override(text: str, part: str = "verify.cu"):
+    """Compile `text` in place of the source part `part` inside the block (diagnostics that time
+    copies of the source with a stage left out: scripts/time_phases.py). The source hash, so
+    every compile-cache name, follows the text: nothing compiled from it is ever served for the
+    shipped source. Loaded kernels are the caller's to drop (the backends cache them)."""
+    if part not in SOURCE_PARTS:
+        raise ValueError(f"part: expected one of {SOURCE_PARTS}, got {part!r}")
+    key = "src" if part == "verify.cu" else part
     with _source_lock:
-        old = _source_cache.get("src")
-        _source_cache["src"] = text
+        old = _source_cache.get(key)
+        _source_cache[key] = text
     try:
         yield
     finally:
         with _source_lock:
             if old is None:
-                _source_cache.pop("src", None)
+                _source_cache.pop(key, None)
             else:
-                _source_cache["src"] = old
+                _source_cache[key] = old
 
 
 def kernel_source_hash(parts: tuple[str, ...] = ("verify.cu",)) -> str:

@@ -400,14 +400,24 @@ __global__ void __launch_bounds__(256, 1) verify_wgmma_kernel(const SplitArgs a)
     if (pr0 >= 0) a.part_lse[pr0] = l0 == 0.f ? NEG_INF : (m_s[r0] + __log2f(l0)) * LN2;
     if (pr1 >= 0) a.part_lse[pr1] = l1 == 0.f ? NEG_INF : (m_s[r1] + __log2f(l1)) * LN2;
   }
+  // -- o leaves through Q's shared memory (free: both warpgroups' MMAs ended before the barrier
+  // above) as 16-byte stores of whole rows; the accumulator's own 4-byte stores (8 rows x 16 bytes
+  // per warp store) cost 2-3.5 us per call (scripts/time_phases.py --backend wgmma, no_o_store)
+  constexpr int OPITCH = DV * 2 + 16;  // bytes per staged row: +16 puts a store's 8 rows on 8 bank quads
+  static_assert(ROWS * OPITCH <= K_OFF, "staged o fits in Q's shared memory");
 #pragma unroll
   for (int i = 0; i < 128; i += 2) {
     const bool hi_row = (i >> 1) & 1;
-    const i64 pr = hi_row ? pr1 : pr0;
     const float inv = hi_row ? i1 : i0;
-    if (pr >= 0)
-      *reinterpret_cast<u32*>(a.part_o + pr * DV + 256 * wgi + 8 * (i >> 2) + 2 * t4) =
-          pack_bf16(o[i] * inv, o[i + 1] * inv);
+    *reinterpret_cast<u32*>(Qs + (hi_row ? r1 : r0) * OPITCH + (256 * wgi + 8 * (i >> 2) + 2 * t4) * 2) =
+        pack_bf16(o[i] * inv, o[i + 1] * inv);
+  }
+  __syncthreads();
+  for (int c = tid; c < ROWS * (DV / 8); c += 256) {
+    const int r = c / (DV / 8), k = c % (DV / 8), rg = mb * ROWS + r;
+    if (rg < HT)
+      *reinterpret_cast<uint4*>(a.part_o + (((i64)item * T + rg % T) * a.H + rg / T) * DV + 8 * k) =
+          *reinterpret_cast<const uint4*>(Qs + r * OPITCH + 16 * k);
   }
 #else
   __trap();  // wgmma needs sm_90a: the backend compiles this kernel for nothing else
