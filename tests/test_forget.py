@@ -86,3 +86,34 @@ def test_export_ignores_rows_measured_on_an_older_kernel_source(out, caplog):
     strip = lambda p: {k: v for k, v in yaml.safe_load(p.read_text()).items() if k != "provenance"}  # noqa: E731
     assert strip(out / "mixed.yaml") == strip(out / "clean.yaml")
     assert mixed.provenance["kernel_hash"] == clean.provenance["kernel_hash"]
+
+
+def test_a_sweep_over_trials_of_another_kernel_source_says_how_to_re_tune(tmp_path):
+    """Resuming would skip the finished studies of the old source: the sweep refuses and names
+    `kvtune forget`; after it, the same sweep tunes the current source from scratch."""
+    from kvtune.tuner.config import ConfigError
+    from kvtune.tuner.sweep import SweepOptions, run_sweep
+
+    dep = tmp_path / "stale.yaml"
+    dep.write_text(yaml.safe_dump({
+        "name": "stale", "model": {"name": "tiny-mla", "num_heads": 8, "draft_tokens": 4, "tree": "random"},
+        "device": "cpu", "tp": [8], "contexts": [64], "batches": [1], "backends": ["triton"], "trials": 2,
+        "timing": "eager"}))
+    out = tmp_path / "results"
+    kw = dict(device="cpu", out=str(out), rounds=0, progress=False)
+    assert run_sweep(dep, SweepOptions(**kw)).status == "complete"
+    table = out / "stale" / "trials.csv"
+    rows = _rows(table)
+    current = {r["kernel_hash"] for r in rows}
+    assert len(current) == 1 and "" not in current
+    with table.open("w", newline="") as fh:   # as if the kernel source had changed since
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(dict(r, kernel_hash="0000000000000000") for r in rows)
+    with pytest.raises(ConfigError, match=r"kvtune forget .*stale\.yaml --backend triton"):
+        run_sweep(dep, SweepOptions(**kw))
+    assert main(["forget", str(dep), "--backend", "triton", "--out", str(out)]) == 0
+    again = run_sweep(dep, SweepOptions(**kw))
+    assert again.status == "complete" and again.measured_now >= 2
+    assert {r["kernel_hash"] for r in _rows(table)} == current
+    assert {r["kernel_hash"] for r in _rows(out / "stale" / "trials.forgotten.csv")} == {"0000000000000000"}

@@ -117,6 +117,27 @@ class Sweep(StudyLoop):
         for bi in binfo.values():
             names += [f for f in bi["fields"] if f not in names]
         self.table = TrialsTable(self.out_dir / "trials.csv", names, shared=self.shared)
+        self._refuse_stale_source(binfo)
+
+    def _refuse_stale_source(self, binfo) -> None:
+        """A backend whose trials here were measured on another kernel source: its finished studies
+        would be skipped as done, so the current source would never be tuned (and export counts
+        only a backend's latest source). The fix is one command; say it rather than guess."""
+        from .table import scan_table
+        _, rows, _, _ = scan_table(self.table.path)
+        for be, bi in binfo.items():
+            cur = str(bi.get("kernel_hash") or "")
+            if not cur or cur == "replay":
+                continue
+            old = {r.get("kernel_hash") for r in rows if r.get("backend") == be} - {cur, "", None}
+            if old:
+                n = sum(r.get("backend") == be and r.get("kernel_hash") in old for r in rows)
+                dep = self.dep.source if Path(str(self.dep.source)).is_file() else self.dep.name
+                raise ConfigError(
+                    f"{self.table.path}: {n} trial row(s) of {be} were measured on kernel source {sorted(old)}, this "
+                    f"{be} source is {cur}; resuming would skip its finished studies. Re-tune it from scratch with "
+                    f"`kvtune forget {dep} --backend {be} --out {self.o.out}` (its rows move to "
+                    f"trials.forgotten.csv), or leave it out with --backend")
 
     # -- one measurement ------------------------------------------------------------------
     def _measure(self, backend, params, spec, seed, extra: dict | None = None) -> dict:
