@@ -2,7 +2,7 @@
 # Profile the CUDA kernel with Nsight Compute (device tool, repository root; ncu on the machine).
 # Per prefix (default 4096 and 131072), H = 8 (or $H), T = 9, bs = 1, the default config of backend
 # $BACKEND (cuda, default, or wgmma) with the overrides in PARAMS (e.g. PARAMS="HEADS_PER_BLOCK=4,NSPLIT=264"),
-# driven by scripts/profile_split.py:
+# driven by scripts/profile_split.py ($WGMMA_SOURCE: another verify_wgmma.cu to profile, e.g. from git history):
 #
 #   $OUT/ncu_<prefix>.txt      split and merge durations, cycles, instructions, DRAM and L2 bytes; the
 #                              split kernel's SpeedOfLight, warp state, scheduler and stall reasons
