@@ -117,3 +117,20 @@ def test_a_sweep_over_trials_of_another_kernel_source_says_how_to_re_tune(tmp_pa
     assert again.status == "complete" and again.measured_now >= 2
     assert {r["kernel_hash"] for r in _rows(table)} == current
     assert {r["kernel_hash"] for r in _rows(out / "stale" / "trials.forgotten.csv")} == {"0000000000000000"}
+
+
+def test_forget_sets_a_torn_row_aside_and_a_rerun_adds_no_duplicate(out, capsys):
+    table = out / "kimi-k2-h200" / "trials.csv"
+    rows = _rows(table)
+    with table.open("a") as fh:
+        fh.write("kimi-k2-h200,torn-row-cut-mid")   # a row without its end, as a kill leaves it
+    # as if a first forget had been killed after archiving the rows, before rewriting the table
+    wg = [r for r in rows if r["backend"] == "wgmma"]
+    with (out / "kimi-k2-h200" / "trials.forgotten.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(wg[:5])
+    assert main(["forget", str(DEP), "--backend", "wgmma", "--out", str(out)]) == 0
+    assert _rows(table) == [r for r in rows if r["backend"] != "wgmma"]
+    assert _rows(out / "kimi-k2-h200" / "trials.forgotten.csv") == wg
+    assert "torn-row-cut-mid" in (out / "kimi-k2-h200" / "trials.csv.torn").read_text()

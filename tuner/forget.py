@@ -13,12 +13,8 @@ import os
 from pathlib import Path
 
 from .config import load_deployment
-from .log import get_logger
 from .study import STUDY_SEP
-from .table import scan_table
-
-log = get_logger(__name__)
-
+from .table import _set_aside, _warn_bad, row_key, scan_table
 
 def forget_backend(deployment: str, backends: list[str], out: str = "runs", storage: str | None = None) -> dict:
     """Move `backends`' rows of `<out>/<deployment>/trials.csv` to `trials.forgotten.csv` and
@@ -32,10 +28,10 @@ def forget_backend(deployment: str, backends: list[str], out: str = "runs", stor
     table = out_dir / "trials.csv"
     if not table.is_file():
         raise FileNotFoundError(f"{table}: no trials table (is --out the folder the sweep wrote into?)")
-    cols, rows, bad, _ = scan_table(table)
-    if bad:
-        raise ValueError(f"{table}: {len(bad)} torn or malformed row(s) (first at line {bad[0][0]}: {bad[0][2]}); "
-                         "run the sweep or export once to set them aside, then forget")
+    cols, rows, bad, keep_text = scan_table(table)
+    if bad:   # as a sweep would: kept in trials.csv.torn, out of the way of the rewrite below
+        _warn_bad(table, bad, f"set aside in {table}.torn")
+        _set_aside(table, keep_text, bad)
     if "backend" not in cols:
         raise ValueError(f"{table}: no 'backend' column in its header")
     gone = [r for r in rows if r["backend"] in backends]
@@ -61,11 +57,13 @@ def _write_rows(path: Path, cols: list[str], rows: list[dict]) -> None:
 
 def _append_rows(path: Path, cols: list[str], rows: list[dict]) -> None:
     if path.is_file() and path.stat().st_size:
-        old_cols, old, bad, _ = scan_table(path)
+        old_cols, old, bad, keep_text = scan_table(path)
         if bad:
-            raise ValueError(f"{path}: {len(bad)} torn or malformed row(s); move it away, then forget again")
+            _warn_bad(path, bad, f"set aside in {path}.torn")
+            _set_aside(path, keep_text, bad)
         cols = old_cols + [c for c in cols if c not in old_cols]
-        rows = old + rows
+        have = {row_key(r) for r in old}   # a forget killed before its table rewrite, run again
+        rows = old + [r for r in rows if row_key(r) not in have]
     _write_rows(path, cols, [{c: r.get(c, "") for c in cols} for r in rows])
 
 
