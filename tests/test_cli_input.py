@@ -88,7 +88,7 @@ def _readme_commands():
     text = (REPO / "README.md").read_text() + (REPO / "scripts" / "tune.sh").read_text()
     cmds = []
     for line in text.replace("\\\n", " ").splitlines():
-        m = re.match(r"\s*(?:[A-Z_]+=\S+ )*(kvtune (sweep|export|worker|report)\b[^#`]*)", line)
+        m = re.match(r"\s*(?:[A-Z_]+=\S+ )*(kvtune (sweep|export|worker|report|forget)\b[^#`]*)", line)
         if m and "$" not in m.group(1):
             cmds.append(shlex.split(m.group(1))[1:])
     return cmds
@@ -100,10 +100,11 @@ def test_no_readme_command_writes_into_committed_results_by_default():
     parser = build_parser()
     for argv in cmds:
         args = parser.parse_args(argv)
-        if args.command in ("sweep", "export", "worker"):
+        if args.command in ("sweep", "export", "worker", "forget"):
             assert Path(args.out).parts[0] == "runs", argv
-    for cmd in ("sweep", "worker", "export"):
-        extra = ["--storage", "journal:x"] if cmd == "worker" else []
+    assert any(c[0] == "forget" for c in cmds)
+    for cmd in ("sweep", "worker", "export", "forget"):
+        extra = {"worker": ["--storage", "journal:x"], "forget": ["--backend", "wgmma"]}.get(cmd, [])
         assert parser.parse_args([cmd, "d", *extra]).out == "runs"
     assert SweepOptions().out == "runs"
 
