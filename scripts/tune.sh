@@ -16,7 +16,7 @@ out=${KVTUNE_OUT:-runs}
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     dep=${KVTUNE_DEPLOYMENT:-configs/deployments/kimi-k2-h200.yaml}
     # the shipped sweep's settings (results/kimi-k2-h200/: every tp and batch bucket, CUDA with
-    # 8 trials per study in 484 s of one H200, then wgmma, NSPLIT only, 5 trials in 244 s);
+    # 8 trials per study in 484 s of one H200, then wgmma, NSPLIT only, 5 trials in 250 s);
     # --max-minutes stops resumably if it runs long. The Triton backend is 3-6x slower there and
     # never served: add `--backend triton` to a pass to sweep it too.
     opts=(--device cuda --backend cuda --trials 8 --rounds 1 --remeasure-top 1 --max-minutes 10)
@@ -29,11 +29,13 @@ else
     echo "kvtune: no CUDA GPU: sweeping the small CPU deployment $dep (Triton interpreter; CPU timings, not GPU numbers)"
 fi
 start=$(date +%s)
-kvtune sweep "$dep" --out "$out" "${opts[@]}" "$@"
+# --retune-stale: after a kvtune update that changed a kernel, its old trials in $out are set
+# aside (trials.forgotten.csv) and it is tuned again rather than resumed as done
+kvtune sweep "$dep" --out "$out" --retune-stale "${opts[@]}" "$@"
 # the wgmma kernel runs where its backend says it can (H100/H200); a sweep of nothing else fails
 if [ -n "${wgmma_opts[*]:-}" ] && python -c "import sys, torch; from kvtune.kernels import get_backend
 sys.exit(get_backend('wgmma').supports(torch.device('cuda')) is not None)"; then
-    kvtune sweep "$dep" --out "$out" "${wgmma_opts[@]}" "$@"
+    kvtune sweep "$dep" --out "$out" --retune-stale "${wgmma_opts[@]}" "$@"
 fi
 kvtune export "$dep" --out "$out"
 echo "kvtune: done in $(( $(date +%s) - start )) s; results under $out/$(python -c "import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))['name'])" "$dep")/"

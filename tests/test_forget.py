@@ -90,7 +90,8 @@ def test_export_ignores_rows_measured_on_an_older_kernel_source(out, caplog):
 
 def test_a_sweep_over_trials_of_another_kernel_source_says_how_to_re_tune(tmp_path):
     """Resuming would skip the finished studies of the old source: the sweep refuses and names
-    `kvtune forget`; after it, the same sweep tunes the current source from scratch."""
+    `kvtune forget`; with --retune-stale it sets the old rows aside itself and tunes the current
+    source from scratch."""
     from kvtune.tuner.config import ConfigError
     from kvtune.tuner.sweep import SweepOptions, run_sweep
 
@@ -110,10 +111,10 @@ def test_a_sweep_over_trials_of_another_kernel_source_says_how_to_re_tune(tmp_pa
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(dict(r, kernel_hash="0000000000000000") for r in rows)
-    with pytest.raises(ConfigError, match=r"kvtune forget .*stale\.yaml --backend triton"):
+    with pytest.raises(ConfigError, match=r"kvtune forget .*stale\.yaml --backend triton.*--retune-stale"):
         run_sweep(dep, SweepOptions(**kw))
-    assert main(["forget", str(dep), "--backend", "triton", "--out", str(out)]) == 0
-    again = run_sweep(dep, SweepOptions(**kw))
+    assert _rows(table)[0]["kernel_hash"] == "0000000000000000"   # the refusal changed nothing
+    again = run_sweep(dep, SweepOptions(retune_stale=True, **kw))   # what scripts/tune.sh passes
     assert again.status == "complete" and again.measured_now >= 2
     assert {r["kernel_hash"] for r in _rows(table)} == current
     assert {r["kernel_hash"] for r in _rows(out / "stale" / "trials.forgotten.csv")} == {"0000000000000000"}

@@ -44,6 +44,24 @@ def forget_backend(deployment: str, backends: list[str], out: str = "runs", stor
     return {"rows": len(gone), "studies": studies}
 
 
+def stale_sources(table: Path, current: dict[str, str | None]) -> dict[str, tuple[int, list[str], str]]:
+    """Per backend of `current` (name -> its kernel source hash now): (rows, [their other hashes],
+    the current hash) when rows of `table` were measured on another source. Backends without a
+    hash (none known, or a replay's) are never stale."""
+    if not Path(table).is_file():
+        return {}
+    _, rows, _, _ = scan_table(table)
+    out = {}
+    for be, cur in current.items():
+        if not cur or cur == "replay":
+            continue
+        other = [r.get("kernel_hash") for r in rows if r.get("backend") == be and r.get("kernel_hash") not in
+                 (cur, "", None)]
+        if other:
+            out[be] = (len(other), sorted(set(other)), cur)
+    return out
+
+
 def _write_rows(path: Path, cols: list[str], rows: list[dict]) -> None:
     tmp = path.with_suffix(".csv.tmp")
     with tmp.open("w", newline="") as f:

@@ -35,6 +35,7 @@ class SweepOptions:
     compile_workers: int | None = None    # processes compiling configs ahead (default: 0 on CPU, ~cores/2 on GPU)
     measure_overrides: dict = field(default_factory=dict)
     strategy: SearchStrategy = DEFAULT_STRATEGY   # how a study picks configs (tuner/strategy.py)
+    retune_stale: bool = False            # a backend's trials on another kernel source: forget them, re-tune
 
 
 def check_options(opts: SweepOptions, dep: Deployment) -> None:
@@ -128,4 +129,5 @@ def options_from_args(args) -> SweepOptions:
                         rounds=getattr(args, "rounds", 3), isolate=not getattr(args, "in_process", False),
                         trial_timeout_s=args.trial_timeout,
                         progress=not (args.no_progress or getattr(args, "quiet", 0)),
-                        max_minutes=args.max_minutes, compile_workers=args.compile_workers, grid=args.grid)
+                        max_minutes=args.max_minutes, compile_workers=args.compile_workers, grid=args.grid,
+                        retune_stale=getattr(args, "retune_stale", False))

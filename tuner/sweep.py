@@ -116,28 +116,31 @@ class Sweep(StudyLoop):
         names = []
         for bi in binfo.values():
             names += [f for f in bi["fields"] if f not in names]
+        self._stale_sources(binfo)   # before the table is loaded: forgetting rewrites it
         self.table = TrialsTable(self.out_dir / "trials.csv", names, shared=self.shared)
-        self._refuse_stale_source(binfo)
 
-    def _refuse_stale_source(self, binfo) -> None:
-        """A backend whose trials here were measured on another kernel source: its finished studies
-        would be skipped as done, so the current source would never be tuned (and export counts
-        only a backend's latest source). The fix is one command; say it rather than guess."""
-        from .table import scan_table
-        _, rows, _, _ = scan_table(self.table.path)
-        for be, bi in binfo.items():
-            cur = str(bi.get("kernel_hash") or "")
-            if not cur or cur == "replay":
+    def _stale_sources(self, binfo) -> None:
+        """A backend whose trials here were measured on another kernel source: resuming would skip
+        its finished studies, so the current source would never be tuned (and export counts only a
+        backend's latest source). With --retune-stale its rows and studies are set aside
+        (`kvtune forget`) and it is tuned from scratch; otherwise the sweep stops and says so."""
+        from .forget import forget_backend, stale_sources
+        stale = stale_sources(self.out_dir / "trials.csv", {be: bi.get("kernel_hash") for be, bi in binfo.items()})
+        dep = self.dep.source if Path(str(self.dep.source)).is_file() else self.dep.name
+        for be, (n, old, cur) in stale.items():
+            if self.o.retune_stale and not self.shared:
+                got = forget_backend(str(dep), [be], out=self.o.out, storage=self.storage_url)
+                log.warning("%s: %d trial row(s) were measured on kernel source %s, this source is %s: moved to "
+                            "trials.forgotten.csv with %d of its studies; tuning it from scratch", be, got["rows"],
+                            old, cur, got["studies"])
                 continue
-            old = {r.get("kernel_hash") for r in rows if r.get("backend") == be} - {cur, "", None}
-            if old:
-                n = sum(r.get("backend") == be and r.get("kernel_hash") in old for r in rows)
-                dep = self.dep.source if Path(str(self.dep.source)).is_file() else self.dep.name
-                raise ConfigError(
-                    f"{self.table.path}: {n} trial row(s) of {be} were measured on kernel source {sorted(old)}, this "
-                    f"{be} source is {cur}; resuming would skip its finished studies. Re-tune it from scratch with "
-                    f"`kvtune forget {dep} --backend {be} --out {self.o.out}` (its rows move to "
-                    f"trials.forgotten.csv), or leave it out with --backend")
+            raise ConfigError(
+                f"{self.out_dir / 'trials.csv'}: {n} trial row(s) of {be} were measured on kernel source {old}, "
+                f"this {be} source is {cur}; resuming would skip its finished studies. Re-tune it from scratch "
+                f"with `kvtune forget {dep} --backend {be} --out {self.o.out}` (its rows move to "
+                f"trials.forgotten.csv) before the sweep"
+                + (", or with --retune-stale" if not self.shared else " (workers cannot do it themselves)")
+                + ", or leave it out with --backend")
 
     # -- one measurement ------------------------------------------------------------------
     def _measure(self, backend, params, spec, seed, extra: dict | None = None) -> dict:

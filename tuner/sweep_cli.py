@@ -128,6 +128,9 @@ def register(subparsers) -> None:
     p.add_argument("--storage", help="Optuna storage: an SQLAlchemy URL (default sqlite:///<out>/<deployment>/"
                    "studies.db) or journal:PATH; keep passwords out of it (PGPASSWORD or ~/.pgpass)")
     p.add_argument("--remeasure-top", type=int, default=3, help="configs per bucket re-measured against the baseline")
+    p.add_argument("--retune-stale", action="store_true",
+                   help="a backend whose trials in --out were measured on another kernel source: move them to "
+                        "trials.forgotten.csv, delete its studies and tune it from scratch (default: stop and say so)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved re-measurement rounds")
     p.add_argument("--in-process", action="store_true", help="measure in this process (no fault isolation)")
     p.add_argument("--export", action="store_true",
