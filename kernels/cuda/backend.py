@@ -218,13 +218,53 @@ def on_tensors_device(a: LaunchArgs, launch) -> None:
     return launch()
 
 
-class CudaBackend(Backend):
-    name = "cuda"
-    params_type = CudaParams
+class SplitMergeBackend(Backend):
+    """What the NVRTC backends built on verify.cu's SplitArgs, schedule and merge share: their
+    parameter type and the MLA widths checked before their own checks (`_check_kernel`), the
+    split workspace, `static_reject`'s default arch before their own reasons (`_reject_on`), and
+    the launch in the tensors' device context (`_launch`)."""
     nsplit_per_batch = True
 
     def __init__(self):
-        self._kernels: dict[tuple, tuple] = {}
+        self._kernels: dict[tuple, object] = {}
+
+    def check_params(self, params, problem: VerifyProblem) -> None:
+        if not isinstance(params, self.params_type):
+            raise ValueError(f"params: the {self.name} backend takes {self.params_type.__name__}, "
+                             f"got {type(params).__name__}")
+        if problem.Dk != DK or problem.Dv != DV:
+            raise ValueError(f"{self.name} backend is built for Dk={DK}, Dv={DV} (kv_lora_rank 512 + rope 64); "
+                             f"got Dk={problem.Dk}, Dv={problem.Dv}")
+        self._check_kernel(params, problem)
+
+    def _check_kernel(self, params, problem: VerifyProblem) -> None:
+        """The backend's own checks of `params` against `problem` (ValueError)."""
+
+    def workspace_bytes(self, problem: VerifyProblem, params) -> int:
+        return split_workspace_bytes(params, problem)
+
+    def static_reject(self, params, problem: VerifyProblem, arch: str | None = None) -> str | None:
+        why = super().static_reject(params, problem)
+        if why is not None:
+            return why
+        if arch is None:
+            arch = device_arch(problem.device) if problem.is_cuda else "sm_90"
+        return self._reject_on(params, problem, arch)
+
+    def _reject_on(self, params, problem: VerifyProblem, arch: str) -> str | None:
+        """Why `params` cannot build or fit on `arch` (compile error, spills, shared memory), or None."""
+        return None
+
+    def launch(self, a: LaunchArgs, params) -> None:
+        on_tensors_device(a, lambda: self._launch(a, params))
+
+    def _launch(self, a: LaunchArgs, params) -> None:
+        raise NotImplementedError
+
+
+class CudaBackend(SplitMergeBackend):
+    name = "cuda"
+    params_type = CudaParams
 
     # -- parameters
     def kernel_hash(self) -> str:
@@ -243,24 +283,10 @@ class CudaBackend(Backend):
         # NSPLIT counts splits of the whole batch's keys per head group (key-balanced)
         return replace(p, NSPLIT=max(1, min(256, round(sms / cdiv(problem.H, p.HEADS_PER_BLOCK)))))
 
-    def check_params(self, params: CudaParams, problem: VerifyProblem) -> None:
-        if not isinstance(params, CudaParams):
-            raise ValueError(f"params: the cuda backend takes CudaParams, got {type(params).__name__}")
-        if problem.Dk != DK or problem.Dv != DV:
-            raise ValueError(f"cuda backend is built for Dk={DK}, Dv={DV} (kv_lora_rank 512 + rope 64); "
-                             f"got Dk={problem.Dk}, Dv={problem.Dv}")
+    def _check_kernel(self, params: CudaParams, problem: VerifyProblem) -> None:
         check_static(params, problem.T)
 
-    def workspace_bytes(self, problem: VerifyProblem, params: CudaParams) -> int:
-        return split_workspace_bytes(params, problem)
-
-    def static_reject(self, params: CudaParams, problem: VerifyProblem, arch: str | None = None) -> str | None:
-        try:
-            self.check_params(params, problem)
-        except ValueError as e:
-            return str(e)
-        if arch is None:
-            arch = device_arch(problem.device) if problem.is_cuda else "sm_90"
+    def _reject_on(self, params: CudaParams, problem: VerifyProblem, arch: str) -> str | None:
         return reject_reason(params, problem.T, arch)
 
     def supports(self, device: torch.device) -> str | None:
@@ -285,9 +311,6 @@ class CudaBackend(Backend):
             got = (ks[split_expr(params, T)], ks[MERGE_EXPR], geo, pdl_enabled(arch))
             self._kernels[key] = got
         return got
-
-    def launch(self, a: LaunchArgs, params: CudaParams) -> None:
-        on_tensors_device(a, lambda: self._launch(a, params))
 
     def _launch(self, a: LaunchArgs, params: CudaParams) -> None:
         split_k, merge_k, geo, pdl = self._get(params, a.problem.T, a.problem.device)

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends import Backend, LaunchArgs
+from ..backends import LaunchArgs
 from ..shapes import VerifyProblem, cdiv
-from .backend import (DK, DV, MERGE_EXPR, device_arch, launch_split_merge, nvrtc_unsupported, on_tensors_device,
-                      pdl_enabled, sm_count, split_workspace_bytes, work_items)
+from .backend import (DK, DV, MERGE_EXPR, SplitMergeBackend, device_arch, launch_split_merge, nvrtc_unsupported,
+                      pdl_enabled, sm_count, work_items)
 from .params import ARCH_LIMITS, WgmmaParams
 
 #: the sources of its module, in order (nvrtc.SOURCE_PARTS)
@@ -59,13 +59,9 @@ class _Loaded:
     pdl: bool
 
 
-class WgmmaBackend(Backend):
+class WgmmaBackend(SplitMergeBackend):
     name = "wgmma"
     params_type = WgmmaParams
-    nsplit_per_batch = True
-
-    def __init__(self):
-        self._kernels: dict[tuple, _Loaded] = {}
 
     def kernel_hash(self) -> str:
         from .nvrtc import kernel_source_hash
@@ -77,24 +73,10 @@ class WgmmaBackend(Backend):
         sms = sm_count(problem)
         return WgmmaParams(NSPLIT=max(1, min(256, sms // row_blocks(problem.H, problem.T))))
 
-    def check_params(self, params: WgmmaParams, problem: VerifyProblem) -> None:
-        if not isinstance(params, WgmmaParams):
-            raise ValueError(f"params: the wgmma backend takes WgmmaParams, got {type(params).__name__}")
-        if problem.Dk != DK or problem.Dv != DV:
-            raise ValueError(f"wgmma backend is built for Dk={DK}, Dv={DV} (kv_lora_rank 512 + rope 64); "
-                             f"got Dk={problem.Dk}, Dv={problem.Dv}")
+    def _check_kernel(self, params: WgmmaParams, problem: VerifyProblem) -> None:
         WgmmaParams.declaration.check_problem(vars(params), T=problem.T, Dk=DK, Dv=DV)
 
-    def workspace_bytes(self, problem: VerifyProblem, params: WgmmaParams) -> int:
-        return split_workspace_bytes(params, problem)
-
-    def static_reject(self, params: WgmmaParams, problem: VerifyProblem, arch: str | None = None) -> str | None:
-        try:
-            self.check_params(params, problem)
-        except ValueError as e:
-            return str(e)
-        if arch is None:
-            arch = device_arch(problem.device) if problem.is_cuda else "sm_90"
+    def _reject_on(self, params: WgmmaParams, problem: VerifyProblem, arch: str) -> str | None:
         if arch not in WGMMA_ARCHS:
             return f"the wgmma kernel needs sm_90 (H100 / H200); {arch} has no wgmma"
         if SMEM_BYTES > ARCH_LIMITS[arch].smem_per_block:
@@ -125,9 +107,6 @@ class WgmmaBackend(Backend):
             got = _Loaded(ks[split_expr(T)], ks[MERGE_EXPR], pdl_enabled(arch))
             self._kernels[(T, idx)] = got
         return got
-
-    def launch(self, a: LaunchArgs, params: WgmmaParams) -> None:
-        on_tensors_device(a, lambda: self._launch(a, params))
 
     def _launch(self, a: LaunchArgs, params: WgmmaParams) -> None:
         pb = a.problem
