@@ -49,11 +49,12 @@ def test_prefixes_heads_drafts(prefix, T, H):
     _check(x)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("T,H,tree", [(9, 8, "chain"), (9, 16, "random"), (16, 8, "random"), (1, 64, "chain"),
                                       (2, 1, "random")])
-def test_ragged_batch(T, H, tree):
+def test_ragged_batch(T, H, tree, backend):
     x = make_inputs(3, T, H, [54, 1, 300], tree=tree, device="cuda")
-    _check(x)
+    _check(x, backend=backend)
 
 
 @pytest.mark.parametrize("over", [dict(BLOCK_N=16, NSPLIT=64), dict(BLOCK_N=64, NUM_WARPS=16, HEADS_PER_BLOCK=2),
