@@ -2,7 +2,7 @@
 """serving.csv from the log of a bench_serving.py run that was cut before it wrote one (it prints
 each measured row as a JSON line as it goes; since then it also rewrites the CSV after every case).
 The speedup columns are computed by bench_serving's own `_add_speedups`, with the tuned backend of
-each batch taken from the YAML the run served (the smallest entry of the tp holding the batch).
+each batch taken from the YAML the run served by the runtime's bucket policy (`TunedDefaults.lookup`).
 
     python scripts/serving_csv_from_log.py serving.log serving.csv --defaults kimi-k2-h200.yaml --tp 8
 """
@@ -29,15 +29,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, required=True)
     args = ap.parse_args(argv)
     tuned = load_tuned(args.defaults)
-    entries = sorted((e for e in tuned.entries if e.tp == args.tp), key=lambda e: e.max_batch)
-    if not entries:
+    if not tuned.entries_for(args.tp):
         raise SystemExit(f"--tp {args.tp}: {args.defaults} has no entry for it")
 
-    def plan_for(batch: int):
-        e = next((e for e in entries if e.max_batch >= batch), None)
-        if e is None:
-            raise SystemExit(f"batch {batch}: above the largest bucket of tp {args.tp} in {args.defaults}")
-        return types.SimpleNamespace(backend=types.SimpleNamespace(name=e.backend))
+    def plan_for(batch: int):   # the runtime's bucket policy (TunedDefaults.lookup)
+        return types.SimpleNamespace(backend=types.SimpleNamespace(name=tuned.lookup(args.tp, batch).backend))
 
     rows = [json.loads(line) for line in Path(args.log).read_text().splitlines() if line.startswith('{"case"')]
     if not rows:
