@@ -8,17 +8,15 @@ and studies are untouched. Stop any sweep writing into the folder first.
 """
 from __future__ import annotations
 
-import csv
-import os
 from pathlib import Path
 
 from .config import load_deployment
 from .study import STUDY_SEP
-from .table import _set_aside, _warn_bad, row_key, scan_table
+from .table import _set_aside, _warn_bad, row_key, scan_table, write_table
 
 def forget_backend(deployment: str, backends: list[str], out: str = "runs", storage: str | None = None) -> dict:
     """Move `backends`' rows of `<out>/<deployment>/trials.csv` to `trials.forgotten.csv` and
-    delete their studies. Returns {"rows": rows moved, "studies": studies deleted}."""
+    delete their studies. Returns {"rows": rows moved, "studies": studies deleted, "dir": the folder}."""
     from kvtune.kernels.tuned import BACKEND_NAMES
     unknown = [b for b in backends if b not in BACKEND_NAMES]
     if unknown:
@@ -38,10 +36,10 @@ def forget_backend(deployment: str, backends: list[str], out: str = "runs", stor
     keep = [r for r in rows if r["backend"] not in backends]
     if gone:
         _append_rows(out_dir / "trials.forgotten.csv", cols, gone)
-        _write_rows(table, cols, keep)
+        write_table(table, cols, keep)
     studies = _delete_studies(storage or f"sqlite:///{out_dir / 'studies.db'}", dep.name, backends,
                               must_exist=storage is None and (out_dir / "studies.db").is_file())
-    return {"rows": len(gone), "studies": studies}
+    return {"rows": len(gone), "studies": studies, "dir": out_dir}
 
 
 def stale_sources(table: Path, current: dict[str, str | None]) -> dict[str, tuple[int, list[str], str]]:
@@ -62,17 +60,6 @@ def stale_sources(table: Path, current: dict[str, str | None]) -> dict[str, tupl
     return out
 
 
-def _write_rows(path: Path, cols: list[str], rows: list[dict]) -> None:
-    tmp = path.with_suffix(".csv.tmp")
-    with tmp.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols)
-        w.writeheader()
-        w.writerows(rows)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)   # a kill leaves the old table or the new one, never half of one
-
-
 def _append_rows(path: Path, cols: list[str], rows: list[dict]) -> None:
     if path.is_file() and path.stat().st_size:
         old_cols, old, bad, keep_text = scan_table(path)
@@ -82,7 +69,7 @@ def _append_rows(path: Path, cols: list[str], rows: list[dict]) -> None:
         cols = old_cols + [c for c in cols if c not in old_cols]
         have = {row_key(r) for r in old}   # a forget killed before its table rewrite, run again
         rows = old + [r for r in rows if row_key(r) not in have]
-    _write_rows(path, cols, [{c: r.get(c, "") for c in cols} for r in rows])
+    write_table(path, cols, rows)
 
 
 def _delete_studies(url: str, dep: str, backends: list[str], must_exist: bool) -> int:
@@ -102,8 +89,7 @@ def _delete_studies(url: str, dep: str, backends: list[str], must_exist: bool) -
 
 def _cmd_forget(args) -> int:
     got = forget_backend(args.deployment, args.backend, out=args.out, storage=args.storage)
-    dest = Path(args.out) / load_deployment(args.deployment).name
-    print(f"forgot {', '.join(args.backend)} in {dest}: {got['rows']} trial row(s) moved to "
+    print(f"forgot {', '.join(args.backend)} in {got['dir']}: {got['rows']} trial row(s) moved to "
           f"trials.forgotten.csv, {got['studies']} stud{'y' if got['studies'] == 1 else 'ies'} deleted")
     return 0
 

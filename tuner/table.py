@@ -240,6 +240,19 @@ def append_jsonl(path: str | os.PathLike, obj: dict) -> None:
     append_line(path, (json.dumps(obj) + "\n").encode())
 
 
+def write_table(path: Path, cols: list[str], rows: list[dict]) -> None:
+    """`rows` under the header `cols` (a missing field empty, an extra one dropped), written to a
+    temporary file, fsync'd and renamed over `path`: a kill leaves the old table or the new one."""
+    tmp = Path(path).with_suffix(".csv.tmp")
+    with tmp.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 class TrialsTable:
     """Append-only CSV of trials (header widened in place when new parameters appear)."""
 
@@ -320,15 +333,7 @@ class TrialsTable:
         self._seen = (st.st_ino, st.st_size)
 
     def _rewrite(self, cols, rows):
-        tmp = self.path.with_suffix(".csv.tmp")
-        with tmp.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
-            w.writeheader()
-            for r in rows:
-                w.writerow(r)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        write_table(self.path, cols, rows)
 
     def append(self, row: dict) -> None:
         row = dict(row)
