@@ -98,9 +98,14 @@ def cold_pools(heads: int, prefix: int) -> list:
             for i in range(max(2, min(48, math.ceil(3 * l2 / nbytes))))]
 
 
+def variants_of(backend: str) -> tuple[dict, str]:
+    """(the variant table, the source part it patches) of `backend`."""
+    return (WGMMA_VARIANTS, "verify_wgmma.cu") if backend == "wgmma" else (VARIANTS, "verify.cu")
+
+
 def patched_source(src: str, variant: str, backend: str = "cuda") -> str:
     """`src` (verify.cu, or verify_wgmma.cu for `backend` wgmma) with `variant`'s stage left out."""
-    table, part = (WGMMA_VARIANTS, "verify_wgmma.cu") if backend == "wgmma" else (VARIANTS, "verify.cu")
+    table, part = variants_of(backend)
     for anchor, repl in table[variant]:
         if src.count(anchor) != 1:
             raise SystemExit(f"variant {variant}: anchor {anchor!r} occurs {src.count(anchor)} times in {part}")
@@ -171,7 +176,7 @@ def main(argv=None) -> int:
     over = {k: int(v) for k, v in (kv.split("=") for kv in args.params.split(",") if kv)}
     if set(over) - set(known):
         raise SystemExit(f"--params: unknown {sorted(set(over) - set(known))}; known: {sorted(known)}")
-    table, part = (WGMMA_VARIANTS, "verify_wgmma.cu") if args.backend == "wgmma" else (VARIANTS, "verify.cu")
+    table, part = variants_of(args.backend)
     names = [v.strip() for v in args.variants.split(",")] if args.variants else ["full"]
     names = [v for v in table if v not in UNSAFE] if names == ["all"] else names
     if set(names) - set(table):
