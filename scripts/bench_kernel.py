@@ -3,7 +3,8 @@
 
 Per shape (H heads, B requests of `prefix` keys + T=9 drafts each): the CUDA backend's default,
 the Triton backend's default, the wgmma backend's default where the GPU has wgmma (and other
-NSPLIT values of it: --wgmma-nsplit), optional other CUDA configs (--extra), each through the tuner's
+NSPLIT values of it: --wgmma-nsplit; other configs: --wgmma "ROWS=64", whose NSPLIT, unless
+given, is one wave of its row blocks), optional other CUDA configs (--extra), each through the tuner's
 measurement helper (`kvtune.tuner.measure.Measurer`: static pruning, a correctness gate against
 the fp32 oracle on fresh inputs with poisoned outputs, then cold-L2 CUDA-graph replays timed
 with CUDA events, median of 15), and:
@@ -147,6 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-triton", action="store_true")
     ap.add_argument("--wgmma-nsplit", default="",
                     help="other NSPLIT values of the wgmma backend (comma-separated) beside its default, where it runs")
+    ap.add_argument("--wgmma", action="append", default=[],
+                    help="other wgmma configs (k=v,k=v); NSPLIT, unless given, is one wave of ROWS-row blocks")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="also time the CUDA default with KVTUNE_CUDA_PDL=1 (PDL launch of the merge)")
     args = ap.parse_args(argv)
@@ -179,8 +182,15 @@ def main(argv=None) -> int:
         wgmma = get_backend("wgmma")
         if wgmma.supports(torch.device("cuda")) is None:
             runs.append(("wgmma", "default", wgmma.default_params(spec.problem("cuda")).__dict__))
+            wdef = wgmma.default_params(spec.problem("cuda")).__dict__
             for n in (int(v) for v in args.wgmma_nsplit.split(",") if v):
-                runs.append(("wgmma", f"NSPLIT={n}", {"NSPLIT": n}))
+                runs.append(("wgmma", f"NSPLIT={n}", {**wdef, "NSPLIT": n}))
+            for ex in args.wgmma:
+                p = {**wdef, **parse_kv(ex)}
+                if "NSPLIT" not in parse_kv(ex):
+                    from kvtune.kernels.cuda.wgmma import row_blocks
+                    p["NSPLIT"] = max(1, min(256, props.multi_processor_count // row_blocks(H, args.T, p["ROWS"])))
+                runs.append(("wgmma", ex, p))
         if H == 8:
             for ex in args.extra:
                 runs.append(("cuda", ex, {**base, **parse_kv(ex)}))

@@ -81,6 +81,16 @@ WGMMA_VARIANTS = {
                     "    if (rg < HT && a.H < 0)\n      *reinterpret_cast<uint4*>(a.part_o")],
     "exit_early": [("  if (b < 0) return;  // past", "  if (b < 0 || a.H > 0) return;  // past")],
     "no_gather": [("    const int bytes = ok ? 16 : 0;", "    const int bytes = 0 * ok;")],
+    # ROWS 72: the tail warpgroup only keeps its handshakes (the tiles' buffers and the scrub)
+    "tail_idle": [("    mbar_wait(smem_u32(smem + FULL_OFF + 8 * buf), par);\n",
+                   "    mbar_wait(smem_u32(smem + FULL_OFF + 8 * buf), par);\n"
+                   "    if (a.H > 0) {\n      const int k0_ = lo + BN * t;\n"
+                   "      if (max(k0_, P) < min(k0_ + BN, hi)) { bar_arrive(5 + (t & 1), 256); bar_sync(9 + (t & 1), 256); }\n"
+                   "      bar_sync(7, 128);\n      if (wt == 0) mbar_arrive(smem_u32(smem + EMPTY_OFF + 8 * buf));\n"
+                   "      continue;\n    }\n")],
+    "tail_no_s_mma": [("      mma_bf16(c, af, q_pair(16 * i), q_pair(16 * i + 8));",
+                       "      if (a.H < 0) mma_bf16(c, af, q_pair(16 * i), q_pair(16 * i + 8));")],
+    "tail_no_pv": [("        mma_ss_n8_vt(o[j], desc_sw(", "        if (a.H < 0) mma_ss_n8_vt(o[j], desc_sw(")],
 }
 
 #: variants that may fault (see the docstring): only when named
@@ -136,7 +146,7 @@ class Phases:
 
     def kernels(self, p):
         if self.name == "wgmma":
-            k = self.be._get(9, torch.device("cuda"))
+            k = self.be._get(9, p.ROWS, torch.device("cuda"))
             return k.split, k.merge
         return self.be._get(p, 9, torch.device("cuda"))[:2]
 

@@ -1,9 +1,11 @@
 """The wgmma backend (sm_90a) on a GPU against the fp32 oracle (skipped elsewhere, never faked).
 
-Odd shapes on purpose: H x T from 1 row (one block of 64, 63 padded) to 1152 (18 blocks), 72
-rows (a second block holding 8), prefixes that leave partial last tiles, splits of one tile
-(warpgroup 1 with no tile of its own), growing maxima, NaN in a draft key's V, misaligned KV
-rows, split tables that must give different partial counts. Ragged batches, non-contiguous and
+Odd shapes on purpose, each with 64 and 72 query rows per CTA (ROWS 72: the tail warpgroup
+runs rows 64-71): H x T from 1 row (one block, 63 or 71 padded) to 1152 (18 or 16 blocks), 72
+rows (a second block holding 8, or one block), prefixes that leave partial last tiles, splits of
+one tile (warpgroup 1 with no tile of its own), growing maxima, NaN in a draft key's V (seen by
+a row of the tail at ROWS 72), misaligned KV rows, split tables that must give different
+partial counts. Ragged batches, non-contiguous and
 unaligned q, int64 indices, padded KV rows, NaN in q, a row that sees nothing, a request of 0
 keys and a CUDA graph replayed on new lengths and trees: test_cuda_gpu.py, on both backends.
 """
@@ -22,39 +24,48 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 TOL = 1e-2
 
 
-def _params(nsplit=None, x=None):
+def _params(nsplit=None, x=None, rows=None):
+    """NSPLIT (None: the default for x's shape and `rows`) and ROWS (None: the default)."""
     from kvtune.kernels.cuda.params import WgmmaParams
+    from kvtune.kernels.cuda.wgmma import row_blocks
     if nsplit is None:
-        return get_backend("wgmma").default_params(describe_problem(*x.args))
-    return WgmmaParams(NSPLIT=nsplit)
+        pb = describe_problem(*x.args)
+        p = get_backend("wgmma").default_params(pb)
+        if rows is None or rows == p.ROWS:
+            return p
+        return WgmmaParams(NSPLIT=max(1, 132 // row_blocks(pb.H, pb.T, rows)), ROWS=rows)
+    return WgmmaParams(NSPLIT=nsplit, ROWS=rows or 64)
 
 
 def _check(x, params=None, **kw):
     return check_against_oracle(x, params, backend="wgmma", **kw)
 
 
+@pytest.mark.parametrize("rows", [64, 72])
 @pytest.mark.parametrize("prefix", [1, 7, 54, 97, 300, 4096])
-@pytest.mark.parametrize("T,H", [(1, 1), (1, 8), (2, 16), (9, 8), (9, 64), (16, 4), (9, 128)])
-def test_prefixes_heads_drafts(prefix, T, H):
+@pytest.mark.parametrize("T,H", [(1, 1), (1, 8), (2, 16), (9, 8), (9, 64), (16, 4), (9, 128), (5, 14)])
+def test_prefixes_heads_drafts(prefix, T, H, rows):
     x = make_inputs(1, T, H, prefix, tree="random", device="cuda")
-    _check(x)
+    _check(x, params=_params(x=x, rows=rows))
 
 
+@pytest.mark.parametrize("rows", [64, 72])
 @pytest.mark.parametrize("nsplit", [1, 2, 5, 64, 300])
-def test_nsplit_more_splits_than_tiles(nsplit):
+def test_nsplit_more_splits_than_tiles(nsplit, rows):
     x = make_inputs(2, 9, 8, [97, 2000], tree="random", device="cuda")
-    _check(x, params=_params(nsplit))
+    _check(x, params=_params(nsplit, rows=rows))
 
 
+@pytest.mark.parametrize("rows", [64, 72])
 @pytest.mark.parametrize("nsplit", [1, 3])
 @pytest.mark.parametrize("grow", [4.0, 40.0])
-def test_growing_max_rescales(nsplit, grow):
+def test_growing_max_rescales(nsplit, grow, rows):
     # the kernel keeps a row's max until a tile beats it by more than 2^8 (both warpgroups share
     # it): scale later keys up so their scores pass it mid-split
     x = make_inputs(1, 9, 8, 3000, tree="random", device="cuda", seed=11)
     late = x.kv_indices[1000:].long()
     x.kv_cache[late] = (x.kv_cache[late].float() * grow).to(torch.bfloat16)
-    _check(x, params=_params(nsplit))
+    _check(x, params=_params(nsplit, rows=rows))
 
 
 def test_misaligned_kv_rows_raise():
@@ -83,16 +94,18 @@ def test_split_table_sets_the_partial_count():
     assert items(None) == _expected_items(lengths, 64, 32)
 
 
+@pytest.mark.parametrize("rows", [64, 72])
 @pytest.mark.parametrize("nsplit", [None, 1])
-def test_nan_in_a_hidden_draft_keys_v_stays_out(nsplit):
+def test_nan_in_a_hidden_draft_keys_v_stays_out(nsplit, rows):
     """A NaN in the V part of a draft key reaches only the rows that may see that key (chain:
-    draft key 8 is seen by draft row 8 only). NSPLIT 1: the draft tile is tile 9 of one split,
-    warpgroup 1's, whose scrubbed V warpgroup 0 then reads."""
+    draft key 8 is seen by draft row 8 only, which at H 8 includes row 71, the tail's at ROWS
+    72). NSPLIT 1: the draft tile is tile 9 of one split, warpgroup 1's, whose scrubbed V
+    warpgroup 0 (and the tail) then reads."""
     x = make_inputs(1, 9, 8, [300], tree="chain", device="cuda")
     ref_o, _ = reference_attention(*x.args)
     slot = int(x.kv_indices[300 + 8])
     x.kv_cache[slot, 100] = float("nan")
-    o = verify_attention(*x.args, backend="wgmma", params=_params(nsplit, x))
+    o = verify_attention(*x.args, backend="wgmma", params=_params(nsplit, x, rows))
     assert torch.isnan(o[8]).any()
     assert not torch.isnan(o[:8]).any()
     assert rel_error(o[:8], ref_o[:8]) < TOL

@@ -44,9 +44,13 @@ class CudaParams:
 
 WGMMA_PARAMS = Declaration("WgmmaParams", [
     Param("NSPLIT", range(1, 1025), 66,
-          "key-range splits per 64-row block across the batch (a launch-time value), cut as the cuda "
-          "backend's NSPLIT is (32-key tiles); one CTA per SM, so NSPLIT x ceil(H x T / 64) near the SM count "
-          "is one wave", launch=True),
+          "key-range splits per row block across the batch (a launch-time value), cut as the cuda "
+          "backend's NSPLIT is (32-key tiles); one CTA per SM, so NSPLIT x ceil(H x T / ROWS) near the SM "
+          "count is one wave", launch=True),
+    Param("ROWS", (64, 72), 64,
+          "query rows per CTA (a template value): 64, two warpgroups on wgmma m64; or 72, a third "
+          "warpgroup that runs rows 64-71 with the keys in M (mma.sync, wgmma m64n8): H x T = 72 takes one "
+          "CTA per split instead of two, 144 two instead of three"),
 ], rules=[
     ("draft_tokens", "T", "1 <= T <= 64", "the wgmma kernel supports 1..64 draft tokens (one int64 mask per row)"),
 ])
@@ -54,9 +58,9 @@ WGMMA_PARAMS = Declaration("WgmmaParams", [
 
 @declared(WGMMA_PARAMS)
 class WgmmaParams:
-    """Parameters of the wgmma kernel (`verify_wgmma.cu`, sm_90a): its block shape is fixed
-    (64 query rows, 32-key tiles, 4 key buffers, 2 warpgroups) by the 227 KB it fills; fields,
-    legal values, defaults and meanings: `WGMMA_PARAMS`."""
+    """Parameters of the wgmma kernel (`verify_wgmma.cu`, sm_90a): 32-key tiles, 4 key buffers,
+    one CTA per SM (the 227 KB it fills), 64 or 72 query rows per CTA; fields, legal values,
+    defaults and meanings: `WGMMA_PARAMS`."""
 
 
 @dataclass(frozen=True)

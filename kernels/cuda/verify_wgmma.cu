@@ -37,8 +37,19 @@ constexpr int L_OFF = ALPHA_OFF + NPB * ROWS * 4;  // float [2][ROWS]: each warp
 constexpr int GREW_OFF = L_OFF + 2 * ROWS * 4;  // int [NPB]: the tile moved some row's max
 constexpr int WORK_OFF = GREW_OFF + NPB * 4;    // int [3]: the work item (b, split, chunk)
 constexpr int SMEM_BYTES = WORK_OFF + 16;
+// With the tail warpgroup (XR = 8 more query rows per CTA, rows 64-71), after the work item:
+constexpr int XR_ROWS = 8;
+constexpr int TSCR_OFF = (SMEM_BYTES + 15) / 16 * 16;  // float4 [2][32]: S^T halves over the second 288 columns
+constexpr int TP_OFF = TSCR_OFF + 2 * 32 * 16;    // bf16 P^T: [4 key groups][8 rows][8 keys], K-major core matrices
+constexpr int TMAX_OFF = TP_OFF + BN * XR_ROWS * 2;  // float [2][8]: each 16-key half's row maxima
+constexpr int TALPHA_OFF = TMAX_OFF + 2 * XR_ROWS * 4;  // float [8]: the tile's rescale factors
+constexpr int TL_OFF = TALPHA_OFF + XR_ROWS * 4;  // float [2][8]: l of each 16-key half
+constexpr int FULL_OFF = TL_OFF + 2 * XR_ROWS * 4;  // u64 mbarrier [NBUF]: key buffer landed (for the tail)
+constexpr int EMPTY_OFF = FULL_OFF + NBUF * 8;    // u64 mbarrier [NBUF]: the tail is done with the buffer
+constexpr int SMEM_BYTES_XR = EMPTY_OFF + NBUF * 8;
 static_assert(K_OFF % 1024 == 0 && KBUF % 1024 == 0, "128-byte swizzle atoms are 1024-byte aligned");
-static_assert(SMEM_BYTES <= 227 * 1024, "over sm_90's shared memory per block");
+static_assert(FULL_OFF % 8 == 0 && TSCR_OFF % 16 == 0, "mbarriers are 8-byte aligned, the S^T halves float4s");
+static_assert(SMEM_BYTES_XR <= 227 * 1024, "over sm_90's shared memory per block");
 
 // wgmma matrix descriptor: start address, leading / stride byte offsets (no swizzle, base 0)
 __device__ __forceinline__ u64 desc(u32 addr, u32 lbo, u32 sbo) {
@@ -197,21 +208,191 @@ __device__ __forceinline__ void scrub_nan_v(unsigned char* kbuf, int k_lo, int k
   }
 }
 
+// mbarriers between a key tile's owner and the tail warpgroup (arrival count 1 each)
+__device__ __forceinline__ void mbar_init(u32 addr) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(addr) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 addr) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(addr) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 addr, int parity) {
+  u32 done;
+  do {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(addr), "r"(parity) : "memory");
+  } while (!done);
+}
+template <int N>
+__device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+// Registers per thread after the split (setmaxnreg): 2 x 128 x MAIN + 128 x TAIL <= 384 x 168, the
+// launch's. The two 64-row warpgroups fit 192 without spills (measured with __maxnreg__); the tail needs 120.
+constexpr int REGS_MAIN = 192, REGS_TAIL = 120;
+constexpr int TAIL_CHAINS = 3;  // independent S^T accumulators per tail warp
+
+// O^T += V^T P^T for the tail rows: m64n8k16, V^T from a key buffer (MN-major), P^T K-major
+__device__ __forceinline__ void mma_ss_n8_vt(float (&d)[4], u64 da, u64 db) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 1, 0;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "l"(da), "l"(db), "r"(1));
+}
+__device__ __forceinline__ void keep32(float (&o)[8][4]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(o[j][i])::"memory");
+}
+
+// The tail warpgroup: query rows r0 .. r0 + 7 of the CTA's block against the same key tiles, with
+// the keys in M so that 8 rows cost 8 rows (a 64-row warpgroup would spend 56 on padding).
+// S^T = K Q8^T on mma.sync m16n8k16: warp w takes keys 16 (w & 1) .. + 15 of the tile over the
+// columns 288 (w >> 1) .. + 287, its Q8 fragments in registers; the halves meet in shared memory.
+// Warps 0-1 run the softmax (exact running max; a row's 32 keys sit in 2 warps x 8 lanes) and
+// write P^T; O^T = V^T P^T runs on wgmma m64n8k16 over all 512 value columns (o[j]: columns
+// 64 j + 16 w + g (+ 8 for i >= 2), rows 2 t4 + (i & 1)). Tile t waits for its owner's `full`
+// arrival; `empty` tells the owner the buffer may be refilled; a tile holding draft keys meets its
+// owner on named barriers 5 / 6 (S^T read the raw keys) and 9 / 10 (V scrubbed of NaNs).
+// mt: running max (log2 units), lt: this thread's l, both for rows 2 t4, 2 t4 + 1 (warps 0-1).
+template <int T>
+__device__ __forceinline__ void tail_loop(const SplitArgs& a, unsigned char* smem, int b, int P, int lo, int hi,
+                                          int n_tiles, int rbase, int HT, float (&o)[8][4], float (&mt)[2],
+                                          float (&lt)[2]) {
+  const float NEG_INF = -__int_as_float(0x7f800000);
+  const int wt = threadIdx.x & 127, w = wt >> 5, lane = wt & 31, g = lane >> 2, t4 = lane & 3;
+  const int kb = w & 1, dh = w >> 1;
+  const u32 ks = smem_u32(smem + K_OFF), tp = smem_u32(smem + TP_OFF);
+  float* scr = reinterpret_cast<float*>(smem + TSCR_OFF);
+  float* tmax = reinterpret_cast<float*>(smem + TMAX_OFF);
+  float* talpha = reinterpret_cast<float*>(smem + TALPHA_OFF);
+  unsigned char* tpp = smem + TP_OFF;
+  // Q8 as mma.sync B fragments (row g of the tail, columns 16 ks + 2 t4 (+1) and + 8), read from
+  // global memory at each tile: the L1 keeps the 9 KB, and 36 more registers would spill
+  const int qrow = rbase + g;
+  const bool q_ok = qrow < HT;
+  const u16* q = a.q + (q_ok ? (i64)(b * T + qrow % T) * a.q_stride_m + (i64)(qrow / T) * a.q_stride_h : 0) +
+                 16 * 18 * dh + 2 * t4;
+  const bool q_word = a.q_vec16;  // 16-byte aligned rows: a column pair is one aligned word
+  auto q_pair = [&](int col) -> u32 {
+    if (!q_ok) return 0u;
+    return q_word ? __ldg(reinterpret_cast<const u32*>(q + col)) : (u32)__ldg(q + col) | ((u32)__ldg(q + col + 1) << 16);
+  };
+  u64 bits[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int rg = rbase + 2 * t4 + j;
+    bits[j] = rg < HT ? (u64)a.tree_mask[b * T + rg % T] : 0ull;
+  }
+  for (int t = 0; t < n_tiles; ++t) {
+    const int buf = t % NBUF, par = (t / NBUF) & 1;
+    const u32 kbuf = ks + buf * KBUF;
+    mbar_wait(smem_u32(smem + FULL_OFF + 8 * buf), par);
+    // three independent accumulator chains: one chain of 18 dependent mma.sync behind the other
+    // warpgroups' wgmma was the tail's (and so the CTA's) bound
+    float c[4], cc[TAIL_CHAINS][4];
+#pragma unroll
+    for (int h = 0; h < TAIL_CHAINS; ++h)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) cc[h][e] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 18; ++i) {
+      u32 af[4];
+      ldmatrix_x4(kbuf + sw_off(16 * kb + (lane & 7) + 8 * ((lane >> 3) & 1), 2 * (18 * dh + i) + (lane >> 4), BN),
+                  af[0], af[1], af[2], af[3]);
+      mma_bf16(cc[i % TAIL_CHAINS], af, q_pair(16 * i), q_pair(16 * i + 8));
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      c[e] = cc[0][e];
+#pragma unroll
+      for (int h = 1; h < TAIL_CHAINS; ++h) c[e] += cc[h][e];
+    }
+    if (dh == 1) *reinterpret_cast<float4*>(scr + (kb * 32 + lane) * 4) = make_float4(c[0], c[1], c[2], c[3]);
+    bar_sync(7, 128);
+    const int k0 = lo + BN * t;
+    const bool draft = max(k0, P) < min(k0 + BN, hi);  // uniform: the owner meets the tail on it
+    if (draft) bar_arrive(5 + (t & 1), 256);           // this tile's keys are read: the owner may scrub V
+    if (dh == 0) {
+      const float4 h = *reinterpret_cast<const float4*>(scr + (kb * 32 + lane) * 4);
+      c[0] += h.x;
+      c[1] += h.y;
+      c[2] += h.z;
+      c[3] += h.w;
+      float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // c[i]: key 16 kb + g + 8 (i >> 1), row 2 t4 + (i & 1)
+        const int n = k0 + 16 * kb + g + 8 * (i >> 1), d = n - P;
+        const bool vis = (n < hi) & ((d < 0) | (bool)((bits[i & 1] >> (d & 63)) & 1ull));
+        c[i] = vis ? c[i] * a.qk_scale : NEG_INF;
+        mx[i & 1] = fmaxf(mx[i & 1], c[i]);
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 4));
+        mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 8));
+        mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 16));
+        if (g == 0) tmax[kb * XR_ROWS + 2 * t4 + j] = mx[j];
+      }
+      bar_sync(8, 64);
+      float z[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float m_new = fmaxf(mt[j], fmaxf(tmax[2 * t4 + j], tmax[XR_ROWS + 2 * t4 + j]));
+        const float alpha = m_new == mt[j] ? 1.f : fast_exp2(mt[j] - m_new);
+        mt[j] = m_new;
+        z[j] = m_new == NEG_INF ? 0.f : m_new;
+        lt[j] *= alpha;
+        if (kb == 0 && g == 0) talpha[2 * t4 + j] = alpha;
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float p = fast_exp2(c[i] - z[i & 1]);
+        lt[i & 1] += p;
+        const int k = 16 * kb + g + 8 * (i >> 1), r = 2 * t4 + (i & 1);
+        *reinterpret_cast<u16*>(tpp + (k >> 3) * 128 + r * 16 + (k & 7) * 2) = bf16_bits(p);
+      }
+      async_fence();  // P^T: generic stores, read by wgmma
+    }
+    bar_sync(7, 128);  // P^T and the factors are out; the S^T halves and maxima may be rewritten
+    if (draft) bar_sync(9 + (t & 1), 256);  // the owner has scrubbed V of NaNs
+    const float a0 = talpha[2 * t4], a1 = talpha[2 * t4 + 1];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[j][i] *= (i & 1) ? a1 : a0;
+    fence();
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk)
+        mma_ss_n8_vt(o[j], desc_sw(kbuf + j * (BN * 128) + (2 * kk) * 1024, 4096, 1024), desc(tp + kk * 256, 128, 512));
+    commit();
+    wait0();
+    keep32(o);
+    bar_sync(7, 128);  // every warp's MMAs read the buffer and P^T
+    if (wt == 0) mbar_arrive(smem_u32(smem + EMPTY_OFF + 8 * buf));
+  }
+}
+
 }  // namespace wg
 
-// grid (ceil(H * T / 64), NSPLIT + B): x the row block, y the work item; block 256 (two
-// warpgroups); dynamic smem wg::SMEM_BYTES.
-template <int T>
-__global__ void __launch_bounds__(256, 1) verify_wgmma_kernel(const SplitArgs a) {
+// grid (ceil(H * T / (64 + XR)), NSPLIT + B): x the row block, y the work item; block 256 (two
+// warpgroups) + 128 with XR = 8 (the tail warpgroup: rows 64-71 of each block, wg::tail_loop);
+// dynamic smem wg::SMEM_BYTES, or wg::SMEM_BYTES_XR with the tail.
+template <int T, int XR>
+__global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const SplitArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace wg;
   const float NEG_INF = -__int_as_float(0x7f800000);
   static_assert(T >= 1 && T <= 64, "T in [1, 64]: the tree mask is one int64 per row");
+  static_assert(XR == 0 || XR == XR_ROWS, "the tail warpgroup takes 8 rows or none");
+  constexpr int RB = ROWS + XR, NT = XR ? 384 : 256;  // query rows and threads per CTA
   extern __shared__ __align__(1024) unsigned char smem[];
   {  // the launcher sizes dynamic smem from a Python mirror; the swizzle needs 1024-byte atoms
     u32 dyn;
     asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dyn));
-    if (dyn < (u32)SMEM_BYTES || (smem_u32(smem) & 1023u)) __trap();
+    if (dyn < (u32)(XR ? SMEM_BYTES_XR : SMEM_BYTES) || (smem_u32(smem) & 1023u)) __trap();
   }
   unsigned char* Qs = smem;
   unsigned char* Ks = smem + K_OFF;
@@ -248,15 +429,15 @@ __global__ void __launch_bounds__(256, 1) verify_wgmma_kernel(const SplitArgs a)
 
   // -- Q: rows mb * 64 .. of this request (row r: head r / T, draft token r % T), zero past H * T
   if (a.q_vec16) {
-    for (int i = tid; i < ROWS * CHUNKS; i += 256) {
-      const int r = i / CHUNKS, c = i % CHUNKS, rg = mb * ROWS + r;
+    for (int i = tid; i < ROWS * CHUNKS && wgi < 2; i += 256) {
+      const int r = i / CHUNKS, c = i % CHUNKS, rg = mb * RB + r;
       const bool ok = rg < HT;
       const u16* src = ok ? a.q + (i64)(b * T + rg % T) * a.q_stride_m + (i64)(rg / T) * a.q_stride_h + c * 8 : a.q;
       cp_async<16>(qs + sw_off(r, c, ROWS), src, ok ? 16 : 0);
     }
   } else {
-    for (int i = tid; i < ROWS * DK; i += 256) {
-      const int r = i / DK, col = i % DK, rg = mb * ROWS + r;
+    for (int i = tid; i < ROWS * DK && wgi < 2; i += 256) {
+      const int r = i / DK, col = i % DK, rg = mb * RB + r;
       *reinterpret_cast<u16*>(Qs + sw_off(r, col >> 3, ROWS) + (col & 7) * 2) =
           rg < HT ? a.q[(i64)(b * T + rg % T) * a.q_stride_m + (i64)(rg / T) * a.q_stride_h + col] : (u16)0;
     }
@@ -286,16 +467,66 @@ __global__ void __launch_bounds__(256, 1) verify_wgmma_kernel(const SplitArgs a)
     }
     cp_async_commit();
   };
-  if (wgi < n_tiles) issue_tile(wgi, slot_of(wgi));
+  if (wgi < 2 && wgi < n_tiles) issue_tile(wgi, slot_of(wgi));
+  if (XR && tid == 0) {
+    for (int i = 0; i < NBUF; ++i) {
+      mbar_init(smem_u32(smem + FULL_OFF + 8 * i));
+      mbar_init(smem_u32(smem + EMPTY_OFF + 8 * i));
+    }
+  }
   u32 slot_next = slot_of(wgi + 2);
   for (int i = tid; i < ROWS; i += 256) m_s[i] = NEG_INF;
   // this thread's rows: their partial rows (-1 past H * T) and tree-mask bits
-  const int rg0 = mb * ROWS + r0, rg1 = mb * ROWS + r1;
+  const int rg0 = mb * RB + r0, rg1 = mb * RB + r1;
   const u64 bits0 = rg0 < HT ? (u64)a.tree_mask[b * T + rg0 % T] : 0ull;
   const u64 bits1 = rg1 < HT ? (u64)a.tree_mask[b * T + rg1 % T] : 0ull;
   cp_async_wait<0>();  // Q and this warpgroup's first tile
   async_fence();
-  __syncthreads();  // Q, m_s and the first tiles visible to both warpgroups
+  __syncthreads();  // Q, m_s, the mbarriers and the first tiles visible to both warpgroups
+  constexpr int OPITCH = DV * 2 + 16;  // bytes per staged o row: +16 puts a store's 8 rows on 8 bank quads
+  static_assert(RB * OPITCH <= K_OFF + KBUF, "staged o fits in Q's shared memory and the first key buffer");
+  // Each path's code is reachable from its own setmaxnreg only (ptxas ignores both otherwise).
+  if (XR && wgi == 2) {  // the tail warpgroup: rows 64 .. 71
+    if constexpr (XR != 0) {
+      regs_dec<REGS_TAIL>();
+      float o8[8][4], mt[2] = {NEG_INF, NEG_INF}, lt[2] = {0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o8[j][i] = 0.f;
+      const int rbase = mb * RB + ROWS;
+      tail_loop<T>(a, smem, b, P, lo, hi, n_tiles, rbase, HT, o8, mt, lt);
+      float* tl = reinterpret_cast<float*>(smem + TL_OFF);
+      if (warp < 2) {  // l of each 16-key half, over the 8 lanes that share t4
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          float v = lt[j];
+          v += __shfl_xor_sync(0xffffffffu, v, 4);
+          v += __shfl_xor_sync(0xffffffffu, v, 8);
+          v += __shfl_xor_sync(0xffffffffu, v, 16);
+          if (g == 0) tl[warp * XR_ROWS + 2 * t4 + j] = v;
+        }
+      }
+      __syncthreads();  // l; both row blocks' MMAs are done: Q's shared memory is free
+      float inv[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int r = 2 * t4 + j, rg = rbase + r;
+        const float l = tl[r] + tl[XR_ROWS + r];
+        inv[j] = l == 0.f ? 0.f : 1.f / l;
+        if (warp == 0 && g == 0 && rg < HT)
+          a.part_lse[((i64)item * T + rg % T) * a.H + rg / T] = l == 0.f ? NEG_INF : (mt[j] + __log2f(l)) * LN2;
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          *reinterpret_cast<u16*>(Qs + (ROWS + 2 * t4 + (i & 1)) * OPITCH + (64 * j + 16 * warp + g + 8 * (i >> 1)) * 2) =
+              bf16_bits(o8[j][i] * inv[i & 1]);
+      __syncthreads();
+    }
+  } else {  // the two 64-row warpgroups
+    if constexpr (XR != 0) regs_inc<REGS_MAIN>();
 
   float o[128], l[2] = {0.f, 0.f}, s[16];
 #pragma unroll
@@ -323,6 +554,7 @@ __global__ void __launch_bounds__(256, 1) verify_wgmma_kernel(const SplitArgs a)
     cp_async_wait<0>();
     async_fence();
     bar_sync(1 + wgi, 128);
+    if (XR && wt == 0) mbar_arrive(smem_u32(smem + FULL_OFF + 8 * (t % NBUF)));
     fence();
     const u32 kb = ks + (t % NBUF) * KBUF;
 #pragma unroll
@@ -340,15 +572,21 @@ __global__ void __launch_bounds__(256, 1) verify_wgmma_kernel(const SplitArgs a)
     // tile t+2 into the buffer of t-2, as early as it is free: its last readers were this
     // warpgroup's PV of t-2 (done: committed before S of t) and the other's (done before it
     // published t-1, which other_tile waited for)
-    if (t + 2 < n_tiles) issue_tile(t + 2, slot_next);
+    if (t + 2 < n_tiles) {
+      // its buffer's last reader besides the two 64-row warpgroups: the tail, on tile t - 2
+      if (XR && t >= 2) mbar_wait(smem_u32(smem + EMPTY_OFF + 8 * ((t - 2) % NBUF)), ((t - 2) / NBUF) & 1);
+      issue_tile(t + 2, slot_next);
+    }
     slot_next = slot_of(t + 4);
     const int k0 = lo + BN * t;
     {  // draft keys in this tile: NaNs out of their V (uniform over the warpgroup)
       const int d_lo = max(k0, P), d_hi = min(k0 + BN, hi);
       if (d_lo < d_hi) {
+        if (XR) bar_sync(5 + (t & 1), 256);  // the tail has read the raw keys
         scrub_nan_v(Ks + (t % NBUF) * KBUF, d_lo - k0, d_hi - k0, wt);
         async_fence();
         bar_sync(1 + wgi, 128);
+        if (XR) bar_arrive(9 + (t & 1), 256);
       }
     }
     // scale to log2 units; -inf for keys past the split and draft keys the row may not see
@@ -403,8 +641,6 @@ __global__ void __launch_bounds__(256, 1) verify_wgmma_kernel(const SplitArgs a)
   // -- o leaves through Q's shared memory (free: both warpgroups' MMAs ended before the barrier
   // above) as 16-byte stores of whole rows; the accumulator's own 4-byte stores (8 rows x 16 bytes
   // per warp store) cost 2-3.5 us per call (scripts/time_phases.py --backend wgmma, no_o_store)
-  constexpr int OPITCH = DV * 2 + 16;  // bytes per staged row: +16 puts a store's 8 rows on 8 bank quads
-  static_assert(ROWS * OPITCH <= K_OFF, "staged o fits in Q's shared memory");
 #pragma unroll
   for (int i = 0; i < 128; i += 2) {
     const bool hi_row = (i >> 1) & 1;
@@ -413,8 +649,9 @@ __global__ void __launch_bounds__(256, 1) verify_wgmma_kernel(const SplitArgs a)
         pack_bf16(o[i] * inv, o[i + 1] * inv);
   }
   __syncthreads();
-  for (int c = tid; c < ROWS * (DV / 8); c += 256) {
-    const int r = c / (DV / 8), k = c % (DV / 8), rg = mb * ROWS + r;
+  }  // the two 64-row warpgroups
+  for (int c = tid; c < RB * (DV / 8); c += NT) {
+    const int r = c / (DV / 8), k = c % (DV / 8), rg = mb * RB + r;
     if (rg < HT)
       *reinterpret_cast<uint4*>(a.part_o + (((i64)item * T + rg % T) * a.H + rg / T) * DV + 8 * k) =
           *reinterpret_cast<const uint4*>(Qs + r * OPITCH + 16 * k);

@@ -1,10 +1,12 @@
 """The wgmma backend: `verify_wgmma.cu` (sm_90a: H100 / H200), compiled with NVRTC after
 `verify.cu`, whose split arguments, key-balanced schedule and merge kernel it shares.
 
-Its block shape is fixed by the shared memory it fills (64 query rows, four 32-key buffers,
-225 KB: one CTA per SM); NSPLIT is its one parameter (`params.WGMMA_PARAMS`). A request's
-H x T query rows take ceil(H x T / 64) CTAs per work item, each reading the item's keys: at T 9,
-576 rows (H 64) waste nothing, 288 (H 32) pad to 320, 144 (H 16) to 192 and 72 (H 8) to 128.
+Its key tiling is fixed by the shared memory it fills (four 32-key buffers, 225 KB: one CTA per
+SM); NSPLIT and ROWS are its parameters (`params.WGMMA_PARAMS`). A request's H x T query rows take
+ceil(H x T / ROWS) CTAs per work item, each reading the item's keys. With ROWS 64 at T 9, 576
+rows (H 64) waste nothing, 288 (H 32) pad to 320, 144 (H 16) to 192 and 72 (H 8) to 128; ROWS 72
+adds a third warpgroup for rows 64-71 (keys in M: 8 rows cost 8 rows), so 72, 144, 288 and 576
+rows take 1, 2, 4 and 8 CTAs per split.
 """
 from __future__ import annotations
 
@@ -20,36 +22,57 @@ from .params import ARCH_LIMITS, WgmmaParams
 
 #: the sources of its module, in order (nvrtc.SOURCE_PARTS)
 PARTS = ("verify.cu", "verify_wgmma.cu")
-ROWS = 64       # query rows per CTA (wgmma's M)
-THREADS = 256   # two warpgroups
+ROWS = 64       # query rows of the two main warpgroups (wgmma's M)
+TAIL_ROWS = 8   # rows 64-71 of the tail warpgroup (ROWS 72)
 #: mirror of wg::SMEM_BYTES in verify_wgmma.cu (the kernel traps if launched with less): Q, four
 #: key buffers, two P buffers, the running max, two sets of rescale factors, both warpgroups' l,
 #: the two rescale flags and the work item
 SMEM_BYTES = ROWS * DK * 2 + 4 * 32 * DK * 2 + 2 * ROWS * 32 * 2 + ROWS * 4 + 2 * ROWS * 4 + 2 * ROWS * 4 + 2 * 4 + 16
+#: wg::SMEM_BYTES_XR: and the tail's (from a 16-byte boundary): its S^T halves, P^T, maxima,
+#: factors, l, and 2 x 4 mbarriers
+SMEM_BYTES_TAIL = cdiv(SMEM_BYTES, 16) * 16 + 2 * 32 * 16 + 32 * TAIL_ROWS * 2 + 2 * TAIL_ROWS * 4 + TAIL_ROWS * 4 \
+    + 2 * TAIL_ROWS * 4 + 2 * 4 * 8
+
+
+def threads(rows: int) -> int:
+    """Threads per CTA: two warpgroups, a third for the tail rows."""
+    return 256 if rows == ROWS else 384
+
+
+def smem_bytes(rows: int) -> int:
+    return SMEM_BYTES if rows == ROWS else SMEM_BYTES_TAIL
 #: the archs that have wgmma (sm_90a features; not sm_100 / sm_120)
 WGMMA_ARCHS = ("sm_90",)
 
 
-def row_blocks(H: int, T: int) -> int:
-    """CTAs per work item: the request's H x T query rows in blocks of 64."""
-    return cdiv(H * T, ROWS)
+def row_blocks(H: int, T: int, rows: int = ROWS) -> int:
+    """CTAs per work item: the request's H x T query rows in blocks of `rows`."""
+    return cdiv(H * T, rows)
 
 
-def split_expr(T: int) -> str:
-    return f"kvtune::verify_wgmma_kernel<{T}>"
+def default_rows(H: int, T: int) -> int:
+    """72 where the tail warpgroup saves a row block per split (H x T = 65-72, 129-144, ...)."""
+    return ROWS + TAIL_ROWS if row_blocks(H, T, ROWS + TAIL_ROWS) < row_blocks(H, T) else ROWS
 
 
-def module_name(T: int) -> str:
+def split_expr(T: int, rows: int = ROWS) -> str:
+    return f"kvtune::verify_wgmma_kernel<{T}, {rows - ROWS}>"
+
+
+def module_name(T: int, rows: int = ROWS) -> str:
     from .backend import MERGE_SPLIT_GROUPS
-    return f"verify_wgmma_T{T}_MSG{MERGE_SPLIT_GROUPS}"
+    return f"verify_wgmma_T{T}_R{rows}_MSG{MERGE_SPLIT_GROUPS}"
 
 
-def compile_wgmma(T: int, arch: str = "sm_90"):
-    """Compile (or fetch) the module for T draft tokens (no GPU needed); `arch` must have wgmma."""
+def compile_wgmma(T: int, arch: str = "sm_90", rows: int = ROWS):
+    """Compile (or fetch) the module for T draft tokens and `rows` query rows per CTA (no GPU
+    needed); `arch` must have wgmma."""
     from .nvrtc import compile_module
     if arch not in WGMMA_ARCHS:
         raise ValueError(f"arch: the wgmma kernel needs {' or '.join(WGMMA_ARCHS)}, got {arch}")
-    return compile_module(module_name(T), [split_expr(T), MERGE_EXPR], arch + "a", parts=PARTS)
+    if rows not in (ROWS, ROWS + TAIL_ROWS):
+        raise ValueError(f"rows: the wgmma kernel takes {ROWS} or {ROWS + TAIL_ROWS} query rows per CTA, got {rows}")
+    return compile_module(module_name(T, rows), [split_expr(T, rows), MERGE_EXPR], arch + "a", parts=PARTS)
 
 
 @dataclass
@@ -71,7 +94,8 @@ class WgmmaBackend(SplitMergeBackend):
         # one wave: NSPLIT x row blocks CTAs, one resident per SM (a 136th CTA on 132 SMs doubles
         # the time)
         sms = sm_count(problem)
-        return WgmmaParams(NSPLIT=max(1, min(256, sms // row_blocks(problem.H, problem.T))))
+        rows = default_rows(problem.H, problem.T)
+        return WgmmaParams(NSPLIT=max(1, min(256, sms // row_blocks(problem.H, problem.T, rows))), ROWS=rows)
 
     def _check_kernel(self, params: WgmmaParams, problem: VerifyProblem) -> None:
         WgmmaParams.declaration.check_problem(vars(params), T=problem.T, Dk=DK, Dv=DV)
@@ -79,14 +103,15 @@ class WgmmaBackend(SplitMergeBackend):
     def _reject_on(self, params: WgmmaParams, problem: VerifyProblem, arch: str) -> str | None:
         if arch not in WGMMA_ARCHS:
             return f"the wgmma kernel needs sm_90 (H100 / H200); {arch} has no wgmma"
-        if SMEM_BYTES > ARCH_LIMITS[arch].smem_per_block:
-            return f"shared memory {SMEM_BYTES} B per block exceeds {arch}'s {ARCH_LIMITS[arch].smem_per_block} B"
+        smem = smem_bytes(params.ROWS)
+        if smem > ARCH_LIMITS[arch].smem_per_block:
+            return f"shared memory {smem} B per block exceeds {arch}'s {ARCH_LIMITS[arch].smem_per_block} B"
         from .nvrtc import NvrtcError
         try:
-            mod = compile_wgmma(problem.T, arch)
+            mod = compile_wgmma(problem.T, arch, params.ROWS)
         except NvrtcError as e:
             return f"compile error on {arch}a: {e}"
-        res = mod.resources[split_expr(problem.T)]
+        res = mod.resources[split_expr(problem.T, params.ROWS)]
         if res.spills:
             return f"register spills on {arch}a: {res.spill_stores} B stores / {res.spill_loads} B loads"
         return None
@@ -94,23 +119,25 @@ class WgmmaBackend(SplitMergeBackend):
     def supports(self, device: torch.device) -> str | None:
         return nvrtc_unsupported(device, lambda arch: arch in WGMMA_ARCHS, "wgmma (sm_90: H100 / H200)")
 
-    def _get(self, T: int, device: torch.device) -> _Loaded:
+    def _get(self, T: int, rows: int, device: torch.device) -> _Loaded:
         idx = device.index if device.index is not None else torch.cuda.current_device()
-        got = self._kernels.get((T, idx))
+        got = self._kernels.get((T, rows, idx))
         if got is None:
             from .nvrtc import load_kernels
             arch = device_arch(idx)
             limit = torch.cuda.get_device_properties(idx).shared_memory_per_block_optin
-            if SMEM_BYTES > limit:
-                raise ValueError(f"wgmma: {SMEM_BYTES} bytes of shared memory per block exceed this device's {limit}")
-            ks = load_kernels(compile_wgmma(T, arch), idx, {split_expr(T): SMEM_BYTES})
-            got = _Loaded(ks[split_expr(T)], ks[MERGE_EXPR], pdl_enabled(arch))
-            self._kernels[(T, idx)] = got
+            smem = smem_bytes(rows)
+            if smem > limit:
+                raise ValueError(f"wgmma: {smem} bytes of shared memory per block exceed this device's {limit}")
+            ks = load_kernels(compile_wgmma(T, arch, rows), idx, {split_expr(T, rows): smem})
+            got = _Loaded(ks[split_expr(T, rows)], ks[MERGE_EXPR], pdl_enabled(arch))
+            self._kernels[(T, rows, idx)] = got
         return got
 
     def _launch(self, a: LaunchArgs, params: WgmmaParams) -> None:
         pb = a.problem
-        k = self._get(pb.T, pb.device)
-        split_shape = ((row_blocks(pb.H, pb.T), work_items(params, pb.B), 1), (THREADS, 1, 1))
-        launch_split_merge(a, params, k.split, split_shape, SMEM_BYTES, k.merge, k.pdl, 8,
+        rows = params.ROWS
+        k = self._get(pb.T, rows, pb.device)
+        split_shape = ((row_blocks(pb.H, pb.T, rows), work_items(params, pb.B), 1), (threads(rows), 1, 1))
+        launch_split_merge(a, params, k.split, split_shape, smem_bytes(rows), k.merge, k.pdl, 8,
                            "the wgmma kernel's copies are 16 bytes: use the cuda backend with a smaller VEC")
