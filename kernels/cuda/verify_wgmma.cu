@@ -228,8 +228,8 @@ template <int N>
 __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 // Registers per thread after the split (setmaxnreg): 2 x 128 x MAIN + 128 x TAIL <= 384 x 168, the
 // launch's. The two 64-row warpgroups fit 192 without spills (measured with __maxnreg__); the tail needs 120.
-constexpr int REGS_MAIN = 192, REGS_TAIL = 120;
-constexpr int TAIL_CHAINS = 3;  // independent S^T accumulators per tail warp
+constexpr int REGS_MAIN = 184, REGS_TAIL = 136;
+constexpr int TAIL_CHAINS = 1;  // independent S^T accumulators per tail warp
 
 // O^T += V^T P^T for the tail rows: m64n8k16, V^T from a key buffer (MN-major), P^T K-major
 __device__ __forceinline__ void mma_ss_n8_vt(float (&d)[4], u64 da, u64 db) {
@@ -278,6 +278,12 @@ __device__ __forceinline__ void tail_loop(const SplitArgs& a, unsigned char* sme
     if (!q_ok) return 0u;
     return q_word ? __ldg(reinterpret_cast<const u32*>(q + col)) : (u32)__ldg(q + col) | ((u32)__ldg(q + col + 1) << 16);
   };
+  u32 qf[18][2];  // loaded once: from global memory at each tile they cost more than the MMAs
+#pragma unroll
+  for (int i = 0; i < 18; ++i) {
+    qf[i][0] = q_pair(16 * i);
+    qf[i][1] = q_pair(16 * i + 8);
+  }
   u64 bits[2];
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
@@ -300,7 +306,7 @@ __device__ __forceinline__ void tail_loop(const SplitArgs& a, unsigned char* sme
       u32 af[4];
       ldmatrix_x4(kbuf + sw_off(16 * kb + (lane & 7) + 8 * ((lane >> 3) & 1), 2 * (18 * dh + i) + (lane >> 4), BN),
                   af[0], af[1], af[2], af[3]);
-      mma_bf16(cc[i % TAIL_CHAINS], af, q_pair(16 * i), q_pair(16 * i + 8));
+      mma_bf16(cc[i % TAIL_CHAINS], af, qf[i][0], qf[i][1]);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -508,10 +514,12 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
         }
       }
       __syncthreads();  // l; both row blocks' MMAs are done: Q's shared memory is free
+      u32 cta_x;  // the block index read again: kept across the loop, the row indices spilled
+      asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(cta_x));
       float inv[2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const int r = 2 * t4 + j, rg = rbase + r;
+        const int r = 2 * t4 + j, rg = (int)cta_x * RB + ROWS + r;
         const float l = tl[r] + tl[XR_ROWS + r];
         inv[j] = l == 0.f ? 0.f : 1.f / l;
         if (warp == 0 && g == 0 && rg < HT)
