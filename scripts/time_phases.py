@@ -75,8 +75,8 @@ WGMMA_VARIANTS = {
     "full": [],
     "no_tiles": [("const int n_tiles = (hi - lo + BN - 1) / BN;",
                   "const int n_tiles = 0 * ((hi - lo + BN - 1) / BN);")],
-    "no_q": [("  if (a.q_vec16) {\n    for (int i = tid; i < ROWS * CHUNKS;",
-              "  if (a.H > 0) {\n  } else if (a.q_vec16) {\n    for (int i = tid; i < ROWS * CHUNKS;")],
+    "no_q": [("  if (a.q_vec16) {\n    for (int i = tid; i < ROWS * CHUNKS && wgi < 2;",
+              "  if (a.H > 0) {\n  } else if (a.q_vec16) {\n    for (int i = tid; i < ROWS * CHUNKS && wgi < 2;")],
     "no_o_store": [("    if (rg < HT)\n      *reinterpret_cast<uint4*>(a.part_o",
                     "    if (rg < HT && a.H < 0)\n      *reinterpret_cast<uint4*>(a.part_o")],
     "exit_early": [("  if (b < 0) return;  // past", "  if (b < 0 || a.H > 0) return;  // past")],
@@ -88,12 +88,8 @@ WGMMA_VARIANTS = {
                    "      if (max(k0_, P) < min(k0_ + BN, hi)) { bar_arrive(5 + (t & 1), 256); bar_sync(9 + (t & 1), 256); }\n"
                    "      bar_sync(7, 128);\n      if (wt == 0) mbar_arrive(smem_u32(smem + EMPTY_OFF + 8 * buf));\n"
                    "      continue;\n    }\n")],
-    "tail_no_s_mma": [("      mma_bf16(cc[i % TAIL_CHAINS], af, q_pair(16 * i), q_pair(16 * i + 8));",
-                       "      if (a.H < 0) mma_bf16(cc[i % TAIL_CHAINS], af, q_pair(16 * i), q_pair(16 * i + 8));")],
-    # the S^T MMAs kept, their Q8 operands not loaded / their K operands not read
-    "tail_const_q": [("    if (!q_ok) return 0u;\n", "    if (!q_ok || a.H > 0) return 0x3f803f80u + (u32)col;\n")],
-    "tail_no_ldsm": [("      ldmatrix_x4(kbuf + sw_off(16 * kb + (lane & 7)", "      if (a.H < 0) ldmatrix_x4(kbuf + sw_off(16 * kb + (lane & 7)"),
-                     ("      u32 af[4];\n", "      u32 af[4] = {0x3f803f80u + (u32)i, 0x3f80u, (u32)lane, 7u};\n")],
+    "tail_no_s_mma": [("      mma_bf16(cc[i % TAIL_CHAINS], af, qf[i][0], qf[i][1]);",
+                       "      if (a.H < 0) mma_bf16(cc[i % TAIL_CHAINS], af, qf[i][0], qf[i][1]);")],
     "tail_no_pv": [("        mma_ss_n8_vt(o[j], desc_sw(", "        if (a.H < 0) mma_ss_n8_vt(o[j], desc_sw(")],
 }
 

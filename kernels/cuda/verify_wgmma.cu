@@ -253,7 +253,8 @@ __device__ __forceinline__ void keep32(float (&o)[8][4]) {
 // write P^T; O^T = V^T P^T runs on wgmma m64n8k16 over all 512 value columns (o[j]: columns
 // 64 j + 16 w + g (+ 8 for i >= 2), rows 2 t4 + (i & 1)). Tile t waits for its owner's `full`
 // arrival; `empty` tells the owner the buffer may be refilled; a tile holding draft keys meets its
-// owner on named barriers 5 / 6 (S^T read the raw keys) and 9 / 10 (V scrubbed of NaNs).
+// owner on named barriers 5 / 6 (S^T read the raw keys) and 9 / 10 (V scrubbed of NaNs). A tile's
+// O^T MMAs run under the next tile's S^T and softmax; `empty` of tile t - 1 follows their wait.
 // mt: running max (log2 units), lt: this thread's l, both for rows 2 t4, 2 t4 + 1 (warps 0-1).
 template <int T>
 __device__ __forceinline__ void tail_loop(const SplitArgs& a, unsigned char* smem, int b, int P, int lo, int hi,
@@ -319,6 +320,7 @@ __device__ __forceinline__ void tail_loop(const SplitArgs& a, unsigned char* sme
     const int k0 = lo + BN * t;
     const bool draft = max(k0, P) < min(k0 + BN, hi);  // uniform: the owner meets the tail on it
     if (draft) bar_arrive(5 + (t & 1), 256);           // this tile's keys are read: the owner may scrub V
+    float pv[4];
     if (dh == 0) {
       const float4 h = *reinterpret_cast<const float4*>(scr + (kb * 32 + lane) * 4);
       c[0] += h.x;
@@ -353,14 +355,24 @@ __device__ __forceinline__ void tail_loop(const SplitArgs& a, unsigned char* sme
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const float p = fast_exp2(c[i] - z[i & 1]);
-        lt[i & 1] += p;
+        pv[i] = fast_exp2(c[i] - z[i & 1]);
+        lt[i & 1] += pv[i];
+      }
+    }
+    // O^T += V^T P^T of tile t - 1 ran under this tile's S^T and softmax: done now, so its P^T
+    // may be overwritten, O^T rescaled and its key buffer handed back
+    wait0();
+    keep32(o);
+    if (dh == 0) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
         const int k = 16 * kb + g + 8 * (i >> 1), r = 2 * t4 + (i & 1);
-        *reinterpret_cast<u16*>(tpp + (k >> 3) * 128 + r * 16 + (k & 7) * 2) = bf16_bits(p);
+        *reinterpret_cast<u16*>(tpp + (k >> 3) * 128 + r * 16 + (k & 7) * 2) = bf16_bits(pv[i]);
       }
       async_fence();  // P^T: generic stores, read by wgmma
     }
     bar_sync(7, 128);  // P^T and the factors are out; the S^T halves and maxima may be rewritten
+    if (t > 0 && wt == 0) mbar_arrive(smem_u32(smem + EMPTY_OFF + 8 * ((t - 1) % NBUF)));
     if (draft) bar_sync(9 + (t & 1), 256);  // the owner has scrubbed V of NaNs
     const float a0 = talpha[2 * t4], a1 = talpha[2 * t4 + 1];
 #pragma unroll
@@ -374,11 +386,9 @@ __device__ __forceinline__ void tail_loop(const SplitArgs& a, unsigned char* sme
       for (int kk = 0; kk < 2; ++kk)
         mma_ss_n8_vt(o[j], desc_sw(kbuf + j * (BN * 128) + (2 * kk) * 1024, 4096, 1024), desc(tp + kk * 256, 128, 512));
     commit();
-    wait0();
-    keep32(o);
-    bar_sync(7, 128);  // every warp's MMAs read the buffer and P^T
-    if (wt == 0) mbar_arrive(smem_u32(smem + EMPTY_OFF + 8 * buf));
   }
+  wait0();  // the last tile's (no owner waits for its buffer)
+  keep32(o);
 }
 
 }  // namespace wg
