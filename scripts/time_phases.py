@@ -85,11 +85,12 @@ WGMMA_VARIANTS = {
     "tail_idle": [("    mbar_wait(smem_u32(smem + FULL_OFF + 8 * buf), par);\n",
                    "    mbar_wait(smem_u32(smem + FULL_OFF + 8 * buf), par);\n"
                    "    if (a.H > 0) {\n      const int k0_ = lo + BN * t;\n"
-                   "      if (max(k0_, P) < min(k0_ + BN, hi)) { bar_arrive(5 + (t & 1), 256); bar_sync(9 + (t & 1), 256); }\n"
+                   "      if (max(k0_, P) < min(k0_ + BN, hi)) {\n"
+                   "        bar_arrive(5 + (t & 1), 256);\n        bar_sync(9 + (t & 1), 256);\n      }\n"
                    "      bar_sync(7, 128);\n      if (wt == 0) mbar_arrive(smem_u32(smem + EMPTY_OFF + 8 * buf));\n"
                    "      continue;\n    }\n")],
-    "tail_no_s_mma": [("      mma_bf16(cc[i % TAIL_CHAINS], af, qf[i][0], qf[i][1]);",
-                       "      if (a.H < 0) mma_bf16(cc[i % TAIL_CHAINS], af, qf[i][0], qf[i][1]);")],
+    "tail_no_s_mma": [("      mma_bf16(c, af, qf[i][0], qf[i][1]);",
+                       "      if (a.H < 0) mma_bf16(c, af, qf[i][0], qf[i][1]);")],
     "tail_no_pv": [("        mma_ss_n8_vt(o[j], desc_sw(", "        if (a.H < 0) mma_ss_n8_vt(o[j], desc_sw(")],
 }
 

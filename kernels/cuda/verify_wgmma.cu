@@ -229,7 +229,6 @@ __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.a
 // Registers per thread after the split (setmaxnreg): 2 x 128 x MAIN + 128 x TAIL <= 384 x 168, the
 // launch's. The two 64-row warpgroups fit 192 without spills (measured with __maxnreg__); the tail needs 120.
 constexpr int REGS_MAIN = 184, REGS_TAIL = 136;
-constexpr int TAIL_CHAINS = 1;  // independent S^T accumulators per tail warp
 
 // O^T += V^T P^T for the tail rows: m64n8k16, V^T from a key buffer (MN-major), P^T K-major
 __device__ __forceinline__ void mma_ss_n8_vt(float (&d)[4], u64 da, u64 db) {
@@ -256,10 +255,28 @@ __device__ __forceinline__ void keep32(float (&o)[8][4]) {
 // owner on named barriers 5 / 6 (S^T read the raw keys) and 9 / 10 (V scrubbed of NaNs). A tile's
 // O^T MMAs run under the next tile's S^T and softmax; `empty` of tile t - 1 follows their wait.
 // mt: running max (log2 units), lt: this thread's l, both for rows 2 t4, 2 t4 + 1 (warps 0-1).
+// Q8 as mma.sync B fragments of warp w: row g of the tail, columns 16 ks + 2 t4 (+1) and + 8 for
+// the k-steps ks = 18 (w >> 1) + i; loaded by the kernel's prologue, under its Q and first tiles.
+template <int T>
+__device__ __forceinline__ void tail_q(const SplitArgs& a, int b, int rbase, int HT, u32 (&qf)[18][2]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, dh = (threadIdx.x >> 6) & 1;
+  const int qrow = rbase + g;
+  const bool q_ok = qrow < HT, q_word = a.q_vec16;  // 16-byte aligned rows: a column pair is one word
+  const u16* q = a.q + (q_ok ? (i64)(b * T + qrow % T) * a.q_stride_m + (i64)(qrow / T) * a.q_stride_h : 0) +
+                 16 * 18 * dh + 2 * t4;
+#pragma unroll
+  for (int i = 0; i < 18; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const u16* e = q + 16 * i + 8 * h;
+      qf[i][h] = !q_ok ? 0u : q_word ? *reinterpret_cast<const u32*>(e) : (u32)e[0] | ((u32)e[1] << 16);
+    }
+}
+
 template <int T>
 __device__ __forceinline__ void tail_loop(const SplitArgs& a, unsigned char* smem, int b, int P, int lo, int hi,
-                                          int n_tiles, int rbase, int HT, float (&o)[8][4], float (&mt)[2],
-                                          float (&lt)[2]) {
+                                          int n_tiles, int rbase, int HT, const u32 (&qf)[18][2], float (&o)[8][4],
+                                          float (&mt)[2], float (&lt)[2]) {
   const float NEG_INF = -__int_as_float(0x7f800000);
   const int wt = threadIdx.x & 127, w = wt >> 5, lane = wt & 31, g = lane >> 2, t4 = lane & 3;
   const int kb = w & 1, dh = w >> 1;
@@ -268,23 +285,6 @@ __device__ __forceinline__ void tail_loop(const SplitArgs& a, unsigned char* sme
   float* tmax = reinterpret_cast<float*>(smem + TMAX_OFF);
   float* talpha = reinterpret_cast<float*>(smem + TALPHA_OFF);
   unsigned char* tpp = smem + TP_OFF;
-  // Q8 as mma.sync B fragments (row g of the tail, columns 16 ks + 2 t4 (+1) and + 8), read from
-  // global memory at each tile: the L1 keeps the 9 KB, and 36 more registers would spill
-  const int qrow = rbase + g;
-  const bool q_ok = qrow < HT;
-  const u16* q = a.q + (q_ok ? (i64)(b * T + qrow % T) * a.q_stride_m + (i64)(qrow / T) * a.q_stride_h : 0) +
-                 16 * 18 * dh + 2 * t4;
-  const bool q_word = a.q_vec16;  // 16-byte aligned rows: a column pair is one aligned word
-  auto q_pair = [&](int col) -> u32 {
-    if (!q_ok) return 0u;
-    return q_word ? __ldg(reinterpret_cast<const u32*>(q + col)) : (u32)__ldg(q + col) | ((u32)__ldg(q + col + 1) << 16);
-  };
-  u32 qf[18][2];  // loaded once: from global memory at each tile they cost more than the MMAs
-#pragma unroll
-  for (int i = 0; i < 18; ++i) {
-    qf[i][0] = q_pair(16 * i);
-    qf[i][1] = q_pair(16 * i + 8);
-  }
   u64 bits[2];
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
@@ -295,25 +295,14 @@ __device__ __forceinline__ void tail_loop(const SplitArgs& a, unsigned char* sme
     const int buf = t % NBUF, par = (t / NBUF) & 1;
     const u32 kbuf = ks + buf * KBUF;
     mbar_wait(smem_u32(smem + FULL_OFF + 8 * buf), par);
-    // three independent accumulator chains: one chain of 18 dependent mma.sync behind the other
-    // warpgroups' wgmma was the tail's (and so the CTA's) bound
-    float c[4], cc[TAIL_CHAINS][4];
-#pragma unroll
-    for (int h = 0; h < TAIL_CHAINS; ++h)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) cc[h][e] = 0.f;
+    // one accumulator chain: three measured the same (scripts/time_phases.py, tail variants)
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < 18; ++i) {
       u32 af[4];
       ldmatrix_x4(kbuf + sw_off(16 * kb + (lane & 7) + 8 * ((lane >> 3) & 1), 2 * (18 * dh + i) + (lane >> 4), BN),
                   af[0], af[1], af[2], af[3]);
-      mma_bf16(cc[i % TAIL_CHAINS], af, qf[i][0], qf[i][1]);
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      c[e] = cc[0][e];
-#pragma unroll
-      for (int h = 1; h < TAIL_CHAINS; ++h) c[e] += cc[h][e];
+      mma_bf16(c, af, qf[i][0], qf[i][1]);
     }
     if (dh == 1) *reinterpret_cast<float4*>(scr + (kb * 32 + lane) * 4) = make_float4(c[0], c[1], c[2], c[3]);
     bar_sync(7, 128);
@@ -484,6 +473,9 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
     cp_async_commit();
   };
   if (wgi < 2 && wgi < n_tiles) issue_tile(wgi, slot_of(wgi));
+  u32 qf[XR ? 18 : 1][2];  // the tail's Q8 fragments
+  if constexpr (XR != 0)
+    if (wgi == 2) tail_q<T>(a, b, mb * RB + ROWS, HT, qf);
   if (XR && tid == 0) {
     for (int i = 0; i < NBUF; ++i) {
       mbar_init(smem_u32(smem + FULL_OFF + 8 * i));
@@ -511,7 +503,7 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
 #pragma unroll
         for (int i = 0; i < 4; ++i) o8[j][i] = 0.f;
       const int rbase = mb * RB + ROWS;
-      tail_loop<T>(a, smem, b, P, lo, hi, n_tiles, rbase, HT, o8, mt, lt);
+      tail_loop<T>(a, smem, b, P, lo, hi, n_tiles, rbase, HT, qf, o8, mt, lt);
       float* tl = reinterpret_cast<float*>(smem + TL_OFF);
       if (warp < 2) {  // l of each 16-key half, over the 8 lanes that share t4
 #pragma unroll
