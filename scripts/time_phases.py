@@ -89,8 +89,8 @@ WGMMA_VARIANTS = {
                    "        bar_arrive(5 + (t & 1), 256);\n        bar_sync(9 + (t & 1), 256);\n      }\n"
                    "      bar_sync(7, 128);\n      if (wt == 0) mbar_arrive(smem_u32(smem + EMPTY_OFF + 8 * buf));\n"
                    "      continue;\n    }\n")],
-    "tail_no_s_mma": [("      mma_bf16(c, af, qf[i][0], qf[i][1]);",
-                       "      if (a.H < 0) mma_bf16(c, af, qf[i][0], qf[i][1]);")],
+    "tail_no_s_mma": [("        mma_bf16(cq[h], af, qf[i][0], qf[i][1]);",
+                       "        if (a.H < 0) mma_bf16(cq[h], af, qf[i][0], qf[i][1]);")],
     "tail_no_pv": [("        mma_ss_n8_vt(o[j], desc_sw(", "        if (a.H < 0) mma_ss_n8_vt(o[j], desc_sw(")],
 }
 

@@ -25,7 +25,7 @@ namespace wg {
 constexpr int ROWS = 64;                        // query rows per CTA: wgmma's M
 constexpr int BN = 32;                          // keys per tile
 constexpr int NBUF = 4;                         // key buffers: t-1 (the other's PV), t, t+1, t+2 (loading)
-constexpr int NPB = 2;                          // P buffers: publishing t+1 frees t-1's
+constexpr int NPB = 1;                          // P buffers: tile t+1's P is written once the PV of t is done
 constexpr int CHUNKS = DK / 8;                  // 16-byte chunks per row: 72
 constexpr int KBUF = BN * DK * 2;               // 36864 bytes per key tile
 constexpr int PBUF = ROWS * BN * 2;             // 4096 bytes per tile's P
@@ -39,8 +39,8 @@ constexpr int WORK_OFF = GREW_OFF + NPB * 4;    // int [3]: the work item (b, sp
 constexpr int SMEM_BYTES = WORK_OFF + 16;
 // With the tail warpgroup (XR = 8 more query rows per CTA, rows 64-71), after the work item:
 constexpr int XR_ROWS = 8;
-constexpr int TSCR_OFF = (SMEM_BYTES + 15) / 16 * 16;  // float4 [2][32]: S^T halves over the second 288 columns
-constexpr int TP_OFF = TSCR_OFF + 2 * 32 * 16;    // bf16 P^T: [4 key groups][8 rows][8 keys], K-major core matrices
+constexpr int TSCR_OFF = (SMEM_BYTES + 15) / 16 * 16;  // float4 [4][2][32]: S^T of each column quarter
+constexpr int TP_OFF = TSCR_OFF + 4 * 2 * 32 * 16;    // bf16 P^T: [4 key groups][8 rows][8 keys], K-major core matrices
 constexpr int TMAX_OFF = TP_OFF + BN * XR_ROWS * 2;  // float [2][8]: each 16-key half's row maxima
 constexpr int TALPHA_OFF = TMAX_OFF + 2 * XR_ROWS * 4;  // float [8]: the tile's rescale factors
 constexpr int TL_OFF = TALPHA_OFF + XR_ROWS * 4;  // float [2][8]: l of each 16-key half
@@ -177,6 +177,10 @@ __device__ __forceinline__ int softmax_tile(float (&s)[16], float* m_s, float* a
     a[kk][2] = pack_bf16(p[8 * kk + 4], p[8 * kk + 5]);
     a[kk][3] = pack_bf16(p[8 * kk + 6], p[8 * kk + 7]);
   }
+  // the one P buffer still holds the other warpgroup's tile, whose PV on this warpgroup's columns
+  // (issued behind this tile's QK^T) may be reading it: done before it is overwritten
+  wait0();
+  keep128(o);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     *(u32*)(pt + (r0 >> 3) * 512 + j * 128 + (r0 & 7) * 16 + 4 * t4) = pack_bf16(p[4 * j], p[4 * j + 1]);
@@ -227,7 +231,7 @@ __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.a
 template <int N>
 __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 // Registers per thread after the split (setmaxnreg): 2 x 128 x MAIN + 128 x TAIL <= 384 x 168, the
-// launch's. The two 64-row warpgroups fit 192 without spills (measured with __maxnreg__); the tail needs 120.
+// launch's. 184 / 136: no spills from NVRTC 13.0 (the H200's) or 13.5; 192 / 120 spills the tail.
 constexpr int REGS_MAIN = 184, REGS_TAIL = 136;
 
 // O^T += V^T P^T for the tail rows: m64n8k16, V^T from a key buffer (MN-major), P^T K-major
@@ -246,8 +250,8 @@ __device__ __forceinline__ void keep32(float (&o)[8][4]) {
 
 // The tail warpgroup: query rows r0 .. r0 + 7 of the CTA's block against the same key tiles, with
 // the keys in M so that 8 rows cost 8 rows (a 64-row warpgroup would spend 56 on padding).
-// S^T = K Q8^T on mma.sync m16n8k16: warp w takes keys 16 (w & 1) .. + 15 of the tile over the
-// columns 288 (w >> 1) .. + 287, its Q8 fragments in registers; the halves meet in shared memory.
+// S^T = K Q8^T on mma.sync m16n8k16: warp w takes the tile's 32 keys over the columns 144 w ..
+// + 143, its Q8 fragments in registers; the quarters meet in shared memory.
 // Warps 0-1 run the softmax (exact running max; a row's 32 keys sit in 2 warps x 8 lanes) and
 // write P^T; O^T = V^T P^T runs on wgmma m64n8k16 over all 512 value columns (o[j]: columns
 // 64 j + 16 w + g (+ 8 for i >= 2), rows 2 t4 + (i & 1)). Tile t waits for its owner's `full`
@@ -256,16 +260,16 @@ __device__ __forceinline__ void keep32(float (&o)[8][4]) {
 // O^T MMAs run under the next tile's S^T and softmax; `empty` of tile t - 1 follows their wait.
 // mt: running max (log2 units), lt: this thread's l, both for rows 2 t4, 2 t4 + 1 (warps 0-1).
 // Q8 as mma.sync B fragments of warp w: row g of the tail, columns 16 ks + 2 t4 (+1) and + 8 for
-// the k-steps ks = 18 (w >> 1) + i; loaded by the kernel's prologue, under its Q and first tiles.
+// the k-steps ks = 9 w + i; loaded by the kernel's prologue, under its Q and first tiles.
 template <int T>
-__device__ __forceinline__ void tail_q(const SplitArgs& a, int b, int rbase, int HT, u32 (&qf)[18][2]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, dh = (threadIdx.x >> 6) & 1;
+__device__ __forceinline__ void tail_q(const SplitArgs& a, int b, int rbase, int HT, u32 (&qf)[9][2]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, w = (threadIdx.x >> 5) & 3;
   const int qrow = rbase + g;
   const bool q_ok = qrow < HT, q_word = a.q_vec16;  // 16-byte aligned rows: a column pair is one word
   const u16* q = a.q + (q_ok ? (i64)(b * T + qrow % T) * a.q_stride_m + (i64)(qrow / T) * a.q_stride_h : 0) +
-                 16 * 18 * dh + 2 * t4;
+                 16 * 9 * w + 2 * t4;
 #pragma unroll
-  for (int i = 0; i < 18; ++i)
+  for (int i = 0; i < 9; ++i)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const u16* e = q + 16 * i + 8 * h;
@@ -275,11 +279,11 @@ __device__ __forceinline__ void tail_q(const SplitArgs& a, int b, int rbase, int
 
 template <int T>
 __device__ __forceinline__ void tail_loop(const SplitArgs& a, unsigned char* smem, int b, int P, int lo, int hi,
-                                          int n_tiles, int rbase, int HT, const u32 (&qf)[18][2], float (&o)[8][4],
+                                          int n_tiles, int rbase, int HT, const u32 (&qf)[9][2], float (&o)[8][4],
                                           float (&mt)[2], float (&lt)[2]) {
   const float NEG_INF = -__int_as_float(0x7f800000);
   const int wt = threadIdx.x & 127, w = wt >> 5, lane = wt & 31, g = lane >> 2, t4 = lane & 3;
-  const int kb = w & 1, dh = w >> 1;
+  const int kb = w & 1;  // after the S^T reduction, warps 0 / 1 hold keys 16 kb .. of the tile
   const u32 ks = smem_u32(smem + K_OFF), tp = smem_u32(smem + TP_OFF);
   float* scr = reinterpret_cast<float*>(smem + TSCR_OFF);
   float* tmax = reinterpret_cast<float*>(smem + TMAX_OFF);
@@ -295,27 +299,35 @@ __device__ __forceinline__ void tail_loop(const SplitArgs& a, unsigned char* sme
     const int buf = t % NBUF, par = (t / NBUF) & 1;
     const u32 kbuf = ks + buf * KBUF;
     mbar_wait(smem_u32(smem + FULL_OFF + 8 * buf), par);
-    // one accumulator chain: three measured the same (scripts/time_phases.py, tail variants)
-    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    // warp w: both 16-key blocks over columns 144 w .. 144 w + 143; the four quarters meet in
+    // shared memory
+    float cq[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-    for (int i = 0; i < 18; ++i) {
-      u32 af[4];
-      ldmatrix_x4(kbuf + sw_off(16 * kb + (lane & 7) + 8 * ((lane >> 3) & 1), 2 * (18 * dh + i) + (lane >> 4), BN),
-                  af[0], af[1], af[2], af[3]);
-      mma_bf16(c, af, qf[i][0], qf[i][1]);
-    }
-    if (dh == 1) *reinterpret_cast<float4*>(scr + (kb * 32 + lane) * 4) = make_float4(c[0], c[1], c[2], c[3]);
+    for (int i = 0; i < 9; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        u32 af[4];
+        ldmatrix_x4(kbuf + sw_off(16 * h + (lane & 7) + 8 * ((lane >> 3) & 1), 2 * (9 * w + i) + (lane >> 4), BN),
+                    af[0], af[1], af[2], af[3]);
+        mma_bf16(cq[h], af, qf[i][0], qf[i][1]);
+      }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      *reinterpret_cast<float4*>(scr + ((w * 2 + h) * 32 + lane) * 4) = make_float4(cq[h][0], cq[h][1], cq[h][2], cq[h][3]);
     bar_sync(7, 128);
     const int k0 = lo + BN * t;
     const bool draft = max(k0, P) < min(k0 + BN, hi);  // uniform: the owner meets the tail on it
     if (draft) bar_arrive(5 + (t & 1), 256);           // this tile's keys are read: the owner may scrub V
-    float pv[4];
-    if (dh == 0) {
-      const float4 h = *reinterpret_cast<const float4*>(scr + (kb * 32 + lane) * 4);
-      c[0] += h.x;
-      c[1] += h.y;
-      c[2] += h.z;
-      c[3] += h.w;
+    float pv[4], c[4] = {0.f, 0.f, 0.f, 0.f};
+    if (w < 2) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float4 h = *reinterpret_cast<const float4*>(scr + ((q * 2 + kb) * 32 + lane) * 4);
+        c[0] += h.x;
+        c[1] += h.y;
+        c[2] += h.z;
+        c[3] += h.w;
+      }
       float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {  // c[i]: key 16 kb + g + 8 (i >> 1), row 2 t4 + (i & 1)
@@ -352,7 +364,7 @@ __device__ __forceinline__ void tail_loop(const SplitArgs& a, unsigned char* sme
     // may be overwritten, O^T rescaled and its key buffer handed back
     wait0();
     keep32(o);
-    if (dh == 0) {
+    if (w < 2) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int k = 16 * kb + g + 8 * (i >> 1), r = 2 * t4 + (i & 1);
@@ -473,7 +485,7 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
     cp_async_commit();
   };
   if (wgi < 2 && wgi < n_tiles) issue_tile(wgi, slot_of(wgi));
-  u32 qf[XR ? 18 : 1][2];  // the tail's Q8 fragments
+  u32 qf[XR ? 9 : 1][2];  // the tail's Q8 fragments
   if constexpr (XR != 0)
     if (wgi == 2) tail_q<T>(a, b, mb * RB + ROWS, HT, qf);
   if (XR && tid == 0) {
@@ -546,7 +558,7 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
     return desc_sw(ks + (t % NBUF) * KBUF + (4 * wgi) * (BN * 128) + (2 * kk) * 1024, 4096, 1024);
   };
   auto other_tile = [&](int tile) {  // published: its P, max and factors; then its PV on these columns
-    bar_sync(3 + tile % NPB, 256);
+    bar_sync(3 + (tile & 1), 256);  // one barrier per publishing warpgroup: never completed by one alone
     if (grew_s[tile % NPB]) {
       wait0();
       keep128(o);
@@ -618,7 +630,7 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
     wait0();
     keep128(o);
     async_fence();
-    bar_arrive(3 + t % NPB, 256);
+    bar_arrive(3 + (t & 1), 256);
     fence();
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) mma_rs_n256(o, pa[kk], v_desc(t, kk));

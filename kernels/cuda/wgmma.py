@@ -25,13 +25,13 @@ PARTS = ("verify.cu", "verify_wgmma.cu")
 ROWS = 64       # query rows of the two main warpgroups (wgmma's M)
 TAIL_ROWS = 8   # rows 64-71 of the tail warpgroup (ROWS 72)
 #: mirror of wg::SMEM_BYTES in verify_wgmma.cu (the kernel traps if launched with less): Q, four
-#: key buffers, two P buffers, the running max, two sets of rescale factors, both warpgroups' l,
-#: the two rescale flags and the work item
-SMEM_BYTES = ROWS * DK * 2 + 4 * 32 * DK * 2 + 2 * ROWS * 32 * 2 + ROWS * 4 + 2 * ROWS * 4 + 2 * ROWS * 4 + 2 * 4 + 16
-#: wg::SMEM_BYTES_XR: and the tail's (from a 16-byte boundary): its S^T halves, P^T, maxima,
+#: key buffers, the P buffer, the running max, the rescale factors, both warpgroups' l, the
+#: rescale flag and the work item
+SMEM_BYTES = ROWS * DK * 2 + 4 * 32 * DK * 2 + ROWS * 32 * 2 + ROWS * 4 + ROWS * 4 + 2 * ROWS * 4 + 4 + 16
+#: wg::SMEM_BYTES_XR: and the tail's (from a 16-byte boundary): its S^T quarters, P^T, maxima,
 #: factors, l, and 2 x 4 mbarriers
-SMEM_BYTES_TAIL = cdiv(SMEM_BYTES, 16) * 16 + 2 * 32 * 16 + 32 * TAIL_ROWS * 2 + 2 * TAIL_ROWS * 4 + TAIL_ROWS * 4 \
-    + 2 * TAIL_ROWS * 4 + 2 * 4 * 8
+SMEM_BYTES_TAIL = cdiv(SMEM_BYTES, 16) * 16 + 4 * 2 * 32 * 16 + 32 * TAIL_ROWS * 2 + 2 * TAIL_ROWS * 4 \
+    + TAIL_ROWS * 4 + 2 * TAIL_ROWS * 4 + 2 * 4 * 8
 
 
 def threads(rows: int) -> int:
