@@ -139,6 +139,33 @@ def _print_table(rows: list, shapes) -> None:
               f"{(best or {}).get('pct_floor') or 0:>6.1f} {best['backend'] + ' ' + best['config'] if best else '-'}")
 
 
+def _runs(args, spec, H: int, sms: int) -> list[tuple[str, str, dict | None]]:
+    """(backend, label, params) to time at one shape: each backend's default and the asked-for others."""
+    from kvtune.kernels import get_backend
+    from kvtune.kernels.cuda.wgmma import row_blocks
+    base = get_backend("cuda").default_params(spec.problem("cuda")).__dict__
+    runs = [("cuda", "default", base)]
+    if not args.no_triton:
+        runs.append(("triton", "default", None))
+    if args.pdl_ab:
+        runs.append(("cuda", "default, PDL on", base))
+    wgmma = get_backend("wgmma")
+    if wgmma.supports(torch.device("cuda")) is None:
+        wdef = wgmma.default_params(spec.problem("cuda")).__dict__
+        runs.append(("wgmma", "default", wdef))
+        for n in (int(v) for v in args.wgmma_nsplit.split(",") if v):
+            runs.append(("wgmma", f"NSPLIT={n}", {**wdef, "NSPLIT": n}))
+        for ex in args.wgmma:
+            p = {**wdef, **parse_kv(ex)}
+            if "NSPLIT" not in parse_kv(ex):
+                p["NSPLIT"] = max(1, min(256, sms // row_blocks(H, args.T, p["ROWS"])))
+            runs.append(("wgmma", ex, p))
+    if H == 8:
+        for ex in args.extra:
+            runs.append(("cuda", ex, {**base, **parse_kv(ex)}))
+    return runs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -173,27 +200,7 @@ def main(argv=None) -> int:
         spec = ProblemSpec(heads=H, batch=B, context=prefix, draft_tokens=args.T, tree="random")
         sol, sol_shape = sol_us(spec.keys, props.L2_cache_size, props.multi_processor_count)
         floor = ceilings.floor_us(spec)
-        base = cuda.default_params(spec.problem("cuda")).__dict__
-        runs = [("cuda", "default", base)]
-        if not args.no_triton:
-            runs.append(("triton", "default", None))
-        if args.pdl_ab:
-            runs.append(("cuda", "default, PDL on", base))
-        wgmma = get_backend("wgmma")
-        if wgmma.supports(torch.device("cuda")) is None:
-            runs.append(("wgmma", "default", wgmma.default_params(spec.problem("cuda")).__dict__))
-            wdef = wgmma.default_params(spec.problem("cuda")).__dict__
-            for n in (int(v) for v in args.wgmma_nsplit.split(",") if v):
-                runs.append(("wgmma", f"NSPLIT={n}", {**wdef, "NSPLIT": n}))
-            for ex in args.wgmma:
-                p = {**wdef, **parse_kv(ex)}
-                if "NSPLIT" not in parse_kv(ex):
-                    from kvtune.kernels.cuda.wgmma import row_blocks
-                    p["NSPLIT"] = max(1, min(256, props.multi_processor_count // row_blocks(H, args.T, p["ROWS"])))
-                runs.append(("wgmma", ex, p))
-        if H == 8:
-            for ex in args.extra:
-                runs.append(("cuda", ex, {**base, **parse_kv(ex)}))
+        runs = _runs(args, spec, H, props.multi_processor_count)
         for backend, label, params in runs:
             t0 = time.perf_counter()
             if "PDL on" in label:
