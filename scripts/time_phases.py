@@ -5,9 +5,10 @@ Graph replay over rotating inputs (cold L2, as the Measurer times; `sol_read.gra
 of 15, of: both kernels, the split kernel alone, the merge kernel alone (it then merges stale
 partials: timing only). The launch of the other kernel is filtered out at `cuLaunchKernel`
 (and `cuLaunchKernelEx`, the merge's launch with programmatic dependent launch).
-`--backend wgmma` times the wgmma kernel the same way (its default NSPLIT unless --params says);
-its variants (WGMMA_VARIANTS: full, no_tiles, no_q, no_o_store, exit_early, no_gather) patch
-verify_wgmma.cu at its own anchors.
+`--backend wgmma` times the wgmma kernel the same way (its default NSPLIT and ROWS unless --params
+says); its variants (WGMMA_VARIANTS: full, no_tiles, no_q, no_o_store, exit_early, no_gather, and
+for ROWS 72 the tail warpgroup's: tail_idle, its handshakes only; tail_no_s_mma, its S^T MMAs left
+out; tail_no_pv, its O^T MMAs left out) patch verify_wgmma.cu at its own anchors.
 
 --variants also times copies of the source with one stage left out (METHOD.md: place time
 inside a kernel by differences), compiled in memory (`nvrtc.source_override`), never shipped;
@@ -31,6 +32,7 @@ their outputs are wrong, only their times mean anything:
     python scripts/time_phases.py --out $OUT --prefixes 256,4096,16384 --variants all
     python scripts/time_phases.py --out $OUT --prefixes 65536 --variants full,no_gather,no_softmax,no_pv
     python scripts/time_phases.py --out $OUT --backend wgmma --heads 7 --prefixes 256,131072
+    python scripts/time_phases.py --out $OUT --backend wgmma --prefixes 131072 --variants full,tail_idle
 """
 from __future__ import annotations
 
