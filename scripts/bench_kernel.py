@@ -142,7 +142,7 @@ def _print_table(rows: list, shapes) -> None:
 def _runs(args, spec, H: int, sms: int) -> list[tuple[str, str, dict | None]]:
     """(backend, label, params) to time at one shape: each backend's default and the asked-for others."""
     from kvtune.kernels import get_backend
-    from kvtune.kernels.cuda.wgmma import row_blocks
+    from kvtune.kernels.cuda.wgmma import one_wave
     base = get_backend("cuda").default_params(spec.problem("cuda")).__dict__
     runs = [("cuda", "default", base)]
     if not args.no_triton:
@@ -158,7 +158,7 @@ def _runs(args, spec, H: int, sms: int) -> list[tuple[str, str, dict | None]]:
         for ex in args.wgmma:
             p = {**wdef, **parse_kv(ex)}
             if "NSPLIT" not in parse_kv(ex):
-                p["NSPLIT"] = max(1, min(256, sms // row_blocks(H, args.T, p["ROWS"])))
+                p["NSPLIT"] = one_wave(H, args.T, p["ROWS"], sms)
             runs.append(("wgmma", ex, p))
     if H == 8:
         for ex in args.extra:

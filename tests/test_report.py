@@ -354,7 +354,13 @@ def test_ragged_section_lists_the_phase_beside_the_yaml():
         assert len(mine) == 1 and mine["NSPLIT"].iloc[0] == b["NSPLIT"], (e["tp"], e["max_batch"], b)
         rows = rag[(rag["tp"] == e["tp"]) & (rag["bs"] == e["max_batch"]) & (rag["ctx"] == b["max_context"])
                    & (rag["NSPLIT"] == b["NSPLIT"]) & (rag["backend"] == e["backend"])]
+        for k, v in e["params"].items():   # the served compile-time config (wgmma: ROWS 64 and 72 alike)
+            if k != "NSPLIT":
+                rows = rows[rows[k] == v]
         assert mine["ragged µs"].iloc[0] == pytest.approx(rows["median_us"].median(), rel=1e-9)
         assert b["ragged_us"] == pytest.approx(rows["median_us"].median(), abs=1e-3)
         default = at[at["default"]]
-        assert len(default) == 1 and b["default_ragged_us"] == pytest.approx(default["ragged µs"].iloc[0], abs=1e-3)
+        if "default_ragged_us" in b:
+            assert len(default) == 1 and b["default_ragged_us"] == pytest.approx(default["ragged µs"].iloc[0], abs=1e-3)
+        else:   # a pass stopped by its time limit before the default's ragged batch: none in either
+            assert default.empty, (e["tp"], e["max_batch"], b)

@@ -27,13 +27,14 @@ TOL = 1e-2
 def _params(nsplit=None, x=None, rows=None):
     """NSPLIT (None: the default for x's shape and `rows`) and ROWS (None: the default)."""
     from kvtune.kernels.cuda.params import WgmmaParams
-    from kvtune.kernels.cuda.wgmma import row_blocks
+    from kvtune.kernels.cuda.wgmma import one_wave
     if nsplit is None:
         pb = describe_problem(*x.args)
         p = get_backend("wgmma").default_params(pb)
         if rows is None or rows == p.ROWS:
             return p
-        return WgmmaParams(NSPLIT=max(1, 132 // row_blocks(pb.H, pb.T, rows)), ROWS=rows)
+        return WgmmaParams(NSPLIT=one_wave(pb.H, pb.T, rows, torch.cuda.get_device_properties(0).multi_processor_count),
+                           ROWS=rows)
     return WgmmaParams(NSPLIT=nsplit, ROWS=rows or 64)
 
 

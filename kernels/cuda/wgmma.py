@@ -58,6 +58,12 @@ def default_rows(H: int, T: int) -> int:
     return ROWS + TAIL_ROWS if 2 * row_blocks(H, T) >= 3 * row_blocks(H, T, ROWS + TAIL_ROWS) else ROWS
 
 
+def one_wave(H: int, T: int, rows: int, sms: int) -> int:
+    """NSPLIT for one wave: NSPLIT x row blocks CTAs, one resident per SM (a 136th CTA on 132 SMs
+    doubles the time)."""
+    return max(1, min(256, sms // row_blocks(H, T, rows)))
+
+
 def split_expr(T: int, rows: int = ROWS) -> str:
     return f"kvtune::verify_wgmma_kernel<{T}, {rows - ROWS}>"
 
@@ -94,11 +100,8 @@ class WgmmaBackend(SplitMergeBackend):
         return kernel_source_hash(PARTS)
 
     def default_params(self, problem: VerifyProblem) -> WgmmaParams:
-        # one wave: NSPLIT x row blocks CTAs, one resident per SM (a 136th CTA on 132 SMs doubles
-        # the time)
-        sms = sm_count(problem)
         rows = default_rows(problem.H, problem.T)
-        return WgmmaParams(NSPLIT=max(1, min(256, sms // row_blocks(problem.H, problem.T, rows))), ROWS=rows)
+        return WgmmaParams(NSPLIT=one_wave(problem.H, problem.T, rows, sm_count(problem)), ROWS=rows)
 
     def _check_kernel(self, params: WgmmaParams, problem: VerifyProblem) -> None:
         WgmmaParams.declaration.check_problem(vars(params), T=problem.T, Dk=DK, Dv=DV)
