@@ -156,8 +156,9 @@ def _runs(args, spec, H: int, sms: int) -> list[tuple[str, str, dict | None]]:
         for n in (int(v) for v in args.wgmma_nsplit.split(",") if v):
             runs.append(("wgmma", f"NSPLIT={n}", {**wdef, "NSPLIT": n}))
         for ex in args.wgmma:
-            p = {**wdef, **parse_kv(ex)}
-            if "NSPLIT" not in parse_kv(ex):
+            over = parse_kv(ex)
+            p = {**wdef, **over}
+            if "NSPLIT" not in over:
                 p["NSPLIT"] = one_wave(H, args.T, p["ROWS"], sms)
             runs.append(("wgmma", ex, p))
     if H == 8:

@@ -40,7 +40,10 @@ def threads(rows: int) -> int:
 
 
 def smem_bytes(rows: int) -> int:
+    """Dynamic shared memory per CTA for `rows` query rows (wg::SMEM_BYTES or wg::SMEM_BYTES_XR)."""
     return SMEM_BYTES if rows == ROWS else SMEM_BYTES_TAIL
+
+
 #: the archs that have wgmma (sm_90a features; not sm_100 / sm_120)
 WGMMA_ARCHS = ("sm_90",)
 
@@ -53,7 +56,7 @@ def row_blocks(H: int, T: int, rows: int = ROWS) -> int:
 def default_rows(H: int, T: int) -> int:
     """72 where the tail warpgroup saves a third of the row blocks or more (H x T = 65-72: 1 block
     instead of 2, 129-144: 2 instead of 3); 64 elsewhere. Measured on the H200 at T 9, 128k keys
-    (results/kernel/wgmma/): 72 rows H 8 1.27x, H 16 1.02x; at H 64 (8 blocks instead of 9) the
+    (results/kernel/wgmma/tail-warpgroup/): 72 rows H 8 1.27x, H 16 1.02x; at H 64 (8 blocks instead of 9) the
     tail's MMAs cost more than the block they save (463 vs 398 us)."""
     return ROWS + TAIL_ROWS if 2 * row_blocks(H, T) >= 3 * row_blocks(H, T, ROWS + TAIL_ROWS) else ROWS
 
