@@ -84,12 +84,12 @@ WGMMA_VARIANTS = {
     "exit_early": [("  if (b < 0) return;  // past", "  if (b < 0 || a.H > 0) return;  // past")],
     "no_gather": [("    const int bytes = ok ? 16 : 0;", "    const int bytes = 0 * ok;")],
     # ROWS 72: the tail warpgroup only keeps its handshakes (the tiles' buffers and the scrub)
-    "tail_idle": [("    mbar_wait(smem_u32(smem + FULL_OFF + 8 * buf), par);\n",
-                   "    mbar_wait(smem_u32(smem + FULL_OFF + 8 * buf), par);\n"
+    "tail_idle": [("    mbar_wait(smem_u32(smem + L::FULL_OFF + 8 * buf), par);\n",
+                   "    mbar_wait(smem_u32(smem + L::FULL_OFF + 8 * buf), par);\n"
                    "    if (a.H > 0) {\n      const int k0_ = lo + BN * t;\n"
                    "      if (max(k0_, P) < min(k0_ + BN, hi)) {\n"
                    "        bar_arrive(5 + (t & 1), 256);\n        bar_sync(9 + (t & 1), 256);\n      }\n"
-                   "      bar_sync(7, 128);\n      if (wt == 0) mbar_arrive(smem_u32(smem + EMPTY_OFF + 8 * buf));\n"
+                   "      bar_sync(7, 128);\n      if (wt == 0) mbar_arrive(smem_u32(smem + L::EMPTY_OFF + 8 * buf));\n"
                    "      continue;\n    }\n")],
     "tail_no_s_mma": [("        mma_bf16(cq[h], af, qf[i][0], qf[i][1]);",
                        "        if (a.H < 0) mma_bf16(cq[h], af, qf[i][0], qf[i][1]);")],

@@ -1,7 +1,6 @@
 """The wgmma backend without a GPU: NVRTC builds it for sm_90a (registers, spills), its Python
 mirror of the kernel's shared memory, its parameters and their errors, and its source identity.
 The kernel itself runs in tests/test_wgmma_gpu.py (sm_90 only)."""
-import re
 from pathlib import Path
 
 import pytest
@@ -36,16 +35,17 @@ def test_rows_outside_the_kernels_two_shapes_raise():
 
 
 def test_the_smem_mirror_is_the_kernels_sum():
-    """wgmma.SMEM_BYTES against wg::SMEM_BYTES, evaluated here from verify_wgmma.cu's own
-    constexpr chain (the kernel traps if launched with less)."""
+    """wgmma.smem_bytes(rows) against wg::Layout<XR>::SMEM_BYTES, evaluated by NVRTC itself: the
+    module's source followed by one static_assert per shape (the kernel traps if launched with
+    less)."""
     from kvtune.kernels.cuda import wgmma
-    text = nvrtc.SOURCE_PATH.with_name("verify_wgmma.cu").read_text()
-    body = text[text.index("namespace wg {"):text.index("static_assert(K_OFF")]
-    env = {"DK": 576, "DV": 512}
-    for name, expr in re.findall(r"constexpr int (\w+) = ([^;]+);", body):
-        env[name] = eval(expr.replace("/", "//"), {}, dict(env))   # the source's integer expressions, in order
-    assert env["SMEM_BYTES"] == wgmma.SMEM_BYTES <= 227 * 1024
-    assert env["SMEM_BYTES_XR"] == wgmma.SMEM_BYTES_TAIL == wgmma.smem_bytes(72) <= 227 * 1024
+    from test_cuda_smem_mirror import _compile
+    checks = [f'static_assert(kvtune::wg::Layout<{rows - 64}>::SMEM_BYTES == {wgmma.smem_bytes(rows)}, "{rows}");'
+              for rows in (64, 72)]
+    with nvrtc.source_override(nvrtc.kernel_source(wgmma.PARTS)):   # verify.cu's text then verify_wgmma.cu's
+        ok, log = _compile(checks)
+    assert ok, log[-3000:]
+    assert wgmma.smem_bytes(64) < wgmma.smem_bytes(72) <= 227 * 1024
 
 
 def _problem(T=9, H=8, prefix=100):

@@ -2,10 +2,11 @@
 // verify.cu: it takes the same SplitArgs, the same key-balanced schedule (find_work) and writes
 // the same partials, which verify.cu's merge kernel combines.
 //
-// One CTA: 64 query rows (rows r = head * T + t of one request, 64 per row block: H*T rows take
-// ceil(H*T / 64) row blocks, blockIdx.x) against one work item's keys (blockIdx.y), in 32-key
-// tiles gathered through the index list by cp.async into the 128-byte-swizzled layout wgmma
-// reads. Two warpgroups play ping-pong (scripts/stream_probe.py measured this loop):
+// One CTA: 64 + XR query rows (rows r = head * T + t of one request; H*T rows take
+// ceil(H*T / (64 + XR)) row blocks, blockIdx.x) against one work item's keys (blockIdx.y), in
+// 32-key tiles gathered through the index list by cp.async into the 128-byte-swizzled layout
+// wgmma reads. XR = 8 adds the tail warpgroup for rows 64-71 (wg::tail_loop). Two warpgroups
+// play ping-pong over rows 0-63 (scripts/stream_probe.py measured this loop):
 // - warpgroup w owns tiles w, w + 2, ...: it gathers them (tile t + 2 as soon as S of tile t is
 //   done and tile t-2's buffer is free), runs S = Q K^T (36 wgmma m64n32k16, both operands in shared memory), the
 //   softmax in registers (a row's 32 keys sit in one quad: no shared memory), and P V on its 256
@@ -16,8 +17,9 @@
 //   rescaled;
 // - softmax steps run in tile order (each waits for the other warpgroup's publication of the
 //   previous tile), so both warpgroups see the same running max.
-// Shared memory: Q 72 KB + four 36 KB key buffers + two P buffers: 225 KB, one CTA per SM.
-// Register use is near the cap (o: 128 fp32 per thread for 64 rows x 256 columns).
+// Shared memory: Q 72 KB + four 36 KB key buffers + two P buffers (one with the tail) + the
+// tail's: 225-226 KB, one CTA per SM (wg::Layout). Register use is near the cap (o: 128 fp32 per
+// thread for 64 rows x 256 columns; with the tail, setmaxnreg gives the two 184 and the tail 136).
 
 namespace kvtune {
 namespace wg {
@@ -25,31 +27,38 @@ namespace wg {
 constexpr int ROWS = 64;                        // query rows per CTA: wgmma's M
 constexpr int BN = 32;                          // keys per tile
 constexpr int NBUF = 4;                         // key buffers: t-1 (the other's PV), t, t+1, t+2 (loading)
-constexpr int NPB = 1;                          // P buffers: tile t+1's P is written once the PV of t is done
 constexpr int CHUNKS = DK / 8;                  // 16-byte chunks per row: 72
 constexpr int KBUF = BN * DK * 2;               // 36864 bytes per key tile
 constexpr int PBUF = ROWS * BN * 2;             // 4096 bytes per tile's P
 constexpr int K_OFF = ROWS * DK * 2;            // after Q (73728)
-constexpr int P_OFF = K_OFF + NBUF * KBUF;
-constexpr int M_OFF = P_OFF + NPB * PBUF;       // float [ROWS]: running max, log2 units
-constexpr int ALPHA_OFF = M_OFF + ROWS * 4;     // float [NPB][ROWS]: the tile's rescale factors
-constexpr int L_OFF = ALPHA_OFF + NPB * ROWS * 4;  // float [2][ROWS]: each warpgroup's l
-constexpr int GREW_OFF = L_OFF + 2 * ROWS * 4;  // int [NPB]: the tile moved some row's max
-constexpr int WORK_OFF = GREW_OFF + NPB * 4;    // int [3]: the work item (b, split, chunk)
-constexpr int SMEM_BYTES = WORK_OFF + 16;
-// With the tail warpgroup (XR = 8 more query rows per CTA, rows 64-71), after the work item:
-constexpr int XR_ROWS = 8;
-constexpr int TSCR_OFF = (SMEM_BYTES + 15) / 16 * 16;  // float4 [4][2][32]: S^T of each column quarter
-constexpr int TP_OFF = TSCR_OFF + 4 * 2 * 32 * 16;    // bf16 P^T: [4 key groups][8 rows][8 keys], K-major core matrices
-constexpr int TMAX_OFF = TP_OFF + BN * XR_ROWS * 2;  // float [2][8]: each 16-key half's row maxima
-constexpr int TALPHA_OFF = TMAX_OFF + 2 * XR_ROWS * 4;  // float [8]: the tile's rescale factors
-constexpr int TL_OFF = TALPHA_OFF + XR_ROWS * 4;  // float [2][8]: l of each 16-key half
-constexpr int FULL_OFF = TL_OFF + 2 * XR_ROWS * 4;  // u64 mbarrier [NBUF]: key buffer landed (for the tail)
-constexpr int EMPTY_OFF = FULL_OFF + NBUF * 8;    // u64 mbarrier [NBUF]: the tail is done with the buffer
-constexpr int SMEM_BYTES_XR = EMPTY_OFF + NBUF * 8;
+constexpr int XR_ROWS = 8;                      // the tail warpgroup's rows (ROWS 72)
 static_assert(K_OFF % 1024 == 0 && KBUF % 1024 == 0, "128-byte swizzle atoms are 1024-byte aligned");
-static_assert(FULL_OFF % 8 == 0 && TSCR_OFF % 16 == 0, "mbarriers are 8-byte aligned, the S^T halves float4s");
-static_assert(SMEM_BYTES_XR <= 227 * 1024, "over sm_90's shared memory per block");
+
+// Shared memory after Q and the key buffers, per shape: XR = 0 (64 rows) or XR_ROWS (72, the tail).
+template <int XR>
+struct Layout {
+  // P buffers: with two, the owner of tile t+1 writes its P while the other warpgroup's PV of t
+  // may still read t's; the tail's shared memory leaves room for one, and then t+1's P waits for
+  // that PV (3-7% at 64 rows where the loop is compute-bound, measured)
+  static constexpr int NPB = XR ? 1 : 2;
+  static constexpr int P_OFF = K_OFF + NBUF * KBUF;
+  static constexpr int M_OFF = P_OFF + NPB * PBUF;       // float [ROWS]: running max, log2 units
+  static constexpr int ALPHA_OFF = M_OFF + ROWS * 4;     // float [NPB][ROWS]: the tile's rescale factors
+  static constexpr int L_OFF = ALPHA_OFF + NPB * ROWS * 4;  // float [2][ROWS]: each warpgroup's l
+  static constexpr int GREW_OFF = L_OFF + 2 * ROWS * 4;  // int [NPB]: the tile moved some row's max
+  static constexpr int WORK_OFF = GREW_OFF + NPB * 4;    // int [3]: the work item (b, split, chunk)
+  // the tail's, from a 16-byte boundary
+  static constexpr int TSCR_OFF = (WORK_OFF + 16 + 15) / 16 * 16;  // float4 [4][2][32]: S^T per column quarter
+  static constexpr int TP_OFF = TSCR_OFF + 4 * 2 * 32 * 16;  // bf16 P^T [2 (tile parity)][4 key groups][8][8]
+  static constexpr int TMAX_OFF = TP_OFF + 2 * BN * XR_ROWS * 2;  // float [2][8]: each 16-key half's row maxima
+  static constexpr int TALPHA_OFF = TMAX_OFF + 2 * XR_ROWS * 4;  // float [8]: the tile's rescale factors
+  static constexpr int TL_OFF = TALPHA_OFF + XR_ROWS * 4;  // float [2][8]: l of each 16-key half
+  static constexpr int FULL_OFF = TL_OFF + 2 * XR_ROWS * 4;  // u64 mbarrier [NBUF]: key buffer landed
+  static constexpr int EMPTY_OFF = FULL_OFF + NBUF * 8;  // u64 mbarrier [NBUF]: the tail is done with it
+  static constexpr int SMEM_BYTES = XR ? EMPTY_OFF + NBUF * 8 : WORK_OFF + 16;
+  static_assert(FULL_OFF % 8 == 0 && TSCR_OFF % 16 == 0, "mbarriers are 8-byte aligned, the S^T quarters float4s");
+  static_assert(SMEM_BYTES <= 227 * 1024, "over sm_90's shared memory per block");
+};
 
 // wgmma matrix descriptor: start address, leading / stride byte offsets (no swizzle, base 0)
 __device__ __forceinline__ u64 desc(u32 addr, u32 lbo, u32 sbo) {
@@ -134,6 +143,7 @@ __device__ __forceinline__ void rescale(float (&o)[128], float (&l)[2], float a0
 // and this warpgroup's O and l are rescaled once its MMAs in flight are done. P leaves as the A
 // fragments of the own PV (a[kk]: rows g / g+8, keys 16 kk + 2 t4 .. and + 8) and in shared
 // memory at pt for the other warpgroup (K-major core matrices). Returns whether a max moved.
+template <bool ONE_P>
 __device__ __forceinline__ int softmax_tile(float (&s)[16], float* m_s, float* alpha_t, unsigned char* pt, int bar,
                                             int r0, int r1, int t4, float (&o)[128], float (&l)[2], u32 (&a)[2][4]) {
   const float NEG_INF = -__int_as_float(0x7f800000);
@@ -177,10 +187,10 @@ __device__ __forceinline__ int softmax_tile(float (&s)[16], float* m_s, float* a
     a[kk][2] = pack_bf16(p[8 * kk + 4], p[8 * kk + 5]);
     a[kk][3] = pack_bf16(p[8 * kk + 6], p[8 * kk + 7]);
   }
-  // the one P buffer still holds the other warpgroup's tile, whose PV on this warpgroup's columns
-  // (issued behind this tile's QK^T) may be reading it: done before it is overwritten
-  wait0();
-  keep128(o);
+  if constexpr (ONE_P) {  // the one P buffer holds the other warpgroup's tile, whose PV on this
+    wait0();               // warpgroup's columns (issued behind this QK^T) may be reading it
+    keep128(o);
+  }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     *(u32*)(pt + (r0 >> 3) * 512 + j * 128 + (r0 & 7) * 16 + 4 * t4) = pack_bf16(p[4 * j], p[4 * j + 1]);
@@ -284,11 +294,11 @@ __device__ __forceinline__ void tail_loop(const SplitArgs& a, unsigned char* sme
   const float NEG_INF = -__int_as_float(0x7f800000);
   const int wt = threadIdx.x & 127, w = wt >> 5, lane = wt & 31, g = lane >> 2, t4 = lane & 3;
   const int kb = w & 1;  // after the S^T reduction, warps 0 / 1 hold keys 16 kb .. of the tile
-  const u32 ks = smem_u32(smem + K_OFF), tp = smem_u32(smem + TP_OFF);
-  float* scr = reinterpret_cast<float*>(smem + TSCR_OFF);
-  float* tmax = reinterpret_cast<float*>(smem + TMAX_OFF);
-  float* talpha = reinterpret_cast<float*>(smem + TALPHA_OFF);
-  unsigned char* tpp = smem + TP_OFF;
+  using L = Layout<XR_ROWS>;
+  const u32 ks = smem_u32(smem + K_OFF);
+  float* scr = reinterpret_cast<float*>(smem + L::TSCR_OFF);
+  float* tmax = reinterpret_cast<float*>(smem + L::TMAX_OFF);
+  float* talpha = reinterpret_cast<float*>(smem + L::TALPHA_OFF);
   u64 bits[2];
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
@@ -298,7 +308,11 @@ __device__ __forceinline__ void tail_loop(const SplitArgs& a, unsigned char* sme
   for (int t = 0; t < n_tiles; ++t) {
     const int buf = t % NBUF, par = (t / NBUF) & 1;
     const u32 kbuf = ks + buf * KBUF;
-    mbar_wait(smem_u32(smem + FULL_OFF + 8 * buf), par);
+    mbar_wait(smem_u32(smem + L::FULL_OFF + 8 * buf), par);
+    // P^T by tile parity: tile t - 1's O^T MMAs, which every tail warp waits for only before its
+    // own stores, may still read the other buffer
+    unsigned char* tpp = smem + L::TP_OFF + (t & 1) * (BN * XR_ROWS * 2);
+    const u32 tp = smem_u32(tpp);
     // warp w: both 16-key blocks over columns 144 w .. 144 w + 143; the four quarters meet in
     // shared memory
     float cq[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -373,7 +387,7 @@ __device__ __forceinline__ void tail_loop(const SplitArgs& a, unsigned char* sme
       async_fence();  // P^T: generic stores, read by wgmma
     }
     bar_sync(7, 128);  // P^T and the factors are out; the S^T halves and maxima may be rewritten
-    if (t > 0 && wt == 0) mbar_arrive(smem_u32(smem + EMPTY_OFF + 8 * ((t - 1) % NBUF)));
+    if (t > 0 && wt == 0) mbar_arrive(smem_u32(smem + L::EMPTY_OFF + 8 * ((t - 1) % NBUF)));
     if (draft) bar_sync(9 + (t & 1), 256);  // the owner has scrubbed V of NaNs
     const float a0 = talpha[2 * t4], a1 = talpha[2 * t4 + 1];
 #pragma unroll
@@ -396,7 +410,7 @@ __device__ __forceinline__ void tail_loop(const SplitArgs& a, unsigned char* sme
 
 // grid (ceil(H * T / (64 + XR)), NSPLIT + B): x the row block, y the work item; block 256 (two
 // warpgroups) + 128 with XR = 8 (the tail warpgroup: rows 64-71 of each block, wg::tail_loop);
-// dynamic smem wg::SMEM_BYTES, or wg::SMEM_BYTES_XR with the tail.
+// dynamic smem wg::Layout<XR>::SMEM_BYTES.
 template <int T, int XR>
 __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const SplitArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -405,20 +419,22 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
   static_assert(T >= 1 && T <= 64, "T in [1, 64]: the tree mask is one int64 per row");
   static_assert(XR == 0 || XR == XR_ROWS, "the tail warpgroup takes 8 rows or none");
   constexpr int RB = ROWS + XR, NT = XR ? 384 : 256;  // query rows and threads per CTA
+  using Lay = Layout<XR>;
+  constexpr int NPB = Lay::NPB;
   extern __shared__ __align__(1024) unsigned char smem[];
   {  // the launcher sizes dynamic smem from a Python mirror; the swizzle needs 1024-byte atoms
     u32 dyn;
     asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dyn));
-    if (dyn < (u32)(XR ? SMEM_BYTES_XR : SMEM_BYTES) || (smem_u32(smem) & 1023u)) __trap();
+    if (dyn < (u32)Lay::SMEM_BYTES || (smem_u32(smem) & 1023u)) __trap();
   }
   unsigned char* Qs = smem;
   unsigned char* Ks = smem + K_OFF;
-  unsigned char* Ps = smem + P_OFF;
-  float* m_s = reinterpret_cast<float*>(smem + M_OFF);
-  float* alpha_s = reinterpret_cast<float*>(smem + ALPHA_OFF);
-  float* l_s = reinterpret_cast<float*>(smem + L_OFF);
-  int* grew_s = reinterpret_cast<int*>(smem + GREW_OFF);
-  int* work_s = reinterpret_cast<int*>(smem + WORK_OFF);
+  unsigned char* Ps = smem + Lay::P_OFF;
+  float* m_s = reinterpret_cast<float*>(smem + Lay::M_OFF);
+  float* alpha_s = reinterpret_cast<float*>(smem + Lay::ALPHA_OFF);
+  float* l_s = reinterpret_cast<float*>(smem + Lay::L_OFF);
+  int* grew_s = reinterpret_cast<int*>(smem + Lay::GREW_OFF);
+  int* work_s = reinterpret_cast<int*>(smem + Lay::WORK_OFF);
   const int tid = threadIdx.x, wgi = tid >> 7, wt = tid & 127, warp = wt >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3, r0 = 16 * warp + g, r1 = r0 + 8;
   const int mb = blockIdx.x, item = blockIdx.y;
@@ -490,8 +506,8 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
     if (wgi == 2) tail_q<T>(a, b, mb * RB + ROWS, HT, qf);
   if (XR && tid == 0) {
     for (int i = 0; i < NBUF; ++i) {
-      mbar_init(smem_u32(smem + FULL_OFF + 8 * i));
-      mbar_init(smem_u32(smem + EMPTY_OFF + 8 * i));
+      mbar_init(smem_u32(smem + Lay::FULL_OFF + 8 * i));
+      mbar_init(smem_u32(smem + Lay::EMPTY_OFF + 8 * i));
     }
   }
   u32 slot_next = slot_of(wgi + 2);
@@ -516,7 +532,7 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
         for (int i = 0; i < 4; ++i) o8[j][i] = 0.f;
       const int rbase = mb * RB + ROWS;
       tail_loop<T>(a, smem, b, P, lo, hi, n_tiles, rbase, HT, qf, o8, mt, lt);
-      float* tl = reinterpret_cast<float*>(smem + TL_OFF);
+      float* tl = reinterpret_cast<float*>(smem + Lay::TL_OFF);
       if (warp < 2) {  // l of each 16-key half, over the 8 lanes that share t4
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
@@ -576,7 +592,7 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
     cp_async_wait<0>();
     async_fence();
     bar_sync(1 + wgi, 128);
-    if (XR && wt == 0) mbar_arrive(smem_u32(smem + FULL_OFF + 8 * (t % NBUF)));
+    if (XR && wt == 0) mbar_arrive(smem_u32(smem + Lay::FULL_OFF + 8 * (t % NBUF)));
     fence();
     const u32 kb = ks + (t % NBUF) * KBUF;
 #pragma unroll
@@ -596,7 +612,7 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
     // published t-1, which other_tile waited for)
     if (t + 2 < n_tiles) {
       // its buffer's last reader besides the two 64-row warpgroups: the tail, on tile t - 2
-      if (XR && t >= 2) mbar_wait(smem_u32(smem + EMPTY_OFF + 8 * ((t - 2) % NBUF)), ((t - 2) / NBUF) & 1);
+      if (XR && t >= 2) mbar_wait(smem_u32(smem + Lay::EMPTY_OFF + 8 * ((t - 2) % NBUF)), ((t - 2) / NBUF) & 1);
       issue_tile(t + 2, slot_next);
     }
     slot_next = slot_of(t + 4);
@@ -622,8 +638,8 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
       s[i] = vis ? s[i] * a.qk_scale : NEG_INF;
     }
     u32 pa[2][4];
-    const int grew = softmax_tile(s, m_s, alpha_s + (t % NPB) * ROWS, Ps + (t % NPB) * PBUF, 1 + wgi, r0, r1, t4, o,
-                                  l, pa);
+    const int grew = softmax_tile<NPB == 1>(s, m_s, alpha_s + (t % NPB) * ROWS, Ps + (t % NPB) * PBUF, 1 + wgi, r0,
+                                            r1, t4, o, l, pa);
     if (wt == 0) grew_s[t % NPB] = grew;
     // every MMA this warpgroup issued is done, the other's PV of t-1 included: the other
     // warpgroup may reuse t-1's P buffer and key buffer once this one publishes t

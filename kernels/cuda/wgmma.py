@@ -24,13 +24,20 @@ from .params import ARCH_LIMITS, WgmmaParams
 PARTS = ("verify.cu", "verify_wgmma.cu")
 ROWS = 64       # query rows of the two main warpgroups (wgmma's M)
 TAIL_ROWS = 8   # rows 64-71 of the tail warpgroup (ROWS 72)
-#: mirror of wg::SMEM_BYTES in verify_wgmma.cu (the kernel traps if launched with less): Q, four
-#: key buffers, the P buffer, the running max, the rescale factors, both warpgroups' l, the
-#: rescale flag and the work item
-SMEM_BYTES = ROWS * DK * 2 + 4 * 32 * DK * 2 + ROWS * 32 * 2 + ROWS * 4 + ROWS * 4 + 2 * ROWS * 4 + 4 + 16
-#: wg::SMEM_BYTES_XR: and the tail's (from a 16-byte boundary): its S^T quarters, P^T, maxima,
-#: factors, l, and 2 x 4 mbarriers
-SMEM_BYTES_TAIL = cdiv(SMEM_BYTES, 16) * 16 + 4 * 2 * 32 * 16 + 32 * TAIL_ROWS * 2 + 2 * TAIL_ROWS * 4 \
+
+
+def _main_bytes(npb: int) -> int:
+    """Q, four key buffers, npb P buffers, the running max, npb sets of rescale factors, both
+    warpgroups' l, npb rescale flags and the work item."""
+    return ROWS * DK * 2 + 4 * 32 * DK * 2 + npb * ROWS * 32 * 2 + ROWS * 4 + npb * ROWS * 4 + 2 * ROWS * 4 \
+        + npb * 4 + 16
+
+
+#: mirror of wg::Layout<0>::SMEM_BYTES in verify_wgmma.cu (the kernel traps if launched with less)
+SMEM_BYTES = _main_bytes(2)
+#: wg::Layout<8>::SMEM_BYTES: one P buffer, then the tail's (from a 16-byte boundary): its S^T
+#: quarters, two P^T buffers, maxima, factors, l, and 2 x 4 mbarriers
+SMEM_BYTES_TAIL = cdiv(_main_bytes(1), 16) * 16 + 4 * 2 * 32 * 16 + 2 * 32 * TAIL_ROWS * 2 + 2 * TAIL_ROWS * 4 \
     + TAIL_ROWS * 4 + 2 * TAIL_ROWS * 4 + 2 * 4 * 8
 
 
