@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Diagnosis (not a test): the CUDA (or wgmma) backend's two launches timed apart, H=8, T=9, bs=1.
+"""Diagnosis (not a test): the CUDA (or wgmma) backend's two launches timed apart, H=8, T=9, bs=1 (or --batch).
 
 Graph replay over rotating inputs (cold L2, as the Measurer times; `sol_read.graph_us`), median
 of 15, of: both kernels, the split kernel alone, the merge kernel alone (it then merges stale
 partials: timing only). The launch of the other kernel is filtered out at `cuLaunchKernel`
 (and `cuLaunchKernelEx`, the merge's launch with programmatic dependent launch).
 `--backend wgmma` times the wgmma kernel the same way (its default NSPLIT and ROWS unless --params
-says); its variants (WGMMA_VARIANTS: full, no_tiles, no_q, no_o_store, exit_early, no_gather, and
+says; `--merge warp|block` forces one of its two merge kernels, `--batch` times B requests of the
+prefix each); its variants (WGMMA_VARIANTS: full, no_tiles, no_q, no_o_store, exit_early, no_gather, and
 for ROWS 72 the tail warpgroup's: tail_idle, its handshakes only; tail_no_s_mma, its S^T MMAs left
 out; tail_no_pv, its O^T MMAs left out) patch verify_wgmma.cu at its own anchors.
 
@@ -100,14 +101,14 @@ WGMMA_VARIANTS = {
 UNSAFE = {"no_stage_barriers"}
 
 
-def cold_pools(heads: int, prefix: int) -> list:
-    """Input sets (bs 1, T 9) to rotate through so that each replay reads its keys, indices
-    and Q from HBM: together about 3x the L2 (2 to 48 sets)."""
+def cold_pools(heads: int, prefix: int, batch: int = 1) -> list:
+    """Input sets (T 9, `batch` requests of `prefix` keys each) to rotate through so that each
+    replay reads its keys, indices and Q from HBM: together about 3x the L2 (2 to 48 sets)."""
     from kvtune.kernels import make_inputs
     from kvtune.tuner.measure import ProblemSpec
-    nbytes = ProblemSpec(heads=heads, batch=1, context=prefix, draft_tokens=9).bytes_moved()
+    nbytes = ProblemSpec(heads=heads, batch=batch, context=prefix, draft_tokens=9).bytes_moved()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    return [make_inputs(1, 9, heads, prefix, device="cuda", seed=i)
+    return [make_inputs(batch, 9, heads, prefix, device="cuda", seed=i, device_values=True)
             for i in range(max(2, min(48, math.ceil(3 * l2 / nbytes))))]
 
 
@@ -147,10 +148,11 @@ class Phases:
 
         drv.cuLaunchKernel, drv.cuLaunchKernelEx = launch, launch_ex
 
-    def kernels(self, p):
+    def kernels(self, p, B: int):
         if self.name == "wgmma":
+            from kvtune.kernels.cuda.wgmma import uses_warp_merge
             k = self.be._get(9, p.ROWS, torch.device("cuda"))
-            return k.split, k.merge
+            return k.split, (k.merge_warp if uses_warp_merge(p.NSPLIT, B) else k.merge)
         return self.be._get(p, 9, torch.device("cuda"))[:2]
 
     def time(self, pools, over: dict) -> dict:
@@ -158,8 +160,8 @@ class Phases:
         from kvtune.kernels.api import describe_problem
         problem = describe_problem(*pools[0].args)
         p = replace(self.be.default_params(problem), **over)
-        split_k, merge_k = self.kernels(p)
-        out = torch.empty(9, self.heads, 512, dtype=torch.bfloat16, device="cuda")
+        split_k, merge_k = self.kernels(p, problem.B)
+        out = torch.empty(problem.B * 9, self.heads, 512, dtype=torch.bfloat16, device="cuda")
         ws = torch.empty(self.be.workspace_bytes(problem, p), dtype=torch.uint8, device="cuda")
         reps = max(len(pools), 96 // len(pools) * len(pools))
         row = {"params": str(p)}
@@ -178,6 +180,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--prefixes", default="4096,16384,65536,131072")
     ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=1, help="requests per call, each with the prefix's keys")
+    ap.add_argument("--merge", choices=("auto", "warp", "block"), default="auto",
+                    help="wgmma: the merge kernel (auto: wgmma.uses_warp_merge's choice)")
     ap.add_argument("--backend", default="cuda", choices=["cuda", "wgmma"])
     ap.add_argument("--params", default="", help="NAME=VALUE,... over the backend's default (e.g. NUM_WARPS=4)")
     ap.add_argument("--variants", default="", help="'all', or a comma-separated list of the variants above to time")
@@ -195,17 +200,21 @@ def main(argv=None) -> int:
     if set(names) - set(table):
         raise SystemExit(f"--variants: unknown for {args.backend} {sorted(set(names) - set(table))}; "
                          f"known: all, {', '.join(table)}")
+    if args.merge != "auto":
+        from kvtune.kernels.cuda import wgmma
+        wgmma.WARP_MERGE_MAX_SPLITS = 10**6 if args.merge == "warp" else 0
     ph = Phases(args.heads, args.backend)
     source = nvrtc.SOURCE_PATH.with_name(part).read_text()
     rows = []
     for prefix in [int(p) for p in args.prefixes.split(",")]:
-        pools = cold_pools(args.heads, prefix)
+        pools = cold_pools(args.heads, prefix, args.batch)
         for variant in names:
             runs = [(variant, pools)] + ([("full, hot L2", pools[:1])] if variant == "full" and args.variants else [])
             with nvrtc.source_override(patched_source(source, variant, args.backend), part):
                 ph.be._kernels.clear()
                 for name, use in runs:
-                    row = {"prefix": prefix, "H": args.heads, "variant": name, **ph.time(use, over)}
+                    row = {"prefix": prefix, "B": args.batch, "H": args.heads, "merge": args.merge, "variant": name,
+                           **ph.time(use, over)}
                     rows.append(row)
                     print(row, flush=True)
             ph.be._kernels.clear()

@@ -110,3 +110,41 @@ def test_nan_in_a_hidden_draft_keys_v_stays_out(nsplit, rows):
     assert torch.isnan(o[8]).any()
     assert not torch.isnan(o[:8]).any()
     assert rel_error(o[:8], ref_o[:8]) < TOL
+
+
+@pytest.fixture(params=["warp", "block"])
+def merge(request, monkeypatch):
+    """Each merge kernel on every case, whatever the launch's splits per request would pick:
+    verify_wgmma.cu's warp merge, or verify.cu's block merge."""
+    from kvtune.kernels.cuda import wgmma
+    monkeypatch.setattr(wgmma, "WARP_MERGE_MAX_SPLITS", 10**6 if request.param == "warp" else 0)
+    return request.param
+
+
+@pytest.mark.parametrize("rows", [64, 72])
+@pytest.mark.parametrize("B,T,H,prefix,nsplit", [
+    (3, 9, 8, [5000, 1, 97], 70),     # the long request: more than 32 splits (the warp merge's second lse pass)
+    (2, 5, 14, [300, 4096], 7),       # H 14: the second block of 8 heads half empty
+    (1, 9, 64, [2000], 14),           # tp 1's default NSPLIT
+    (64, 9, 8, [97] * 64, 264),       # a batch bucket: 4 one-tile items per request
+    (4, 1, 8, [0, 33, 64, 1], 9)])    # T 1, a request of only its draft key
+def test_both_merges_match_the_oracle(merge, B, T, H, prefix, nsplit, rows):
+    x = make_inputs(B, T, H, prefix, tree="random", device="cuda", seed=B + nsplit)
+    _check(x, params=_params(nsplit, rows=rows))
+
+
+def test_both_merges_keep_nan_rows_and_strided_out(merge):
+    """NaN in q[i, h] makes o[i, h] and lse[i, h] NaN (every split of that pair NaN), other rows
+    match the oracle; an output whose rows are not 16-byte aligned is written element by element."""
+    x = make_inputs(2, 9, 8, [300, 4096], tree="random", device="cuda", seed=5)
+    ref_o, ref_lse = reference_attention(*x.args)
+    x.q[3, 5, 17] = float("nan")
+    store = torch.full((18, 8, 512 + 3), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = store[:, :, 3:]  # rows start 6 bytes past an alignment
+    o, lse = verify_attention(*x.args, backend="wgmma", params=_params(6), out=out, return_lse=True)
+    assert torch.isnan(o[3, 5]).all() and torch.isnan(lse[3, 5])
+    keep = torch.ones(o.shape[:2], dtype=torch.bool, device="cuda")
+    keep[3, 5] = False
+    assert not torch.isnan(o[keep]).any() and not torch.isnan(lse[keep]).any()
+    assert rel_error(o[keep], ref_o[keep]) < TOL
+    assert torch.allclose(lse[keep], ref_lse[keep], atol=2e-2, rtol=0)

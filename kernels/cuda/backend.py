@@ -319,10 +319,11 @@ class CudaBackend(SplitMergeBackend):
 
 
 def launch_split_merge(a: LaunchArgs, params, split_k, split_shape, smem: int, merge_k, pdl: bool, vec: int,
-                       vec_hint: str = "use a smaller VEC") -> None:
+                       vec_hint: str = "use a smaller VEC", merge_launch: tuple | None = None) -> None:
     """Launch a split kernel taking verify.cu's SplitArgs (`params` with its NSPLIT,
     `split_shape`: (grid, block), `smem` bytes of dynamic shared memory, `vec`-element key
-    loads) and the merge kernel on torch's current stream: no allocation, no host sync.
+    loads) and a merge kernel taking MergeArgs on torch's current stream: no allocation, no host
+    sync. `merge_launch`: (grid, block) of `merge_k` (default: verify.cu's merge, merge_shape).
     `vec_hint` ends the error for KV rows the key loads cannot read."""
     from cuda.bindings import driver as drv
     from .nvrtc import check_driver
@@ -355,7 +356,7 @@ def launch_split_merge(a: LaunchArgs, params, split_k, split_shape, smem: int, m
     check_driver(drv.cuLaunchKernel(split_k.function, *split_shape[0], *split_shape[1], smem, stream,
                                     ctypes.addressof(sp), 0),
                  "cuLaunchKernel(verify_split)")
-    merge_grid = tuple(v for dims in merge_shape(pb.B, pb.T, pb.H) for v in dims)
+    merge_grid = tuple(v for dims in (merge_launch or merge_shape(pb.B, pb.T, pb.H)) for v in dims)
     if pdl:
         check_driver(drv.cuLaunchKernelEx(_pdl_config(merge_grid, stream), merge_k.function,
                                           ctypes.addressof(mp), 0), "cuLaunchKernelEx(verify_merge)")

@@ -699,4 +699,84 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
 #endif
 }
 
+// ---------------------------------------------------------------- merge of a few splits per request
+// grid (B*T, ceil(H / 8)); block 256: a warp per (row, head) pair, all DV columns (16 per lane,
+// two 16-byte loads per split), no shared memory and no block barrier. verify.cu's merge gives
+// each (pair, 128 columns) a block of 256 threads and two block barriers: with a few splits per
+// request (batches) its 4 x B x T x H blocks run in waves of a few microseconds each (H 8, T 9,
+// batch 64 at 4k: 82.6 us of a 227.5-us call, results/kernel/wgmma/batch-merge/); here 64 x 72
+// pairs are about 1.5 waves (3 blocks per SM) and a warp waits only for its loads, one round trip
+// per 4 splits. The backend picks it where requests have few splits (wgmma.uses_warp_merge); any
+// count is merged correctly.
+__global__ void __launch_bounds__(256, 3) verify_merge_warp_kernel(const MergeArgs a) {
+  constexpr int U = 4;  // splits in flight per lane: 8 16-byte loads
+  const float NEG_INF = -__int_as_float(0x7f800000);
+  const int lane = threadIdx.x & 31, head = blockIdx.y * 8 + (threadIdx.x >> 5);
+  const int row = blockIdx.x, b = row / a.T, t = row % a.T;
+  pdl_wait();  // the split grid's partials and meta are complete and visible past this point
+  if (head >= a.H) return;
+  const int first = a.meta[2 * b], nsplit = min(a.meta[2 * b + 1], MAX_NSPLIT);
+  const i64 split_stride = (i64)a.T * a.H;  // partial rows per work item
+  const i64 pair0 = ((i64)first * a.T + t) * a.H + head;
+  // the max over the splits (a lane per split); the first 32 kept for their weights
+  const float l_first = lane < nsplit ? a.part_lse[lane * split_stride + pair0] : NEG_INF;
+  float m = l_first;
+  for (int k = lane + 32; k < nsplit; k += 32) m = fmaxf(m, a.part_lse[k * split_stride + pair0]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  float o[16], s = 0.f;
+#pragma unroll
+  for (int e = 0; e < 16; ++e) o[e] = 0.f;
+  const uint4* base = reinterpret_cast<const uint4*>(a.part_o + pair0 * DV) + 2 * lane;
+  const i64 step = split_stride * (DV / 8);  // uint4s per work item
+  for (int k0 = 0; k0 < nsplit; k0 += 32) {
+    const int k = k0 + lane;
+    const float l = k0 == 0 ? l_first : (k < nsplit ? a.part_lse[k * split_stride + pair0] : NEG_INF);
+    // as verify_merge_kernel: an empty split (lse -inf) weighs 0 and is not read; when every
+    // split is NaN, m is -inf (fmaxf skips NaN) and the NaN is kept
+    const float w = k >= nsplit ? 0.f : (m == NEG_INF ? (l != l ? l : 0.f) : __expf(l - m));
+    s += w;
+    const int nk = min(32, nsplit - k0);
+    for (int j0 = 0; j0 < nk; j0 += U) {
+      uint4 v[U][2];
+      float wj[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {  // every load of the group issued before any is used
+        wj[u] = __shfl_sync(0xffffffffu, w, (j0 + u) & 31);
+        const bool use = j0 + u < nk && wj[u] != 0.f;
+        const uint4* src = base + (i64)(k0 + j0 + u) * step;
+        v[u][0] = use ? __ldg(src) : make_uint4(0u, 0u, 0u, 0u);
+        v[u][1] = use ? __ldg(src + 1) : make_uint4(0u, 0u, 0u, 0u);
+        if (!use) wj[u] = 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const u32 p[4] = {v[u][h].x, v[u][h].y, v[u][h].z, v[u][h].w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            o[8 * h + 2 * e] += wj[u] * __uint_as_float(p[e] << 16);
+            o[8 * h + 2 * e + 1] += wj[u] * __uint_as_float(p[e] & 0xffff0000u);
+          }
+        }
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+  const float inv = s == 0.f ? 0.f : 1.f / s;  // NaN stays NaN
+  u16* dst = a.out + (i64)row * a.out_stride_m + (i64)head * a.out_stride_h + 16 * lane;
+  if ((reinterpret_cast<u64>(dst) & 15) == 0) {  // the usual dense output: two 16-byte stores
+    u32 w8[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) w8[e] = (u32)bf16_bits(o[2 * e] * inv) | ((u32)bf16_bits(o[2 * e + 1] * inv) << 16);
+    reinterpret_cast<uint4*>(dst)[0] = make_uint4(w8[0], w8[1], w8[2], w8[3]);
+    reinterpret_cast<uint4*>(dst)[1] = make_uint4(w8[4], w8[5], w8[6], w8[7]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 16; ++e) dst[e] = bf16_bits(o[e] * inv);
+  }
+  if (a.lse != nullptr && lane == 0) a.lse[(i64)row * a.lse_stride_m + head] = s == 0.f ? NEG_INF : m + __logf(s);
+}
+
 }  // namespace kvtune

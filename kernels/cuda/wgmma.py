@@ -91,13 +91,34 @@ def compile_wgmma(T: int, arch: str = "sm_90", rows: int = ROWS):
         raise ValueError(f"arch: the wgmma kernel needs {' or '.join(WGMMA_ARCHS)}, got {arch}")
     if rows not in (ROWS, ROWS + TAIL_ROWS):
         raise ValueError(f"rows: the wgmma kernel takes {ROWS} or {ROWS + TAIL_ROWS} query rows per CTA, got {rows}")
-    return compile_module(module_name(T, rows), [split_expr(T, rows), MERGE_EXPR], arch + "a", parts=PARTS)
+    return compile_module(module_name(T, rows), [split_expr(T, rows), MERGE_EXPR, MERGE_WARP_EXPR], arch + "a",
+                          parts=PARTS)
+
+
+#: verify_wgmma.cu's merge with a warp per (row, head) pair
+MERGE_WARP_EXPR = "kvtune::verify_merge_warp_kernel"
+#: the warp merge serves launches whose requests hold at most this many work items on average
+#: (max(NSPLIT, B) / B): it waits one load round trip per 4 splits, where verify.cu's merge
+#: spreads a pair's splits over 16 groups but runs 4 x B x T x H blocks of two barriers each
+#: (results/kernel/wgmma/batch-merge/)
+WARP_MERGE_MAX_SPLITS = 32
+
+
+def uses_warp_merge(NSPLIT: int, B: int) -> bool:
+    """Whether a launch of `B` requests at `NSPLIT` merges with verify_merge_warp_kernel."""
+    return cdiv(max(NSPLIT, B), B) <= WARP_MERGE_MAX_SPLITS
+
+
+def merge_warp_shape(B: int, T: int, H: int) -> tuple[tuple, tuple]:
+    """((grid x, y, z), (block x, y, z)) of the warp merge: a block per row and 8 heads."""
+    return (B * T, cdiv(H, 8), 1), (256, 1, 1)
 
 
 @dataclass
 class _Loaded:
     split: object
     merge: object
+    merge_warp: object
     pdl: bool
 
 
@@ -146,7 +167,7 @@ class WgmmaBackend(SplitMergeBackend):
             if smem > limit:
                 raise ValueError(f"wgmma: {smem} bytes of shared memory per block exceed this device's {limit}")
             ks = load_kernels(compile_wgmma(T, arch, rows), idx, {split_expr(T, rows): smem})
-            got = _Loaded(ks[split_expr(T, rows)], ks[MERGE_EXPR], pdl_enabled(arch))
+            got = _Loaded(ks[split_expr(T, rows)], ks[MERGE_EXPR], ks[MERGE_WARP_EXPR], pdl_enabled(arch))
             self._kernels[(T, rows, idx)] = got
         return got
 
@@ -155,5 +176,7 @@ class WgmmaBackend(SplitMergeBackend):
         rows = params.ROWS
         k = self._get(pb.T, rows, pb.device)
         split_shape = ((row_blocks(pb.H, pb.T, rows), work_items(params, pb.B), 1), (threads(rows), 1, 1))
-        launch_split_merge(a, params, k.split, split_shape, smem_bytes(rows), k.merge, k.pdl, 8,
-                           "the wgmma kernel's copies are 16 bytes: use the cuda backend with a smaller VEC")
+        warp = uses_warp_merge(params.NSPLIT, pb.B)
+        launch_split_merge(a, params, k.split, split_shape, smem_bytes(rows), k.merge_warp if warp else k.merge, k.pdl,
+                           8, "the wgmma kernel's copies are 16 bytes: use the cuda backend with a smaller VEC",
+                           merge_warp_shape(pb.B, pb.T, pb.H) if warp else None)
