@@ -115,10 +115,20 @@ def test_nan_in_a_hidden_draft_keys_v_stays_out(nsplit, rows):
 @pytest.fixture(params=["warp", "block"])
 def merge(request, monkeypatch):
     """Each merge kernel on every case, whatever the launch's splits per request would pick:
-    verify_wgmma.cu's warp merge, or verify.cu's block merge."""
+    verify_wgmma.cu's warp merge, or verify.cu's block merge; after the test, every launch is
+    checked to have used it (the warp merge is launched with its own grid, `merge_launch`)."""
     from kvtune.kernels.cuda import wgmma
     monkeypatch.setattr(wgmma, "WARP_MERGE_MAX_SPLITS", 10**6 if request.param == "warp" else 0)
-    return request.param
+    used = []
+    launch = wgmma.launch_split_merge
+
+    def spy(*args, **kw):
+        used.append("block" if args[-1] is None else "warp")
+        return launch(*args, **kw)
+
+    monkeypatch.setattr(wgmma, "launch_split_merge", spy)
+    yield request.param
+    assert used and set(used) == {request.param}, used
 
 
 @pytest.mark.parametrize("rows", [64, 72])
@@ -133,18 +143,20 @@ def test_both_merges_match_the_oracle(merge, B, T, H, prefix, nsplit, rows):
     _check(x, params=_params(nsplit, rows=rows))
 
 
-def test_both_merges_keep_nan_rows_and_strided_out(merge):
+@pytest.mark.parametrize("row", [3, 12])  # request 0 (one split at NSPLIT 6), request 1 (five)
+def test_both_merges_keep_nan_rows_and_strided_out(merge, row):
     """NaN in q[i, h] makes o[i, h] and lse[i, h] NaN (every split of that pair NaN), other rows
-    match the oracle; an output whose rows are not 16-byte aligned is written element by element."""
+    match the oracle; an output whose rows are mostly not 16-byte aligned (head stride 515
+    elements: head 7's rows are) is written element by element there."""
     x = make_inputs(2, 9, 8, [300, 4096], tree="random", device="cuda", seed=5)
     ref_o, ref_lse = reference_attention(*x.args)
-    x.q[3, 5, 17] = float("nan")
+    x.q[row, 5, 17] = float("nan")
     store = torch.full((18, 8, 512 + 3), float("nan"), dtype=torch.bfloat16, device="cuda")
     out = store[:, :, 3:]  # rows start 6 bytes past an alignment
     o, lse = verify_attention(*x.args, backend="wgmma", params=_params(6), out=out, return_lse=True)
-    assert torch.isnan(o[3, 5]).all() and torch.isnan(lse[3, 5])
+    assert torch.isnan(o[row, 5]).all() and torch.isnan(lse[row, 5])
     keep = torch.ones(o.shape[:2], dtype=torch.bool, device="cuda")
-    keep[3, 5] = False
+    keep[row, 5] = False
     assert not torch.isnan(o[keep]).any() and not torch.isnan(lse[keep]).any()
     assert rel_error(o[keep], ref_o[keep]) < TOL
     assert torch.allclose(lse[keep], ref_lse[keep], atol=2e-2, rtol=0)
