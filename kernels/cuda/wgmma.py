@@ -1,5 +1,7 @@
 """The wgmma backend: `verify_wgmma.cu` (sm_90a: H100 / H200), compiled with NVRTC after
-`verify.cu`, whose split arguments, key-balanced schedule and merge kernel it shares.
+`verify.cu`, whose split arguments, key-balanced schedule and block merge kernel it shares; a
+launch whose requests hold few splits merges with `verify_wgmma.cu`'s warp merge instead
+(`uses_warp_merge`).
 
 Its key tiling is fixed by the shared memory it fills (four 32-key buffers, 225 KB: one CTA per
 SM); NSPLIT and ROWS are its parameters (`params.WGMMA_PARAMS`). A request's H x T query rows take
