@@ -106,3 +106,22 @@ def test_search_space_and_deployment_know_it():
     dep = Path(__file__).parents[1] / "configs" / "deployments" / "kimi-k2-h200.yaml"
     assert "wgmma" in load_deployment(dep).backends
     assert "wgmma" in VERIFY_MODES
+
+
+@pytest.mark.parametrize("nsplit,B,warp", [(132, 1, False), (132, 4, False), (132, 5, True), (132, 64, True),
+                                           (14, 1, True), (33, 1, False), (32, 1, True), (264, 8, False),
+                                           (264, 9, True), (7, 200, True)])
+def test_the_merge_follows_the_splits_per_request(nsplit, B, warp):
+    """The warp merge serves launches whose requests hold at most 32 work items on average
+    (max(NSPLIT, B) / B, rounded up); the block merge the rest."""
+    from kvtune.kernels.cuda import wgmma
+    assert wgmma.WARP_MERGE_MAX_SPLITS == 32
+    assert wgmma.uses_warp_merge(nsplit, B) is warp
+
+
+@pytest.mark.parametrize("B,T,H,grid", [(1, 9, 8, (9, 1, 1)), (64, 9, 8, (576, 1, 1)), (2, 5, 14, (10, 2, 1)),
+                                        (1, 1, 128, (1, 16, 1)), (3, 16, 1, (48, 1, 1))])
+def test_the_warp_merge_grid_has_a_warp_per_row_and_head(B, T, H, grid):
+    """A block of 8 warps per (row, 8 heads): B*T rows in x, ceil(H / 8) in y."""
+    from kvtune.kernels.cuda import wgmma
+    assert wgmma.merge_warp_shape(B, T, H) == (grid, (256, 1, 1))
