@@ -150,9 +150,8 @@ class Phases:
 
     def kernels(self, p, B: int):
         if self.name == "wgmma":
-            from kvtune.kernels.cuda.wgmma import uses_warp_merge
             k = self.be._get(9, p.ROWS, torch.device("cuda"))
-            return k.split, (k.merge_warp if uses_warp_merge(p.NSPLIT, B) else k.merge)
+            return k.split, k.merge_for(p.NSPLIT, B, 9, self.heads)[0]
         return self.be._get(p, 9, torch.device("cuda"))[:2]
 
     def time(self, pools, over: dict) -> dict:

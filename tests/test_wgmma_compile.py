@@ -125,3 +125,11 @@ def test_the_warp_merge_grid_has_a_warp_per_row_and_head(B, T, H, grid):
     """A block of 8 warps per (row, 8 heads): B*T rows in x, ceil(H / 8) in y."""
     from kvtune.kernels.cuda import wgmma
     assert wgmma.merge_warp_shape(B, T, H) == (grid, (256, 1, 1))
+
+
+def test_a_launch_takes_the_merge_kernel_and_grid_of_its_rule():
+    """The loaded module's choice pairs each merge kernel with its own grid (None: verify.cu's)."""
+    from kvtune.kernels.cuda import wgmma
+    k = wgmma._Loaded(split="split", merge="block", merge_warp="warp", pdl=False)
+    assert k.merge_for(132, 64, 9, 8) == ("warp", ((576, 1, 1), (256, 1, 1)))
+    assert k.merge_for(132, 1, 9, 8) == ("block", None)

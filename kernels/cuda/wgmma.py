@@ -123,6 +123,13 @@ class _Loaded:
     merge_warp: object
     pdl: bool
 
+    def merge_for(self, NSPLIT: int, B: int, T: int, H: int) -> tuple[object, tuple | None]:
+        """The merge kernel a launch of `B` requests at `NSPLIT` uses, and its (grid, block), or
+        None for verify.cu's merge_shape."""
+        if uses_warp_merge(NSPLIT, B):
+            return self.merge_warp, merge_warp_shape(B, T, H)
+        return self.merge, None
+
 
 class WgmmaBackend(SplitMergeBackend):
     name = "wgmma"
@@ -178,7 +185,7 @@ class WgmmaBackend(SplitMergeBackend):
         rows = params.ROWS
         k = self._get(pb.T, rows, pb.device)
         split_shape = ((row_blocks(pb.H, pb.T, rows), work_items(params, pb.B), 1), (threads(rows), 1, 1))
-        warp = uses_warp_merge(params.NSPLIT, pb.B)
-        launch_split_merge(a, params, k.split, split_shape, smem_bytes(rows), k.merge_warp if warp else k.merge, k.pdl,
-                           8, "the wgmma kernel's copies are 16 bytes: use the cuda backend with a smaller VEC",
-                           merge_warp_shape(pb.B, pb.T, pb.H) if warp else None)
+        merge_k, merge_launch = k.merge_for(params.NSPLIT, pb.B, pb.T, pb.H)
+        launch_split_merge(a, params, k.split, split_shape, smem_bytes(rows), merge_k, k.pdl, 8,
+                           "the wgmma kernel's copies are 16 bytes: use the cuda backend with a smaller VEC",
+                           merge_launch)
