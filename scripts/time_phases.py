@@ -95,20 +95,25 @@ WGMMA_VARIANTS = {
     "tail_no_s_mma": [("        mma_bf16(cq[h], af, qf[i][0], qf[i][1]);",
                        "        if (a.H < 0) mma_bf16(cq[h], af, qf[i][0], qf[i][1]);")],
     "tail_no_pv": [("        mma_ss_n8_vt(o[j], desc_sw(", "        if (a.H < 0) mma_ss_n8_vt(o[j], desc_sw(")],
+    # the schedule forced (outputs right): verify.cu's items always, or key ranges whenever B > 1
+    "items": [("constexpr int RANGE_RESTART_TILES = 3;", "constexpr int RANGE_RESTART_TILES = 1000000;")],
+    "ranges": [("constexpr int RANGE_RESTART_TILES = 3;", "constexpr int RANGE_RESTART_TILES = -1000000;")],
 }
 
 #: variants that may fault (see the docstring): only when named
 UNSAFE = {"no_stage_barriers"}
 
 
-def cold_pools(heads: int, prefix: int, batch: int = 1) -> list:
-    """Input sets (T 9, `batch` requests of `prefix` keys each) to rotate through so that each
-    replay reads its keys, indices and Q from HBM: together about 3x the L2 (2 to 48 sets)."""
+def cold_pools(heads: int, prefix, batch: int = 1) -> list:
+    """Input sets (T 9, `batch` requests of `prefix` keys each, or one request per entry of a
+    list `prefix`) to rotate through so that each replay reads its keys, indices and Q from HBM:
+    together about 3x the L2 (2 to 48 sets)."""
     from kvtune.kernels import make_inputs
     from kvtune.tuner.measure import ProblemSpec
-    nbytes = ProblemSpec(heads=heads, batch=batch, context=prefix, draft_tokens=9).bytes_moved()
+    prefixes = prefix if isinstance(prefix, list) else [prefix] * batch
+    nbytes = sum(ProblemSpec(heads=heads, batch=1, context=n, draft_tokens=9).bytes_moved() for n in prefixes)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    return [make_inputs(batch, 9, heads, prefix, device="cuda", seed=i, device_values=True)
+    return [make_inputs(len(prefixes), 9, heads, prefixes, device="cuda", seed=i, device_values=True)
             for i in range(max(2, min(48, math.ceil(3 * l2 / nbytes))))]
 
 
@@ -180,6 +185,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefixes", default="4096,16384,65536,131072")
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--batch", type=int, default=1, help="requests per call, each with the prefix's keys")
+    ap.add_argument("--ragged", default="", help="in place of --prefixes: bench_serving.py's ragged batches by name "
+                    "(ragged16, ragged64)")
     ap.add_argument("--merge", choices=("auto", "warp", "block"), default="auto",
                     help="wgmma: the merge kernel (auto: wgmma.uses_warp_merge's choice)")
     ap.add_argument("--backend", default="cuda", choices=["cuda", "wgmma"])
@@ -205,14 +212,22 @@ def main(argv=None) -> int:
     ph = Phases(args.heads, args.backend)
     source = nvrtc.SOURCE_PATH.with_name(part).read_text()
     rows = []
-    for prefix in [int(p) for p in args.prefixes.split(",")]:
-        pools = cold_pools(args.heads, prefix, args.batch)
+    cases = [(int(p), int(p)) for p in args.prefixes.split(",")]
+    if args.ragged:
+        from bench_serving import RAGGED, log_uniform
+        known = {name: (n, lo, hi) for name, n, lo, hi in RAGGED}
+        if set(args.ragged.split(",")) - set(known):
+            raise SystemExit(f"--ragged: unknown {args.ragged}; known: {sorted(known)}")
+        cases = [(name, log_uniform(*known[name], seed=known[name][0])) for name in args.ragged.split(",")]
+    for prefix, keys in cases:
+        pools = cold_pools(args.heads, keys, args.batch)
         for variant in names:
             runs = [(variant, pools)] + ([("full, hot L2", pools[:1])] if variant == "full" and args.variants else [])
             with nvrtc.source_override(patched_source(source, variant, args.backend), part):
                 ph.be._kernels.clear()
                 for name, use in runs:
-                    row = {"prefix": prefix, "B": args.batch, "H": args.heads, "merge": args.merge, "variant": name,
+                    n_req = len(keys) if isinstance(keys, list) else args.batch
+                    row = {"prefix": prefix, "B": n_req, "H": args.heads, "merge": args.merge, "variant": name,
                            **ph.time(use, over)}
                     rows.append(row)
                     print(row, flush=True)

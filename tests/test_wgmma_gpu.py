@@ -90,9 +90,99 @@ def test_split_table_sets_the_partial_count():
         meta = ws[off:off + 8 * pb.B].view(torch.int32).view(pb.B, 2).cpu()
         return meta[:, 0].tolist(), meta[:, 1].tolist()
 
+    # NSPLIT 4: key ranges (39 tiles + a restart: 1.2 x 42 <= items' 65-tile pieces); 40, 64: items
     for bounds, values, nsplit in [([10**6], [4], 4), ([1000, 10**6], [1, 40], 40), ([10**6], [99], 64)]:
-        assert items(SplitTable.build(bounds, values, device="cuda")) == _expected_items(lengths, nsplit, 32)
-    assert items(None) == _expected_items(lengths, 64, 32)
+        assert items(SplitTable.build(bounds, values, device="cuda")) == _schedule(lengths, nsplit)[1:]
+    assert _schedule(lengths, 4)[0] == "ranges" and _schedule(lengths, 40)[0] == "items"
+    assert items(None) == _schedule(lengths, 64)[1:]
+
+
+RESTART_TILES = 3  # verify_wgmma.cu's RANGE_RESTART_TILES
+
+
+def _schedule(lengths, nsplit, restart_tiles=RESTART_TILES, bn=32):
+    """The wgmma kernel's documented schedule, written out independently (a scan and a cut list
+    where the kernel searches and counts): (mode, firsts, counts) per request. Items (verify.cu's
+    rule, _expected_items) unless items' chunk is at least 1.2 x (R + restart_tiles per request
+    boundary a range holds, rounded up) tiles, R = ceil(total / nsplit) keys in whole tiles;
+    then each request is cut at the multiples of R of the concatenated keys."""
+    B, total = len(lengths), sum(lengths)
+    cap = max(nsplit, B)
+    chunk = bn
+    while sum(max(-(-L // chunk), 1) for L in lengths) > cap:
+        chunk += bn
+    r_tiles = max(-(-(-(-total // nsplit)) // bn), 1)
+    if B == 1 or 5 * (chunk // bn) < 6 * (r_tiles + restart_tiles * -(-(B - 1) // nsplit)):
+        return ("items",) + _expected_items(lengths, nsplit, bn)
+    R = r_tiles * bn
+    counts, start = [], 0
+    for L in lengths:
+        cuts = {c for c in range(start, start + L) if c % R == 0} | {start}
+        counts.append(len(cuts) if L else 0)
+        start += L
+    firsts = [sum(counts[:i]) if counts[i] else 0 for i in range(B)]
+    return "ranges", firsts, counts
+
+
+@pytest.fixture(params=["items", "ranges"])
+def forced(request):
+    """The source with its schedule forced (RANGE_RESTART_TILES patched: items always, or key
+    ranges whenever a batch holds two requests or more), compiled in memory for this test only."""
+    from kvtune.kernels.cuda import nvrtc
+    be = get_backend("wgmma")
+    src = nvrtc.SOURCE_PATH.with_name("verify_wgmma.cu").read_text()
+    anchor = f"constexpr int RANGE_RESTART_TILES = {RESTART_TILES};"
+    assert src.count(anchor) == 1
+    restart = 10**6 if request.param == "items" else -10**6
+    with nvrtc.source_override(src.replace(anchor, f"constexpr int RANGE_RESTART_TILES = {restart};"),
+                               "verify_wgmma.cu"):
+        be._kernels.clear()
+        yield request.param, restart
+    be._kernels.clear()
+
+
+def _run_and_meta(x, p, **kw):
+    pb = describe_problem(*x.args)
+    ws = torch.zeros(workspace_bytes(pb, "wgmma", p), dtype=torch.uint8, device="cuda")
+    _check(x, params=p, workspace=ws, **kw)
+    off = (p.NSPLIT + pb.B) * pb.T * pb.H * (2 * pb.Dv + 4)
+    meta = ws[off:off + 8 * pb.B].view(torch.int32).view(pb.B, 2).cpu()
+    return meta[:, 0].tolist(), meta[:, 1].tolist()
+
+
+@pytest.mark.parametrize("rows", [64, 72])
+@pytest.mark.parametrize("B,T,H,prefix,nsplit", [
+    (16, 9, 8, [1200, 90000, 3000, 17, 40000, 5000, 1, 800, 25000, 2000, 60000, 300, 9000, 150, 7000, 33], 132),
+    (40, 9, 8, [1, 2, 5, 3] * 9 + [3000, 4, 0, 700], 8),  # ranges of ~470 keys: many requests per range
+    (2, 9, 8, [1015, 1015], 2),                           # request 1 starts at a range start
+    (3, 9, 16, [700, 97, 4096], 5),                       # two row blocks at ROWS 64 and 72
+    (5, 1, 8, [64, 1, 3000, 31, 500], 3)])                # T 1: 32-key tiles cut mid-request
+def test_items_and_ranges_match_the_oracle(forced, B, T, H, prefix, nsplit, rows):
+    """Either schedule, forced, on ragged batches: outputs against the fp32 oracle, and every
+    request's (first item, item count) in the kernel's meta against the schedule written out here."""
+    mode, restart = forced
+    x = make_inputs(B, T, H, prefix, tree="random", device="cuda", seed=B + nsplit)
+    p = _params(nsplit, rows=rows)
+    lengths = [n + T for n in prefix]
+    want = _schedule(lengths, nsplit, restart)
+    assert want[0] == mode
+    assert _run_and_meta(x, p) == want[1:]
+
+
+def test_ranges_skip_a_request_without_keys(forced):
+    """A request of 0 keys (metadata capture lets through) between two others: no segment under
+    ranges, an empty item under items; its rows get o = 0 and lse = -inf either way."""
+    x = make_inputs(2, 9, 8, [300, 4000], tree="random", device="cuda", seed=3)
+    ref_o, ref_lse = reference_attention(*x.args)
+    q = torch.cat([x.q[:9], torch.randn_like(x.q[:9]), x.q[9:]])
+    indptr = torch.tensor([0, 309, 309, 309 + 4009], dtype=torch.int32, device="cuda")
+    mask = torch.cat([x.tree_mask[:9], x.tree_mask[:9], x.tree_mask[9:]])
+    o, lse = verify_attention(q, x.kv_cache, indptr, x.kv_indices, mask, x.sm_scale, backend="wgmma",
+                              params=_params(6), return_lse=True, check_values_=False)
+    torch.cuda.synchronize()
+    keep = torch.cat([torch.arange(9), torch.arange(18, 27)]).cuda()
+    assert rel_error(o[keep], ref_o) < TOL and torch.allclose(lse[keep], ref_lse, atol=2e-2, rtol=0)
+    assert torch.all(o[9:18] == 0) and torch.all(torch.isneginf(lse[9:18]))
 
 
 @pytest.mark.parametrize("rows", [64, 72])

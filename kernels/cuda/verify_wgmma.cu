@@ -46,16 +46,16 @@ struct Layout {
   static constexpr int ALPHA_OFF = M_OFF + ROWS * 4;     // float [NPB][ROWS]: the tile's rescale factors
   static constexpr int L_OFF = ALPHA_OFF + NPB * ROWS * 4;  // float [2][ROWS]: each warpgroup's l
   static constexpr int GREW_OFF = L_OFF + 2 * ROWS * 4;  // int [NPB]: the tile moved some row's max
-  static constexpr int WORK_OFF = GREW_OFF + NPB * 4;    // int [3]: the work item (b, split, chunk)
+  static constexpr int WORK_OFF = GREW_OFF + NPB * 4;    // int [8]: the segment (b, lo, hi, item), R, x, x_end
   // the tail's, from a 16-byte boundary
-  static constexpr int TSCR_OFF = (WORK_OFF + 16 + 15) / 16 * 16;  // float4 [4][2][32]: S^T per column quarter
+  static constexpr int TSCR_OFF = (WORK_OFF + 32 + 15) / 16 * 16;  // float4 [4][2][32]: S^T per column quarter
   static constexpr int TP_OFF = TSCR_OFF + 4 * 2 * 32 * 16;  // bf16 P^T [2 (tile parity)][4 key groups][8][8]
   static constexpr int TMAX_OFF = TP_OFF + 2 * BN * XR_ROWS * 2;  // float [2][8]: each 16-key half's row maxima
   static constexpr int TALPHA_OFF = TMAX_OFF + 2 * XR_ROWS * 4;  // float [8]: the tile's rescale factors
   static constexpr int TL_OFF = TALPHA_OFF + XR_ROWS * 4;  // float [2][8]: l of each 16-key half
   static constexpr int FULL_OFF = TL_OFF + 2 * XR_ROWS * 4;  // u64 mbarrier [NBUF]: key buffer landed
   static constexpr int EMPTY_OFF = FULL_OFF + NBUF * 8;  // u64 mbarrier [NBUF]: the tail is done with it
-  static constexpr int SMEM_BYTES = XR ? EMPTY_OFF + NBUF * 8 : WORK_OFF + 16;
+  static constexpr int SMEM_BYTES = XR ? EMPTY_OFF + NBUF * 8 : WORK_OFF + 32;
   static_assert(FULL_OFF % 8 == 0 && TSCR_OFF % 16 == 0, "mbarriers are 8-byte aligned, the S^T quarters float4s");
   static_assert(SMEM_BYTES <= 227 * 1024, "over sm_90's shared memory per block");
 };
@@ -406,6 +406,135 @@ __device__ __forceinline__ void tail_loop(const SplitArgs& a, unsigned char* sme
   keep32(o);
 }
 
+
+// ---------------------------------------------------------------- the schedule: items or ranges
+// A CTA's work is a list of segments (a request's keys lo .. hi-1, its partial `item`), run one
+// after the other. Two ways to cut a batch, chosen per launch on the device (capture-safe: every
+// CTA computes the same choice from the same metadata):
+// - items (verify.cu's find_work): each request cut on its own into equal pieces, at most
+//   max(NSPLIT, B) of them, one per CTA. Best for one request or equal ones; in a ragged batch
+//   the pieces are up to total / (NSPLIT - B + 1) keys (every request rounds up one piece).
+// - ranges: the batch's keys, concatenated request after request, cut into NSPLIT ranges of R
+//   keys (whole tiles); CTA c runs range c, one segment per request the range overlaps. Every
+//   CTA holds R keys, and pays a restart (Q, its first tiles' gather latency, the o store) per
+//   request boundary inside its range. Segments are numbered in key order, so a request's
+//   segments are consecutive items (the merge's meta), at most NSPLIT + B - 1 of them.
+// Ranges where items' chunk is at least 1.2 x (R + RANGE_RESTART_TILES x the request boundaries a
+// range holds), in key tiles. Measured on the H200 (results/kernel/wgmma/schedule/): where ranges
+// promised 7-16% fewer tiles on the busiest CTA they lost 2-7% (bandwidth shared by all SMs, not
+// the longest piece, bounds those batches) or won 4%; at 26% they won 2%, at 2.3x 1.84x.
+constexpr int RANGE_RESTART_TILES = 3;
+
+struct Seg {
+  int b, lo, hi, item;  // b = -1: no more work for this CTA
+};
+
+// The thread's and block's indices read again at each segment (volatile): what derives from them
+// is then computed per segment, not hoisted above the segment loop and held in registers across
+// the tile loop (which spilled at ROWS 72's 184 / 136 registers).
+__device__ __forceinline__ int tid_x() {
+  int v;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(v));
+  return v;
+}
+__device__ __forceinline__ int ctaid_x() {
+  int v;
+  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(v));
+  return v;
+}
+
+// R in keys (a multiple of BN) if ranges are faster for this batch, else 0. Warp-wide.
+__device__ int range_keys(const SplitArgs& a) {
+  if (a.B == 1) return 0;
+  const int total = a.indptr[a.B] - a.indptr[0];
+  const int target = num_splits(total, a.split_max_keys, a.split_values, a.num_buckets, a.grid_nsplit);
+  const int cap = max(target, a.B);
+  // items' chunk in tiles: find_work's search
+  int k_lo = max((total + cap - 1) / cap, 1);
+  k_lo = (k_lo + BN - 1) / BN;
+  const int denom = max(cap - a.B + 1, 1);
+  int k_hi = max(((total + denom - 1) / denom + BN - 1) / BN, 1);
+  while (k_lo < k_hi) {
+    const int mid = (k_lo + k_hi) >> 1;
+    if (count_splits(a, mid * BN) <= cap) k_hi = mid; else k_lo = mid + 1;
+  }
+  const int r_tiles = max(((total + target - 1) / target + BN - 1) / BN, 1);
+  const int boundaries = (a.B - 1 + target - 1) / target;  // request starts per range, rounded up
+  return 5 * k_hi >= 6 * (r_tiles + RANGE_RESTART_TILES * boundaries) ? r_tiles * BN : 0;
+}
+
+// The segment at key position x of the concatenated keys (x < x_end <= total), range length R:
+// the request holding x, its keys up to x_end, and its item = the segment starts before x
+// (range starts c R < x, and request starts that are not range starts). Warp-wide.
+__device__ Seg range_segment(const SplitArgs& a, int R, int x, int x_end) {
+  const int lane = threadIdx.x & 31, base = a.indptr[0];
+  Seg s = {-1, 0, 0, 0};
+  int inner = 0;  // requests with keys whose start lies inside a range, before x
+  for (int b0 = 0; b0 < a.B; b0 += 32) {
+    const int b = b0 + lane;
+    const int st = b < a.B ? a.indptr[b] - base : 0, en = b < a.B ? a.indptr[b + 1] - base : 0;
+    const bool has = en > st;
+    inner += __popc(__ballot_sync(0xffffffffu, has && st < x && st % R != 0));
+    const unsigned mine = __ballot_sync(0xffffffffu, has && st <= x && x < en);
+    if (mine) {  // warp-uniform
+      const int src = __ffs(mine) - 1;
+      const int st_b = __shfl_sync(0xffffffffu, st, src), en_b = __shfl_sync(0xffffffffu, en, src);
+      s.b = b0 + src;
+      s.lo = x - st_b;
+      s.hi = min(en_b, x_end) - st_b;
+    }
+  }
+  s.item = (x + R - 1) / R + inner;
+  return s;
+}
+
+// Every request's (first item, item count) under ranges of R keys, for the merge: request b
+// starts at item ceil(st / R) + (requests before it starting inside a range); it holds the
+// range starts in [st, en) and one more segment if it starts inside a range. A request of no
+// keys has none (the merges write o = 0 and lse = -inf for it). Warp-wide.
+__device__ void range_meta(const SplitArgs& a, int R) {
+  const int lane = threadIdx.x & 31, base = a.indptr[0];
+  int run = 0;
+  for (int b0 = 0; b0 < a.B; b0 += 32) {
+    const int b = b0 + lane;
+    const int st = b < a.B ? a.indptr[b] - base : 0, en = b < a.B ? a.indptr[b + 1] - base : 0;
+    const int inside = en > st && st % R != 0;
+    int incl = inside;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
+    }
+    if (b < a.B) {
+      const int first_range = (st + R - 1) / R;
+      a.meta[2 * b] = en > st ? first_range + run + incl - inside : 0;
+      a.meta[2 * b + 1] = en > st ? (en + R - 1) / R - first_range + inside : 0;
+    }
+    run += __shfl_sync(0xffffffffu, incl, 31);
+  }
+}
+
+// This CTA's next segment (warp 0). R = 0: items (x = 0 before the first, then -1); else
+// ranges: x = the next key position of the CTA's range [x, x_end).
+__device__ Seg next_segment(const SplitArgs& a, int R, int& x, int x_end, bool write_meta) {
+  if (R == 0) {
+    Seg s = {-1, 0, 0, 0};
+    if (x == 0) {
+      const Work w = find_work<BN>(a, blockIdx.y, write_meta);
+      if (w.b >= 0) {
+        const int L = a.indptr[w.b + 1] - a.indptr[w.b];
+        s = {w.b, w.split * w.chunk, min(w.split * w.chunk + w.chunk, L), (int)blockIdx.y};
+      }
+    }
+    x = -1;
+    return s;
+  }
+  if (write_meta) range_meta(a, R);
+  if (x >= x_end) return {-1, 0, 0, 0};
+  const Seg s = range_segment(a, R, x, x_end);
+  x += s.hi - s.lo;
+  return s;
+}
 }  // namespace wg
 
 // grid (ceil(H * T / (64 + XR)), NSPLIT + B): x the row block, y the work item; block 256 (two
@@ -437,39 +566,139 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
   int* work_s = reinterpret_cast<int*>(smem + Lay::WORK_OFF);
   const int tid = threadIdx.x, wgi = tid >> 7, wt = tid & 127, warp = wt >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3, r0 = 16 * warp + g, r1 = r0 + 8;
-  const int mb = blockIdx.x, item = blockIdx.y;
+  const int mb = blockIdx.x;
+  const int HT = a.H * T;
+  const u32 qs = smem_u32(Qs), ks = smem_u32(Ks), ps = smem_u32(Ps);
   pdl_launch_dependents();  // the merge waits for this whole grid before it reads anything
 
-  if (tid < 32) {
-    const Work w = find_work<BN>(a, item, item == 0 && mb == 0);
+  // Warp 0 runs the schedule; its state (R, 0: items; the cursor x of this CTA's range and its
+  // end) stays in shared memory between segments, not in registers the loop needs.
+  auto publish_next = [&](bool first) {  // warp 0: the next segment into work_s
+    int x = work_s[5];
+    const Seg sg = next_segment(a, work_s[4], x, work_s[6], first && blockIdx.y == 0 && mb == 0);
+    __syncwarp();
     if (lane == 0) {
-      work_s[0] = w.b;
-      work_s[1] = w.split;
-      work_s[2] = w.chunk;
+      work_s[0] = sg.b;
+      work_s[1] = sg.lo;
+      work_s[2] = sg.hi;
+      work_s[3] = sg.item;
+      work_s[5] = x;
     }
+  };
+  // The tail's mbarriers start every segment at phase 0: all key buffers are idle between them.
+  auto init_mbarriers = [&]() {
+    if (XR && tid == 0)
+      for (int i = 0; i < NBUF; ++i) {
+        mbar_init(smem_u32(smem + Lay::FULL_OFF + 8 * i));
+        mbar_init(smem_u32(smem + Lay::EMPTY_OFF + 8 * i));
+      }
+  };
+  if (tid < 32) {
+    const int R = range_keys(a), total = a.indptr[a.B] - a.indptr[0];
+    const int x = R > 0 ? (int)min((i64)blockIdx.y * R, (i64)total) : 0;
+    if (lane == 0) {
+      work_s[4] = R;
+      work_s[5] = x;
+      work_s[6] = R > 0 ? min(x + R, total) : 0;
+    }
+    __syncwarp();
+    publish_next(true);
   }
+  init_mbarriers();
   __syncthreads();
-  const int b = work_s[0];
-  if (b < 0) return;  // past the batch's last item: the merge never reads it
-  const int split = work_s[1], chunk = work_s[2];
+  if (work_s[0] < 0) return;  // no work: the merge never reads this CTA's items
+  constexpr int OPITCH = DV * 2 + 16;  // bytes per staged o row: +16 puts a store's 8 rows on 8 bank quads
+  static_assert(RB * OPITCH <= K_OFF + KBUF, "staged o fits in Q's shared memory and the first key buffer");
+  // The segment's normalised o rows leave from shared memory (staged there by both paths).
+  auto store_o = [&](int item) {
+    const int rb = ctaid_x() * RB;
+    for (int c = tid_x(); c < RB * (DV / 8); c += NT) {
+      const int r = c / (DV / 8), k = c % (DV / 8), rg = rb + r;
+      if (rg < HT)
+        *reinterpret_cast<uint4*>(a.part_o + (((i64)item * T + rg % T) * a.H + rg / T) * DV + 8 * k) =
+            *reinterpret_cast<const uint4*>(Qs + r * OPITCH + 16 * k);
+    }
+  };
+  // Both paths run every segment in step: per segment five block barriers each (prologue done,
+  // l shared, o staged, o stored, next segment published).
+  // Each path's code is reachable from its own setmaxnreg only (ptxas ignores both otherwise).
+  if (XR && wgi == 2) {  // the tail warpgroup: rows 64 .. 71
+    if constexpr (XR != 0) {
+      regs_dec<REGS_TAIL>();
+      for (;;) {
+        const int tid = tid_x(), mb = ctaid_x(), wt = tid & 127, warp = wt >> 5, lane = tid & 31;
+        const int g = lane >> 2, t4 = lane & 3;
+        const int b = work_s[0], lo = work_s[1], hi = work_s[2];
+        const int L = a.indptr[b + 1] - a.indptr[b];
+        const int n_tiles = (hi - lo + BN - 1) / BN;
+        u32 qf[9][2];
+        tail_q<T>(a, b, mb * RB + ROWS, HT, qf);
+        __syncthreads();  // (1) the main warpgroups' prologue
+        float o8[8][4], mt[2] = {NEG_INF, NEG_INF}, lt[2] = {0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) o8[j][i] = 0.f;
+        const int rbase = mb * RB + ROWS;
+        tail_loop<T>(a, smem, b, L - T, lo, hi, n_tiles, rbase, HT, qf, o8, mt, lt);
+        float* tl = reinterpret_cast<float*>(smem + Lay::TL_OFF);
+        if (warp < 2) {  // l of each 16-key half, over the 8 lanes that share t4
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            float v = lt[j];
+            v += __shfl_xor_sync(0xffffffffu, v, 4);
+            v += __shfl_xor_sync(0xffffffffu, v, 8);
+            v += __shfl_xor_sync(0xffffffffu, v, 16);
+            if (g == 0) tl[warp * XR_ROWS + 2 * t4 + j] = v;
+          }
+        }
+        __syncthreads();  // (2) l; both row blocks' MMAs are done: Q's shared memory is free
+        u32 cta_x;  // the block index read again: kept across the loop, the row indices spilled
+        asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(cta_x));
+        const int item = work_s[3];  // read here: not held in a register across the tile loop
+        float inv[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int r = 2 * t4 + j, rg = (int)cta_x * RB + ROWS + r;
+          const float l = tl[r] + tl[XR_ROWS + r];
+          inv[j] = l == 0.f ? 0.f : 1.f / l;
+          if (warp == 0 && g == 0 && rg < HT)
+            a.part_lse[((i64)item * T + rg % T) * a.H + rg / T] = l == 0.f ? NEG_INF : (mt[j] + __log2f(l)) * LN2;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            *reinterpret_cast<u16*>(Qs + (ROWS + 2 * t4 + (i & 1)) * OPITCH + (64 * j + 16 * warp + g + 8 * (i >> 1)) * 2) =
+                bf16_bits(o8[j][i] * inv[i & 1]);
+        __syncthreads();  // (3) o staged
+        store_o(item);
+        __syncthreads();  // (4) o stored: Q's shared memory and the key buffers are free
+        __syncthreads();  // (5) the next segment published
+        if (work_s[0] < 0) break;
+      }
+    }
+  } else {  // the two 64-row warpgroups
+    if constexpr (XR != 0) regs_inc<REGS_MAIN>();
+  for (;;) {
+  const int tid = tid_x(), mb = ctaid_x(), wgi = tid >> 7, wt = tid & 127, warp = wt >> 5, lane = tid & 31;
+  const int t4 = lane & 3, r0 = 16 * warp + (lane >> 2), r1 = r0 + 8;
+  const int b = work_s[0], lo = work_s[1], hi = work_s[2];
   const int kv_start = a.indptr[b];
   const int L = a.indptr[b + 1] - kv_start;
   const int P = L - T;  // prefix keys; draft key d sits at P + d
-  const int lo = split * chunk, hi = min(lo + chunk, L);
   const int n_tiles = (hi - lo + BN - 1) / BN;
-  const int HT = a.H * T;
-  const u32 qs = smem_u32(Qs), ks = smem_u32(Ks), ps = smem_u32(Ps);
 
   // -- Q: rows mb * 64 .. of this request (row r: head r / T, draft token r % T), zero past H * T
   if (a.q_vec16) {
-    for (int i = tid; i < ROWS * CHUNKS && wgi < 2; i += 256) {
+    for (int i = tid; i < ROWS * CHUNKS; i += 256) {
       const int r = i / CHUNKS, c = i % CHUNKS, rg = mb * RB + r;
       const bool ok = rg < HT;
       const u16* src = ok ? a.q + (i64)(b * T + rg % T) * a.q_stride_m + (i64)(rg / T) * a.q_stride_h + c * 8 : a.q;
       cp_async<16>(qs + sw_off(r, c, ROWS), src, ok ? 16 : 0);
     }
   } else {
-    for (int i = tid; i < ROWS * DK && wgi < 2; i += 256) {
+    for (int i = tid; i < ROWS * DK; i += 256) {
       const int r = i / DK, col = i % DK, rg = mb * RB + r;
       *reinterpret_cast<u16*>(Qs + sw_off(r, col >> 3, ROWS) + (col & 7) * 2) =
           rg < HT ? a.q[(i64)(b * T + rg % T) * a.q_stride_m + (i64)(rg / T) * a.q_stride_h + col] : (u16)0;
@@ -500,71 +729,19 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
     }
     cp_async_commit();
   };
-  if (wgi < 2 && wgi < n_tiles) issue_tile(wgi, slot_of(wgi));
-  u32 qf[XR ? 9 : 1][2];  // the tail's Q8 fragments
-  if constexpr (XR != 0)
-    if (wgi == 2) tail_q<T>(a, b, mb * RB + ROWS, HT, qf);
-  if (XR && tid == 0) {
-    for (int i = 0; i < NBUF; ++i) {
-      mbar_init(smem_u32(smem + Lay::FULL_OFF + 8 * i));
-      mbar_init(smem_u32(smem + Lay::EMPTY_OFF + 8 * i));
-    }
-  }
+  if (wgi < n_tiles) issue_tile(wgi, slot_of(wgi));
   u32 slot_next = slot_of(wgi + 2);
   for (int i = tid; i < ROWS; i += 256) m_s[i] = NEG_INF;
-  // this thread's rows: their partial rows (-1 past H * T) and tree-mask bits
-  const int rg0 = mb * RB + r0, rg1 = mb * RB + r1;
-  const u64 bits0 = rg0 < HT ? (u64)a.tree_mask[b * T + rg0 % T] : 0ull;
-  const u64 bits1 = rg1 < HT ? (u64)a.tree_mask[b * T + rg1 % T] : 0ull;
+  // this thread's rows' tree-mask bits
+  u64 bits0, bits1;
+  {
+    const int rg0 = mb * RB + r0, rg1 = mb * RB + r1;
+    bits0 = rg0 < HT ? (u64)a.tree_mask[b * T + rg0 % T] : 0ull;
+    bits1 = rg1 < HT ? (u64)a.tree_mask[b * T + rg1 % T] : 0ull;
+  }
   cp_async_wait<0>();  // Q and this warpgroup's first tile
   async_fence();
-  __syncthreads();  // Q, m_s, the mbarriers and the first tiles visible to both warpgroups
-  constexpr int OPITCH = DV * 2 + 16;  // bytes per staged o row: +16 puts a store's 8 rows on 8 bank quads
-  static_assert(RB * OPITCH <= K_OFF + KBUF, "staged o fits in Q's shared memory and the first key buffer");
-  // Each path's code is reachable from its own setmaxnreg only (ptxas ignores both otherwise).
-  if (XR && wgi == 2) {  // the tail warpgroup: rows 64 .. 71
-    if constexpr (XR != 0) {
-      regs_dec<REGS_TAIL>();
-      float o8[8][4], mt[2] = {NEG_INF, NEG_INF}, lt[2] = {0.f, 0.f};
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) o8[j][i] = 0.f;
-      const int rbase = mb * RB + ROWS;
-      tail_loop<T>(a, smem, b, P, lo, hi, n_tiles, rbase, HT, qf, o8, mt, lt);
-      float* tl = reinterpret_cast<float*>(smem + Lay::TL_OFF);
-      if (warp < 2) {  // l of each 16-key half, over the 8 lanes that share t4
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          float v = lt[j];
-          v += __shfl_xor_sync(0xffffffffu, v, 4);
-          v += __shfl_xor_sync(0xffffffffu, v, 8);
-          v += __shfl_xor_sync(0xffffffffu, v, 16);
-          if (g == 0) tl[warp * XR_ROWS + 2 * t4 + j] = v;
-        }
-      }
-      __syncthreads();  // l; both row blocks' MMAs are done: Q's shared memory is free
-      u32 cta_x;  // the block index read again: kept across the loop, the row indices spilled
-      asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(cta_x));
-      float inv[2];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int r = 2 * t4 + j, rg = (int)cta_x * RB + ROWS + r;
-        const float l = tl[r] + tl[XR_ROWS + r];
-        inv[j] = l == 0.f ? 0.f : 1.f / l;
-        if (warp == 0 && g == 0 && rg < HT)
-          a.part_lse[((i64)item * T + rg % T) * a.H + rg / T] = l == 0.f ? NEG_INF : (mt[j] + __log2f(l)) * LN2;
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          *reinterpret_cast<u16*>(Qs + (ROWS + 2 * t4 + (i & 1)) * OPITCH + (64 * j + 16 * warp + g + 8 * (i >> 1)) * 2) =
-              bf16_bits(o8[j][i] * inv[i & 1]);
-      __syncthreads();
-    }
-  } else {  // the two 64-row warpgroups
-    if constexpr (XR != 0) regs_inc<REGS_MAIN>();
+  __syncthreads();  // (1) Q, m_s and the first tiles visible to both warpgroups (and the tail)
 
   float o[128], l[2] = {0.f, 0.f}, s[16];
 #pragma unroll
@@ -666,10 +843,12 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
     v += __shfl_xor_sync(0xffffffffu, v, 2);
     if (t4 == 0) l_s[wgi * ROWS + (h ? r1 : r0)] = v;
   }
-  __syncthreads();
+  __syncthreads();  // (2)
   const float l0 = l_s[r0] + l_s[ROWS + r0], l1 = l_s[r1] + l_s[ROWS + r1];
   const float i0 = l0 == 0.f ? 0.f : 1.f / l0, i1 = l1 == 0.f ? 0.f : 1.f / l1;  // NaN stays NaN
   // partial row of row rg: ((item * T + t) * H + head)
+  const int item = work_s[3];  // read here: not held in a register across the tile loop
+  const int rg0 = ctaid_x() * RB + r0, rg1 = rg0 + 8;
   const i64 pr0 = rg0 < HT ? ((i64)item * T + rg0 % T) * a.H + rg0 / T : -1;
   const i64 pr1 = rg1 < HT ? ((i64)item * T + rg1 % T) * a.H + rg1 / T : -1;
   if (wgi == 0 && t4 == 0) {  // l = 0: the row saw no key here; a NaN l (a NaN was read) stays NaN
@@ -686,14 +865,15 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
     *reinterpret_cast<u32*>(Qs + (hi_row ? r1 : r0) * OPITCH + (256 * wgi + 8 * (i >> 2) + 2 * t4) * 2) =
         pack_bf16(o[i] * inv, o[i + 1] * inv);
   }
-  __syncthreads();
+  __syncthreads();  // (3) o staged
+  store_o(item);
+  __syncthreads();  // (4) o stored: Q's shared memory and the key buffers are free
+  if (tid < 32) publish_next(false);
+  init_mbarriers();
+  __syncthreads();  // (5) the next segment published
+  if (work_s[0] < 0) break;
+  }  // segments
   }  // the two 64-row warpgroups
-  for (int c = tid; c < RB * (DV / 8); c += NT) {
-    const int r = c / (DV / 8), k = c % (DV / 8), rg = mb * RB + r;
-    if (rg < HT)
-      *reinterpret_cast<uint4*>(a.part_o + (((i64)item * T + rg % T) * a.H + rg / T) * DV + 8 * k) =
-          *reinterpret_cast<const uint4*>(Qs + r * OPITCH + 16 * k);
-  }
 #else
   __trap();  // wgmma needs sm_90a: the backend compiles this kernel for nothing else
 #endif
@@ -710,6 +890,7 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
 // count is merged correctly.
 __global__ void __launch_bounds__(256, 3) verify_merge_warp_kernel(const MergeArgs a) {
   constexpr int U = 4;  // splits in flight per lane: 8 16-byte loads
+  static_assert(32 % U == 0, "a group of U splits never straddles the 32 weights a lane round holds");
   const float NEG_INF = -__int_as_float(0x7f800000);
   const int lane = threadIdx.x & 31, head = blockIdx.y * 8 + (threadIdx.x >> 5);
   const int row = blockIdx.x, b = row / a.T, t = row % a.T;
@@ -744,9 +925,11 @@ __global__ void __launch_bounds__(256, 3) verify_merge_warp_kernel(const MergeAr
       for (int u = 0; u < U; ++u) {  // every load of the group issued before any is used
         wj[u] = __shfl_sync(0xffffffffu, w, (j0 + u) & 31);
         const bool use = j0 + u < nk && wj[u] != 0.f;
-        const uint4* src = base + (i64)(k0 + j0 + u) * step;
-        v[u][0] = use ? __ldg(src) : make_uint4(0u, 0u, 0u, 0u);
-        v[u][1] = use ? __ldg(src + 1) : make_uint4(0u, 0u, 0u, 0u);
+        // no address formed past the used splits; ld.global.cg, not the non-coherent path: with
+        // programmatic dependent launch the split grid wrote these while this grid was resident
+        const uint4* src = base + (i64)(use ? k0 + j0 + u : 0) * step;
+        v[u][0] = use ? __ldcg(src) : make_uint4(0u, 0u, 0u, 0u);
+        v[u][1] = use ? __ldcg(src + 1) : make_uint4(0u, 0u, 0u, 0u);
         if (!use) wj[u] = 0.f;
       }
 #pragma unroll

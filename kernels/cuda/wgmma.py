@@ -30,9 +30,9 @@ TAIL_ROWS = 8   # rows 64-71 of the tail warpgroup (ROWS 72)
 
 def _main_bytes(npb: int) -> int:
     """Q, four key buffers, npb P buffers, the running max, npb sets of rescale factors, both
-    warpgroups' l, npb rescale flags and the work item."""
+    warpgroups' l, npb rescale flags and the schedule's 8 ints (the segment, R, the cursor)."""
     return ROWS * DK * 2 + 4 * 32 * DK * 2 + npb * ROWS * 32 * 2 + ROWS * 4 + npb * ROWS * 4 + 2 * ROWS * 4 \
-        + npb * 4 + 16
+        + npb * 4 + 32
 
 
 #: mirror of wg::Layout<0>::SMEM_BYTES in verify_wgmma.cu (the kernel traps if launched with less)
