@@ -108,14 +108,14 @@ def test_search_space_and_deployment_know_it():
     assert "wgmma" in VERIFY_MODES
 
 
-@pytest.mark.parametrize("nsplit,B,warp", [(132, 1, False), (132, 3, False), (132, 4, True), (132, 64, True),
-                                           (14, 1, True), (41, 1, False), (40, 1, True), (264, 6, False),
-                                           (264, 7, True), (7, 200, True)])
+@pytest.mark.parametrize("nsplit,B,warp", [(132, 1, False), (132, 2, False), (132, 3, True), (132, 64, True),
+                                           (14, 1, True), (49, 1, False), (48, 1, True), (264, 5, False),
+                                           (264, 6, True), (7, 200, True)])
 def test_the_merge_follows_the_splits_per_request(nsplit, B, warp):
-    """The warp merge serves launches whose requests hold at most 40 work items on average
+    """The warp merge serves launches whose requests hold at most 48 work items on average
     (max(NSPLIT, B) / B, rounded up); the block merge the rest."""
     from kvtune.kernels.cuda import wgmma
-    assert wgmma.WARP_MERGE_MAX_SPLITS == 40
+    assert wgmma.WARP_MERGE_MAX_SPLITS == 48
     assert wgmma.uses_warp_merge(nsplit, B) is warp
 
 

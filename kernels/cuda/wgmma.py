@@ -102,10 +102,11 @@ MERGE_WARP_EXPR = "kvtune::verify_merge_warp_kernel"
 #: the warp merge serves launches whose requests hold at most this many work items on average
 #: (max(NSPLIT, B) / B): it waits one load round trip per 4 splits, where verify.cu's merge
 #: spreads a pair's splits over 16 groups but runs 4 x B x T x H blocks of two barriers each.
-#: Measured at H 8 / 16, split + merge (results/kernel/wgmma/batch-merge/merge-ab.log): 33 splits
-#: per request (batch 4 at NSPLIT 132) 50.96 us warp against 53.01 block; 66 (H 16, batch 1)
-#: 85.01 against 79.40; 132: 63.62 against 47.29. The crossing lies between 33 and 66.
-WARP_MERGE_MAX_SPLITS = 40
+#: Measured at H 8 / 16, split + merge (results/kernel/wgmma/batch-merge/): 33 splits per request
+#: (batch 4 at NSPLIT 132) 50.96 us warp against 53.01 block; 44 (batch 3) 40.71 against 42.93;
+#: 66 (H 16, batch 1) 85.01 against 79.40; 132: 63.62 against 47.29. The crossing lies between
+#: 44 and 66.
+WARP_MERGE_MAX_SPLITS = 48
 
 
 def uses_warp_merge(NSPLIT: int, B: int) -> bool:
