@@ -7,9 +7,10 @@ partials: timing only). The launch of the other kernel is filtered out at `cuLau
 (and `cuLaunchKernelEx`, the merge's launch with programmatic dependent launch).
 `--backend wgmma` times the wgmma kernel the same way (its default NSPLIT and ROWS unless --params
 says; `--merge warp|block` forces one of its two merge kernels, `--batch` times B requests of the
-prefix each); its variants (WGMMA_VARIANTS: full, no_tiles, no_q, no_o_store, exit_early, no_gather, and
-for ROWS 72 the tail warpgroup's: tail_idle, its handshakes only; tail_no_s_mma, its S^T MMAs left
-out; tail_no_pv, its O^T MMAs left out) patch verify_wgmma.cu at its own anchors.
+prefix each, `--ragged` bench_serving.py's ragged batches); its variants (WGMMA_VARIANTS: full,
+no_tiles, no_q, no_o_store, exit_early, no_gather, for ROWS 72 the tail warpgroup's: tail_idle, its
+handshakes only; tail_no_s_mma, its S^T MMAs left out; tail_no_pv, its O^T MMAs left out; and the
+schedule forced, outputs right: items, ranges) patch verify_wgmma.cu at its own anchors.
 
 --variants also times copies of the source with one stage left out (METHOD.md: place time
 inside a kernel by differences), compiled in memory (`nvrtc.source_override`), never shipped;
@@ -76,13 +77,16 @@ VARIANTS = {
 #: the same stages of the wgmma split kernel (`--backend wgmma`), anchors in verify_wgmma.cu
 WGMMA_VARIANTS = {
     "full": [],
-    "no_tiles": [("const int n_tiles = (hi - lo + BN - 1) / BN;",
-                  "const int n_tiles = 0 * ((hi - lo + BN - 1) / BN);")],
-    "no_q": [("  if (a.q_vec16) {\n    for (int i = tid; i < ROWS * CHUNKS && wgi < 2;",
-              "  if (a.H > 0) {\n  } else if (a.q_vec16) {\n    for (int i = tid; i < ROWS * CHUNKS && wgi < 2;")],
-    "no_o_store": [("    if (rg < HT)\n      *reinterpret_cast<uint4*>(a.part_o",
-                    "    if (rg < HT && a.H < 0)\n      *reinterpret_cast<uint4*>(a.part_o")],
-    "exit_early": [("  if (b < 0) return;  // past", "  if (b < 0 || a.H > 0) return;  // past")],
+    # both paths (the two 64-row warpgroups and the tail) must agree on the tile count
+    "no_tiles": [("  const int n_tiles = (hi - lo + BN - 1) / BN;\n\n",
+                  "  const int n_tiles = 0 * ((hi - lo + BN - 1) / BN);\n\n"),
+                 ("        const int n_tiles = (hi - lo + BN - 1) / BN;\n        u32 qf",
+                  "        const int n_tiles = 0 * ((hi - lo + BN - 1) / BN);\n        u32 qf")],
+    "no_q": [("  if (a.q_vec16) {\n    for (int i = tid; i < ROWS * CHUNKS; i += 256) {",
+              "  if (a.H > 0) {\n  } else if (a.q_vec16) {\n    for (int i = tid; i < ROWS * CHUNKS; i += 256) {")],
+    "no_o_store": [("      if (rg < HT)\n        *reinterpret_cast<uint4*>(a.part_o",
+                    "      if (rg < HT && a.H < 0)\n        *reinterpret_cast<uint4*>(a.part_o")],
+    "exit_early": [("  if (work_s[0] < 0) return;  // no work", "  if (work_s[0] < 0 || a.H > 0) return;  // no work")],
     "no_gather": [("    const int bytes = ok ? 16 : 0;", "    const int bytes = 0 * ok;")],
     # ROWS 72: the tail warpgroup only keeps its handshakes (the tiles' buffers and the scrub)
     "tail_idle": [("    mbar_wait(smem_u32(smem + L::FULL_OFF + 8 * buf), par);\n",
