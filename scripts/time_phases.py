@@ -35,6 +35,7 @@ their outputs are wrong, only their times mean anything:
     python scripts/time_phases.py --out $OUT --prefixes 65536 --variants full,no_gather,no_softmax,no_pv
     python scripts/time_phases.py --out $OUT --backend wgmma --heads 7 --prefixes 256,131072
     python scripts/time_phases.py --out $OUT --backend wgmma --prefixes 131072 --variants full,tail_idle
+    python scripts/time_phases.py --out $OUT --backend wgmma --batch 8 --prefixes 4096 --variants items,ranges+no_q
 """
 from __future__ import annotations
 
@@ -127,12 +128,14 @@ def variants_of(backend: str) -> tuple[dict, str]:
 
 
 def patched_source(src: str, variant: str, backend: str = "cuda") -> str:
-    """`src` (verify.cu, or verify_wgmma.cu for `backend` wgmma) with `variant`'s stage left out."""
+    """`src` (verify.cu, or verify_wgmma.cu for `backend` wgmma) with `variant`'s stage left out;
+    `a+b` applies variant a, then b (e.g. `ranges+no_q`: the schedule forced and Q left out)."""
     table, part = variants_of(backend)
-    for anchor, repl in table[variant]:
-        if src.count(anchor) != 1:
-            raise SystemExit(f"variant {variant}: anchor {anchor!r} occurs {src.count(anchor)} times in {part}")
-        src = src.replace(anchor, repl)
+    for name in variant.split("+"):
+        for anchor, repl in table[name]:
+            if src.count(anchor) != 1:
+                raise SystemExit(f"variant {variant}: anchor {anchor!r} occurs {src.count(anchor)} times in {part}")
+            src = src.replace(anchor, repl)
     return src
 
 
@@ -207,9 +210,10 @@ def main(argv=None) -> int:
     table, part = variants_of(args.backend)
     names = [v.strip() for v in args.variants.split(",")] if args.variants else ["full"]
     names = [v for v in table if v not in UNSAFE] if names == ["all"] else names
-    if set(names) - set(table):
-        raise SystemExit(f"--variants: unknown for {args.backend} {sorted(set(names) - set(table))}; "
-                         f"known: all, {', '.join(table)}")
+    unknown = {c for v in names for c in v.split("+")} - set(table)
+    if unknown:
+        raise SystemExit(f"--variants: unknown for {args.backend} {sorted(unknown)}; known: all, {', '.join(table)} "
+                         "(a+b: both)")
     if args.merge != "auto":
         from kvtune.kernels.cuda import wgmma
         wgmma.WARP_MERGE_MAX_SPLITS = 10**6 if args.merge == "warp" else 0

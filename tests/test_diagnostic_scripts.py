@@ -179,3 +179,15 @@ def test_stream_probe_merge_is_the_softmax_of_all_splits():
     ref = torch.softmax(logits2 * 0.6931471805599453, dim=-1) @ v
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
 
+
+
+def test_phase_variants_combine_with_a_plus():
+    """`a+b` applies both variants' patches, in order; an unknown part is refused by name."""
+    import time_phases
+    src = nvrtc.SOURCE_PATH.with_name("verify_wgmma.cu").read_text()
+    both = time_phases.patched_source(src, "ranges+no_q", "wgmma")
+    one_then_other = time_phases.patched_source(time_phases.patched_source(src, "ranges", "wgmma"), "no_q", "wgmma")
+    assert both == one_then_other != src
+    assert "RANGE_RESTART_TILES = -1000000;" in both and "if (a.H > 0) {\n  } else if (a.q_vec16)" in both
+    with pytest.raises(SystemExit, match="unknown for wgmma"):
+        time_phases.main(["--out", "/tmp/x", "--backend", "wgmma", "--variants", "ranges+no_such"])
