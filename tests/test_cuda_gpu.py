@@ -124,13 +124,14 @@ def test_split_table():
     _check(x, params=p, split_table=table)
 
 
-def _items_per_request(x, p, table=None):
-    """Run the CUDA backend and read back how many work items (splits) each request got: the
-    per-request (first item, count) table the split kernel leaves at the end of the workspace."""
+def _items_per_request(x, p, table=None, backend="cuda"):
+    """Run `backend` (cuda, or wgmma: the same workspace layout) against the oracle and read back
+    how many work items (splits) each request got: the per-request (first item, count) table the
+    split kernel leaves at the end of the workspace."""
     from kvtune.kernels.cuda.backend import work_items
     pb = describe_problem(*x.args)
-    ws = torch.zeros(workspace_bytes(pb, "cuda", p), dtype=torch.uint8, device="cuda")
-    _check(x, params=p, workspace=ws, split_table=table)
+    ws = torch.zeros(workspace_bytes(pb, backend, p), dtype=torch.uint8, device="cuda")
+    _check(x, params=p, backend=backend, workspace=ws, split_table=table)
     meta_off = work_items(p, pb.B) * pb.T * pb.H * (2 * pb.Dv + 4)
     meta = ws[meta_off:meta_off + 8 * pb.B].view(torch.int32).view(pb.B, 2).cpu()
     return meta[:, 0].tolist(), meta[:, 1].tolist()

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from kvtune.kernels import (SplitTable, describe_problem, get_backend, make_inputs, reference_attention, rel_error,
-                            verify_attention, workspace_bytes)
+                            verify_attention)
 from test_cuda_gpu import _check as check_against_oracle
-from test_cuda_gpu import _expected_items
+from test_cuda_gpu import _expected_items, _items_per_request
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or get_backend("wgmma").supports(torch.device("cuda")) is not None,
@@ -81,14 +81,9 @@ def test_split_table_sets_the_partial_count():
     x = make_inputs(3, 9, 8, [700, 97, 4096], tree="chain", device="cuda")
     lengths = [700 + 9, 97 + 9, 4096 + 9]
     p = _params(64)
-    pb = describe_problem(*x.args)
 
     def items(table):
-        ws = torch.zeros(workspace_bytes(pb, "wgmma", p), dtype=torch.uint8, device="cuda")
-        _check(x, params=p, workspace=ws, split_table=table)
-        off = (p.NSPLIT + pb.B) * pb.T * pb.H * (2 * pb.Dv + 4)
-        meta = ws[off:off + 8 * pb.B].view(torch.int32).view(pb.B, 2).cpu()
-        return meta[:, 0].tolist(), meta[:, 1].tolist()
+        return _items_per_request(x, p, table, backend="wgmma")
 
     # NSPLIT 4: key ranges (39 tiles + a restart: 1.2 x 42 <= items' 65-tile pieces); 40, 64: items
     for bounds, values, nsplit in [([10**6], [4], 4), ([1000, 10**6], [1, 40], 40), ([10**6], [99], 64)]:
@@ -141,15 +136,6 @@ def forced(request):
     be._kernels.clear()
 
 
-def _run_and_meta(x, p, **kw):
-    pb = describe_problem(*x.args)
-    ws = torch.zeros(workspace_bytes(pb, "wgmma", p), dtype=torch.uint8, device="cuda")
-    _check(x, params=p, workspace=ws, **kw)
-    off = (p.NSPLIT + pb.B) * pb.T * pb.H * (2 * pb.Dv + 4)
-    meta = ws[off:off + 8 * pb.B].view(torch.int32).view(pb.B, 2).cpu()
-    return meta[:, 0].tolist(), meta[:, 1].tolist()
-
-
 @pytest.mark.parametrize("rows", [64, 72])
 @pytest.mark.parametrize("B,T,H,prefix,nsplit", [
     (16, 9, 8, [1200, 90000, 3000, 17, 40000, 5000, 1, 800, 25000, 2000, 60000, 300, 9000, 150, 7000, 33], 132),
@@ -166,7 +152,7 @@ def test_items_and_ranges_match_the_oracle(forced, B, T, H, prefix, nsplit, rows
     lengths = [n + T for n in prefix]
     want = _schedule(lengths, nsplit, restart)
     assert want[0] == mode
-    assert _run_and_meta(x, p) == want[1:]
+    assert _items_per_request(x, p, backend="wgmma") == want[1:]
 
 
 def test_ranges_skip_a_request_without_keys(forced):
