@@ -10,7 +10,8 @@ says; `--merge warp|block` forces one of its two merge kernels, `--batch` times 
 prefix each, `--ragged` bench_serving.py's ragged batches); its variants (WGMMA_VARIANTS: full,
 no_tiles, no_q, no_o_store, exit_early, no_gather, for ROWS 72 the tail warpgroup's: tail_idle, its
 handshakes only; tail_no_s_mma, its S^T MMAs left out; tail_no_pv, its O^T MMAs left out; and the
-schedule forced, outputs right: items, ranges) patch verify_wgmma.cu at its own anchors.
+schedule forced, outputs right: items, ranges; copy_pairs, the gather's bank groups, outputs right) patch
+verify_wgmma.cu at its own anchors.
 
 --variants also times copies of the source with one stage left out (METHOD.md: place time
 inside a kernel by differences), compiled in memory (`nvrtc.source_override`), never shipped;
@@ -100,6 +101,9 @@ WGMMA_VARIANTS = {
     "tail_no_s_mma": [("        mma_bf16(cq[h], af, qf[i][0], qf[i][1]);",
                        "        if (a.H < 0) mma_bf16(cq[h], af, qf[i][0], qf[i][1]);")],
     "tail_no_pv": [("        mma_ss_n8_vt(o[j], desc_sw(", "        if (a.H < 0) mma_ss_n8_vt(o[j], desc_sw(")],
+    # the key gather with odd rows' 64-byte pieces swapped pairwise (outputs right): a quarter warp's
+    # two rows then land in disjoint 16-byte bank groups of the swizzled buffer (now the same four)
+    "copy_pairs": [("      const int c = csub + 4 * k;\n", "      const int c = csub + 4 * (k ^ (crow & 1));\n")],
     # the schedule forced (outputs right): verify.cu's items always, or key ranges whenever B > 1
     "items": [("constexpr int RANGE_RESTART_TILES = 3;", "constexpr int RANGE_RESTART_TILES = 1000000;")],
     "ranges": [("constexpr int RANGE_RESTART_TILES = 3;", "constexpr int RANGE_RESTART_TILES = -1000000;")],

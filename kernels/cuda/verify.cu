@@ -205,9 +205,10 @@ struct SplitArgs {
 static_assert(sizeof(SplitArgs) == 136, "SplitArgs must match backend._SplitArgs");
 
 // The work item `item` of the key-balanced schedule (see the top of this file), found by one
-// warp: a binary search for chunk, then a scan of the requests' split counts, 32 requests at a
-// time. With write_meta, the warp also records every request's (first item, item count) for
-// the merge. b = -1: past the last item; chunk = the keys per split of request b.
+// warp (find_work): a binary search for the chunk (chunk_tiles), then a scan of the requests'
+// split counts, 32 requests at a time (find_item). With write_meta, the warp also records every
+// request's (first item, item count) for the merge. b = -1: past the last item; chunk = the keys
+// per split of request b.
 struct Work {
   int b, split, chunk;
 };
@@ -217,15 +218,12 @@ __device__ int count_splits(const SplitArgs& a, int chunk) {  // sum_b max(ceil(
   for (int b = lane; b < a.B; b += 32) n += max((a.indptr[b + 1] - a.indptr[b] + chunk - 1) / chunk, 1);
   return __reduce_add_sync(0xffffffffu, n);
 }
+// The items' chunk in whole tiles of BLOCK_N keys: the fewest tiles per piece that cut every
+// request into pieces, cap of them at most in all (cap = max(NSPLIT for the batch, B)). Warp-wide.
 template <int BLOCK_N>
-__device__ Work find_work(const SplitArgs& a, int item, bool write_meta) {
-  const int lane = threadIdx.x & 31;
-  const int base = a.indptr[0];
-  const int total = a.indptr[a.B] - base;
-  const int target = num_splits(total, a.split_max_keys, a.split_values, a.num_buckets, a.grid_nsplit);
-  const int cap = max(target, a.B);
-  // chunk in whole tiles: k_hi tiles always fit (sum_b ceil(L_b / c) < total / c + B <= cap + 1
-  // at c >= total / (cap - B + 1)), fewer than k_lo never can (the sum is at least total / c)
+__device__ int chunk_tiles(const SplitArgs& a, int total, int cap) {
+  // k_hi tiles always fit (sum_b ceil(L_b / c) < total / c + B <= cap + 1 at c >= total / (cap -
+  // B + 1)), fewer than k_lo never can (the sum is at least total / c)
   int k_lo = max((total + cap - 1) / cap, 1);
   k_lo = (k_lo + BLOCK_N - 1) / BLOCK_N;
   const int denom = max(cap - a.B + 1, 1);
@@ -234,7 +232,20 @@ __device__ Work find_work(const SplitArgs& a, int item, bool write_meta) {
     const int mid = (k_lo + k_hi) >> 1;
     if (count_splits(a, mid * BLOCK_N) <= cap) k_hi = mid; else k_lo = mid + 1;
   }
-  const int chunk = k_hi * BLOCK_N;
+  return k_hi;
+}
+__device__ __forceinline__ int batch_keys(const SplitArgs& a) { return a.indptr[a.B] - a.indptr[0]; }
+__device__ __forceinline__ int batch_nsplit(const SplitArgs& a, int total) {
+  return num_splits(total, a.split_max_keys, a.split_values, a.num_buckets, a.grid_nsplit);
+}
+
+// Work item `item` of the items schedule with pieces of at most `chunk` keys (a multiple of
+// BLOCK_N, from chunk_tiles): each request cut into equal pieces in whole tiles, requests in
+// order. b = -1 past the last item. write_meta: also every request's (first item, item count)
+// for the merge. Warp-wide.
+template <int BLOCK_N>
+__device__ Work find_item(const SplitArgs& a, int item, bool write_meta, int chunk) {
+  const int lane = threadIdx.x & 31;
   Work w = {-1, 0, chunk};
   int run = 0;  // items of the requests before this group of 32
   for (int b0 = 0; b0 < a.B; b0 += 32) {
@@ -265,6 +276,12 @@ __device__ Work find_work(const SplitArgs& a, int item, bool write_meta) {
     run += __shfl_sync(0xffffffffu, incl, 31);
   }
   return w;
+}
+template <int BLOCK_N>
+__device__ Work find_work(const SplitArgs& a, int item, bool write_meta) {
+  const int total = batch_keys(a);
+  const int chunk = chunk_tiles<BLOCK_N>(a, total, max(batch_nsplit(a, total), a.B)) * BLOCK_N;
+  return find_item<BLOCK_N>(a, item, write_meta, chunk);
 }
 
 // Programmatic dependent launch (sm_90 and newer): the merge grid may start while the split

@@ -46,7 +46,7 @@ struct Layout {
   static constexpr int ALPHA_OFF = M_OFF + ROWS * 4;     // float [NPB][ROWS]: the tile's rescale factors
   static constexpr int L_OFF = ALPHA_OFF + NPB * ROWS * 4;  // float [2][ROWS]: each warpgroup's l
   static constexpr int GREW_OFF = L_OFF + 2 * ROWS * 4;  // int [NPB]: the tile moved some row's max
-  static constexpr int WORK_OFF = GREW_OFF + NPB * 4;    // int [8]: the segment (b, lo, hi, item), R, x, x_end
+  static constexpr int WORK_OFF = GREW_OFF + NPB * 4;    // int [8]: the segment (b, lo, hi, item), R, x, x_end, chunk
   // the tail's, from a 16-byte boundary
   static constexpr int TSCR_OFF = (WORK_OFF + 32 + 15) / 16 * 16;  // float4 [4][2][32]: S^T per column quarter
   static constexpr int TP_OFF = TSCR_OFF + 4 * 2 * 32 * 16;  // bf16 P^T [2 (tile parity)][4 key groups][8][8]
@@ -411,7 +411,7 @@ __device__ __forceinline__ void tail_loop(const SplitArgs& a, unsigned char* sme
 // A CTA's work is a list of segments (a request's keys lo .. hi-1, its partial `item`), run one
 // after the other. Two ways to cut a batch, chosen per launch on the device (capture-safe: every
 // CTA computes the same choice from the same metadata):
-// - items (verify.cu's find_work): each request cut on its own into equal pieces, at most
+// - items (verify.cu's find_item): each request cut on its own into equal pieces, at most
 //   max(NSPLIT, B) of them, one per CTA. Best for one request or equal ones; in a ragged batch
 //   the pieces are up to total / (NSPLIT - B + 1) keys (every request rounds up one piece).
 // - ranges: the batch's keys, concatenated request after request, cut into NSPLIT ranges of R
@@ -443,24 +443,18 @@ __device__ __forceinline__ int ctaid_x() {
   return v;
 }
 
-// R in keys (a multiple of BN) if ranges are faster for this batch, else 0. Warp-wide.
-__device__ int range_keys(const SplitArgs& a) {
-  if (a.B == 1) return 0;
-  const int total = a.indptr[a.B] - a.indptr[0];
-  const int target = num_splits(total, a.split_max_keys, a.split_values, a.num_buckets, a.grid_nsplit);
-  const int cap = max(target, a.B);
-  // items' chunk in tiles: find_work's search
-  int k_lo = max((total + cap - 1) / cap, 1);
-  k_lo = (k_lo + BN - 1) / BN;
-  const int denom = max(cap - a.B + 1, 1);
-  int k_hi = max(((total + denom - 1) / denom + BN - 1) / BN, 1);
-  while (k_lo < k_hi) {
-    const int mid = (k_lo + k_hi) >> 1;
-    if (count_splits(a, mid * BN) <= cap) k_hi = mid; else k_lo = mid + 1;
-  }
+// This launch's schedule: key ranges of R keys (a multiple of BN) where they are faster, else
+// R = 0 and items of at most `chunk` keys (chunk_tiles, searched once per CTA). Warp-wide.
+struct Schedule {
+  int R, chunk;
+};
+__device__ Schedule plan_schedule(const SplitArgs& a) {
+  const int total = batch_keys(a), target = batch_nsplit(a, total);
+  const int chunk = chunk_tiles<BN>(a, total, max(target, a.B));
+  if (a.B == 1) return {0, chunk * BN};
   const int r_tiles = max(((total + target - 1) / target + BN - 1) / BN, 1);
   const int boundaries = (a.B - 1 + target - 1) / target;  // request starts per range, rounded up
-  return 5 * k_hi >= 6 * (r_tiles + RANGE_RESTART_TILES * boundaries) ? r_tiles * BN : 0;
+  return {5 * chunk >= 6 * (r_tiles + RANGE_RESTART_TILES * boundaries) ? r_tiles * BN : 0, chunk * BN};
 }
 
 // The segment at key position x of the concatenated keys (x < x_end <= total), range length R:
@@ -514,13 +508,13 @@ __device__ void range_meta(const SplitArgs& a, int R) {
   }
 }
 
-// This CTA's next segment (warp 0). R = 0: items (x = 0 before the first, then -1); else
-// ranges: x = the next key position of the CTA's range [x, x_end).
-__device__ Seg next_segment(const SplitArgs& a, int R, int& x, int x_end, bool write_meta) {
+// This CTA's next segment (warp 0). R = 0: items of at most `chunk` keys (x = 0 before the
+// first, then -1); else ranges: x = the next key position of the CTA's range [x, x_end).
+__device__ Seg next_segment(const SplitArgs& a, int R, int chunk, int& x, int x_end, bool write_meta) {
   if (R == 0) {
     Seg s = {-1, 0, 0, 0};
     if (x == 0) {
-      const Work w = find_work<BN>(a, blockIdx.y, write_meta);
+      const Work w = find_item<BN>(a, blockIdx.y, write_meta, chunk);
       if (w.b >= 0) {
         const int L = a.indptr[w.b + 1] - a.indptr[w.b];
         s = {w.b, w.split * w.chunk, min(w.split * w.chunk + w.chunk, L), (int)blockIdx.y};
@@ -575,7 +569,7 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
   // end) stays in shared memory between segments, not in registers the loop needs.
   auto publish_next = [&](bool first) {  // warp 0: the next segment into work_s
     int x = work_s[5];
-    const Seg sg = next_segment(a, work_s[4], x, work_s[6], first && blockIdx.y == 0 && mb == 0);
+    const Seg sg = next_segment(a, work_s[4], work_s[7], x, work_s[6], first && blockIdx.y == 0 && mb == 0);
     __syncwarp();
     if (lane == 0) {
       work_s[0] = sg.b;
@@ -594,12 +588,14 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
       }
   };
   if (tid < 32) {
-    const int R = range_keys(a), total = a.indptr[a.B] - a.indptr[0];
+    const Schedule sc = plan_schedule(a);
+    const int R = sc.R, total = batch_keys(a);
     const int x = R > 0 ? (int)min((i64)blockIdx.y * R, (i64)total) : 0;
     if (lane == 0) {
       work_s[4] = R;
       work_s[5] = x;
       work_s[6] = R > 0 ? min(x + R, total) : 0;
+      work_s[7] = sc.chunk;
     }
     __syncwarp();
     publish_next(true);
@@ -653,13 +649,12 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
           }
         }
         __syncthreads();  // (2) l; both row blocks' MMAs are done: Q's shared memory is free
-        u32 cta_x;  // the block index read again: kept across the loop, the row indices spilled
-        asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(cta_x));
+        const int cta_x = ctaid_x();  // read again: kept across the loop, the row indices spilled
         const int item = work_s[3];  // read here: not held in a register across the tile loop
         float inv[2];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          const int r = 2 * t4 + j, rg = (int)cta_x * RB + ROWS + r;
+          const int r = 2 * t4 + j, rg = cta_x * RB + ROWS + r;
           const float l = tl[r] + tl[XR_ROWS + r];
           inv[j] = l == 0.f ? 0.f : 1.f / l;
           if (warp == 0 && g == 0 && rg < HT)
@@ -710,12 +705,14 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
   const int crow = wt >> 2, csub = wt & 3;
   // A slot is loaded two tiles before its copy is issued, as a raw 32-bit word (the low word of an
   // int64 index, as verify.cu reads it): converting it at the load would wait for the load there.
-  const int* idx32 = reinterpret_cast<const int*>(a.indices);
+  // The pointer is offset by the request's first key once: NVRTC 13.0 otherwise kept kv_start
+  // apart and spilled it at T 1, ROWS 72 (one store before the loop, three reloads in it).
   const int idx_shift = a.indices_64 ? 1 : 0;
+  const int* idx32 = reinterpret_cast<const int*>(a.indices) + ((i64)kv_start << idx_shift);
   auto slot_of = [&](int t) -> u32 {  // ~0u: past the split (the row is zero-filled)
     const int n = lo + BN * t + crow;
     if (t >= n_tiles || n >= hi) return ~0u;
-    return (u32)idx32[(i64)(kv_start + n) << idx_shift];
+    return (u32)idx32[(i64)n << idx_shift];
   };
   auto issue_tile = [&](int t, u32 slot) {
     const bool ok = slot != ~0u;
