@@ -10,8 +10,8 @@ says; `--merge warp|block` forces one of its two merge kernels, `--batch` times 
 prefix each, `--ragged` bench_serving.py's ragged batches); its variants (WGMMA_VARIANTS: full,
 no_tiles, no_q, no_o_store, exit_early, no_gather, for ROWS 72 the tail warpgroup's: tail_idle, its
 handshakes only; tail_no_s_mma, its S^T MMAs left out; tail_no_pv, its O^T MMAs left out; and the
-schedule forced, outputs right: items, ranges; copy_pairs, the gather's bank groups, outputs right) patch
-verify_wgmma.cu at its own anchors.
+schedule forced, outputs right: items, ranges; and the key gather's lane mappings, outputs right:
+copy_pairs, copy_shift, copy_rows8) patch verify_wgmma.cu at its own anchors.
 
 --variants also times copies of the source with one stage left out (METHOD.md: place time
 inside a kernel by differences), compiled in memory (`nvrtc.source_override`), never shipped;
@@ -104,6 +104,51 @@ WGMMA_VARIANTS = {
     # the key gather with odd rows' 64-byte pieces swapped pairwise (outputs right): a quarter warp's
     # two rows then land in disjoint 16-byte bank groups of the swizzled buffer (now the same four)
     "copy_pairs": [("      const int c = csub + 4 * k;\n", "      const int c = csub + 4 * (k ^ (crow & 1));\n")],
+    # the same, odd rows starting one 64-byte piece later (wrapping): constant steps between copies
+    "copy_shift": [("      const int c = csub + 4 * k;\n",
+                    "      const int kk = k + (crow & 1), c = csub + 4 * (kk == CHUNKS / 4 ? 0 : kk);\n")],
+    # eight lanes per key row (two rows per thread, 128 contiguous bytes per row and copy): a
+    # quarter warp's copies fill eight bank groups, with no per-copy index math
+    "copy_rows8": [
+        ("  const int crow = wt >> 2, csub = wt & 3;\n", "  const int crow = wt >> 3, csub = wt & 7;\n"),
+        ("""  auto slot_of = [&](int t) -> u32 {  // ~0u: past the split (the row is zero-filled)
+    const int n = lo + BN * t + crow;
+    if (t >= n_tiles || n >= hi) return ~0u;
+    return (u32)idx32[(i64)n << idx_shift];
+  };""", """  auto slot_of = [&](int t) -> u64 {  // rows crow and crow + 16
+    u64 r = 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = lo + BN * t + crow + 16 * h;
+      const u32 s = (t >= n_tiles || n >= hi) ? ~0u : (u32)idx32[(i64)n << idx_shift];
+      r |= (u64)s << (32 * h);
+    }
+    return r;
+  };"""),
+        ("""  auto issue_tile = [&](int t, u32 slot) {
+    const bool ok = slot != ~0u;
+    const u16* src = ok ? a.kv + (i64)slot * a.kv_stride : a.kv;
+    const int bytes = ok ? 16 : 0;
+    const u32 dst = ks + (t % NBUF) * KBUF;
+#pragma unroll
+    for (int k = 0; k < CHUNKS / 4; ++k) {
+      const int c = csub + 4 * k;
+      cp_async<16>(dst + sw_off(crow, c, BN), src + c * 8, bytes);
+    }""", """  auto issue_tile = [&](int t, u64 slots) {
+    const u32 dst = ks + (t % NBUF) * KBUF;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const u32 slot = (u32)(slots >> (32 * h));
+      const bool ok = slot != ~0u;
+      const u16* src = ok ? a.kv + (i64)slot * a.kv_stride : a.kv;
+      const int bytes = ok ? 16 : 0;
+#pragma unroll
+      for (int k = 0; k < CHUNKS / 8; ++k) {
+        const int c = csub + 8 * k;
+        cp_async<16>(dst + sw_off(crow + 16 * h, c, BN), src + c * 8, bytes);
+      }
+    }"""),
+        ("  u32 slot_next = slot_of(wgi + 2);", "  u64 slot_next = slot_of(wgi + 2);")],
     # the schedule forced (outputs right): verify.cu's items always, or key ranges whenever B > 1
     "items": [("constexpr int RANGE_RESTART_TILES = 3;", "constexpr int RANGE_RESTART_TILES = 1000000;")],
     "ranges": [("constexpr int RANGE_RESTART_TILES = 3;", "constexpr int RANGE_RESTART_TILES = -1000000;")],

@@ -191,3 +191,28 @@ def test_phase_variants_combine_with_a_plus():
     assert "RANGE_RESTART_TILES = -1000000;" in both and "if (a.H > 0) {\n  } else if (a.q_vec16)" in both
     with pytest.raises(SystemExit, match="unknown for wgmma"):
         time_phases.main(["--out", "/tmp/x", "--backend", "wgmma", "--variants", "ranges+no_such"])
+
+
+def test_sass_diff_sees_a_change_and_not_a_register_name(cache):
+    """sass_diff.py's comparison: register names left out, everything else kept, so a copy of
+    verify.cu with its Q copy left out (time_phases' no_q) differs from the source."""
+    import re
+
+    import sass_diff
+    import time_phases
+    from kvtune.kernels import describe_problem, get_backend, make_inputs
+    x = make_inputs(1, 9, 8, [4096], device="cpu", seed=0)
+    p = get_backend("cuda").default_params(describe_problem(*x.args))
+    here = sass_diff.sass(compile_params(p, 9, "sm_90").cubin)
+    assert len(here) > 1000 and not any(re.search(r"\bU?R\d+\b", i) for i in here)
+    assert any(i.startswith("LDG") for i in here)
+    src = nvrtc.SOURCE_PATH.read_text()
+    with nvrtc.source_override(time_phases.patched_source(src, "no_q"), "verify.cu"):
+        changed = sass_diff.sass(compile_params(p, 9, "sm_90").cubin)
+    assert changed != here and sorted(changed) != sorted(here)
+
+
+def test_sass_diff_names_a_revision_git_does_not_know():
+    import sass_diff
+    with pytest.raises(SystemExit, match="--rev no-such-revision"):
+        sass_diff.main(["--rev", "no-such-revision"])
