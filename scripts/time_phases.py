@@ -37,6 +37,8 @@ their outputs are wrong, only their times mean anything:
     python scripts/time_phases.py --out $OUT --backend wgmma --heads 7 --prefixes 256,131072
     python scripts/time_phases.py --out $OUT --backend wgmma --prefixes 131072 --variants full,tail_idle
     python scripts/time_phases.py --out $OUT --backend wgmma --batch 8 --prefixes 4096 --variants items,ranges+no_q
+    python scripts/time_phases.py --out $OUT --backend wgmma --heads 64 --prefixes 131072 --variants full,copy_rows8 \
+        --oracle
 """
 from __future__ import annotations
 
@@ -156,6 +158,31 @@ WGMMA_VARIANTS = {
 
 #: variants that may fault (see the docstring): only when named
 UNSAFE = {"no_stage_barriers"}
+#: variants whose outputs are right (a schedule forced, a different copy mapping): --oracle checks them
+OUTPUTS_RIGHT = {"full", "items", "ranges", "copy_pairs", "copy_shift", "copy_rows8"}
+
+
+def oracle_check(source: str, names: list[str], backend: str, tol: float = 1e-2) -> None:
+    """Each variant of `names` whose outputs should be right, against the fp32 oracle on three
+    small odd batches (T 9 and 1; H 8 and 64; at ROWS 64 and 72 for wgmma); exits on a miss."""
+    from kvtune.kernels import get_backend, make_inputs, reference_attention, rel_error, verify_attention
+    from kvtune.kernels.cuda import nvrtc
+    from kvtune.kernels.cuda.params import WgmmaParams
+    table, part = variants_of(backend)
+    be = get_backend(backend)
+    for variant in [v for v in names if set(v.split("+")) <= OUTPUTS_RIGHT]:
+        with nvrtc.source_override(patched_source(source, variant, backend), part):
+            be._kernels.clear()
+            for B, T, H, prefix in [(1, 9, 8, [4000]), (3, 9, 8, [97, 1, 700]), (2, 1, 64, [1000, 33])]:
+                x = make_inputs(B, T, H, prefix, device="cuda", seed=B + T)
+                ref, _ = reference_attention(*x.args)
+                for params in ([WgmmaParams(NSPLIT=5, ROWS=r) for r in (64, 72)] if backend == "wgmma" else [None]):
+                    err = rel_error(verify_attention(*x.args, backend=backend, params=params), ref)
+                    print(f"oracle: {variant} B {B} T {T} H {H} {prefix} {params or 'default'}: rel err {err:.2e}",
+                          flush=True)
+                    if not err <= tol:
+                        raise SystemExit(f"--oracle: variant {variant} is wrong (rel err {err:.2e} > {tol})")
+        be._kernels.clear()
 
 
 def cold_pools(heads: int, prefix, batch: int = 1) -> list:
@@ -248,6 +275,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="cuda", choices=["cuda", "wgmma"])
     ap.add_argument("--params", default="", help="NAME=VALUE,... over the backend's default (e.g. NUM_WARPS=4)")
     ap.add_argument("--variants", default="", help="'all', or a comma-separated list of the variants above to time")
+    ap.add_argument("--oracle", action="store_true", help="first check the variants whose outputs should be right "
+                    "(OUTPUTS_RIGHT) against the fp32 oracle on small batches")
     args = ap.parse_args(argv)
     from kvtune.kernels.cuda import nvrtc
     from kvtune.kernels.cuda.params import CUDA_PARAMS, WGMMA_PARAMS
@@ -266,8 +295,10 @@ def main(argv=None) -> int:
     if args.merge != "auto":
         from kvtune.kernels.cuda import wgmma
         wgmma.WARP_MERGE_MAX_SPLITS = 10**6 if args.merge == "warp" else 0
-    ph = Phases(args.heads, args.backend)
     source = nvrtc.SOURCE_PATH.with_name(part).read_text()
+    if args.oracle:
+        oracle_check(source, names, args.backend)
+    ph = Phases(args.heads, args.backend)
     rows = []
     cases = [(int(p), int(p)) for p in args.prefixes.split(",")]
     if args.ragged:

@@ -216,3 +216,12 @@ def test_sass_diff_names_a_revision_git_does_not_know():
     import sass_diff
     with pytest.raises(SystemExit, match="--rev no-such-revision"):
         sass_diff.main(["--rev", "no-such-revision"])
+
+
+def test_the_variants_checked_against_the_oracle_exist():
+    """time_phases --oracle checks the variants whose outputs should be right: each is a variant
+    of one of the two tables (a misspelt name would silently skip its check)."""
+    import time_phases
+    assert time_phases.OUTPUTS_RIGHT <= set(time_phases.VARIANTS) | set(time_phases.WGMMA_VARIANTS)
+    assert not time_phases.OUTPUTS_RIGHT & time_phases.UNSAFE
+    assert {"no_tiles", "no_q", "no_gather"}.isdisjoint(time_phases.OUTPUTS_RIGHT)
