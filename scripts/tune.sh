@@ -16,8 +16,9 @@ out=${KVTUNE_OUT:-runs}
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     dep=${KVTUNE_DEPLOYMENT:-configs/deployments/kimi-k2-h200.yaml}
     # the shipped sweep's settings (results/kimi-k2-h200/: every tp and batch bucket, CUDA with
-    # 8 trials per study in 484 s of one H200, then wgmma, NSPLIT only, 5 trials in 250 s);
-    # --max-minutes stops resumably if it runs long. The Triton backend is 3-6x slower there and
+    # 8 trials per study in 484 s of one H200, then wgmma, ROWS x NSPLIT, 5 trials per study in
+    # about 300 s; the shipped sweep gave tp 1-2 at batch 4-64 10 trials, 405 s in all);
+    # --max-minutes stops resumably if it runs long (run the script again to resume). The Triton backend is 3-6x slower there and
     # never served: add `--backend triton` to a pass to sweep it too.
     opts=(--device cuda --backend cuda --trials 8 --rounds 1 --remeasure-top 1 --max-minutes 10)
     wgmma_opts=(--device cuda --backend wgmma --trials 5 --rounds 1 --remeasure-top 1 --max-minutes 6)
