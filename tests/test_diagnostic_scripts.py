@@ -225,3 +225,33 @@ def test_the_variants_checked_against_the_oracle_exist():
     assert time_phases.OUTPUTS_RIGHT <= set(time_phases.VARIANTS) | set(time_phases.WGMMA_VARIANTS)
     assert not time_phases.OUTPUTS_RIGHT & time_phases.UNSAFE
     assert {"no_tiles", "no_q", "no_gather"}.isdisjoint(time_phases.OUTPUTS_RIGHT)
+
+
+def test_ncu_source_table_sums_per_region(tmp_path, capsys):
+    """ncu_source_table.py on a CSV laid out as ncu writes it (a kernel line, the header, one row
+    per instruction): conflicts and samples ranked, and the samples per region summed by offset."""
+    import csv
+    import gzip
+
+    import ncu_source_table
+    hdr = ["Address", "Source", "# Samples", "L1 Wavefronts Shared Excessive",
+           "L2 Theoretical Sectors Global Excessive", "stall_barrier", "stall_long_sb", "stall_barrier (Not Issued)"]
+    rows = [["0x1000", "LDS R1, [R2]", "10", "0", "0", "10", "0", "9"],
+            ["0x1010", "LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64]", "4", "512", "0", "1", "3", "0"],
+            ["0x1040", "STG.E desc[UR4][R6.64], R7", "6", "0", "64", "0", "6", "0"]]
+    path = tmp_path / "sass.csv.gz"
+    with gzip.open(path, "wt", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["Kernel Name", "void k()"])
+        w.writerow(hdr)
+        w.writerows(rows)
+    assert ncu_source_table.main([str(path), "--regions", "head:0,tail:30"]) == 0
+    out = capsys.readouterr().out
+    assert "L1 Wavefronts Shared Excessive: 512 in all" in out
+    assert "L2 Theoretical Sectors Global Excessive: 64 in all" in out
+    assert "warp stall samples: 20 in all" in out
+    # head: offsets 0x0 and 0x10 (barrier 11 and long_sb 3 of 14); tail: 0x40 (long_sb 6)
+    head = next(line for line in out.splitlines() if line.startswith("head"))
+    tail = next(line for line in out.splitlines() if line.startswith("tail"))
+    assert head.split()[1] == "14" and "barrier 79%" in head and "long_sb 21%" in head
+    assert tail.split()[1] == "6" and "long_sb 100%" in tail
