@@ -12,6 +12,7 @@ order). No GPU needed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import subprocess
 import sys
@@ -43,15 +44,15 @@ def sass(cubin: bytes) -> list[str]:
     return out
 
 
-def build(args) -> bytes:
+def build(args, arch: str) -> bytes:
     from kvtune.kernels import describe_problem, get_backend, make_inputs
     if args.backend == "wgmma":
         from kvtune.kernels.cuda import wgmma
-        return wgmma.compile_wgmma(args.T, arch=args.cur_arch, rows=args.rows).cubin
+        return wgmma.compile_wgmma(args.T, arch=arch, rows=args.rows).cubin
     from kvtune.kernels.cuda.backend import compile_params
     x = make_inputs(1, args.T, 8, [4096], device="cpu", seed=0)
     p = get_backend("cuda").default_params(describe_problem(*x.args))
-    return compile_params(p, args.T, args.cur_arch).cubin
+    return compile_params(p, args.T, arch).cubin
 
 
 def main(argv=None) -> int:
@@ -72,14 +73,11 @@ def main(argv=None) -> int:
         old[part] = r.stdout
     differ = 0
     for arch in args.arch or ["sm_90"]:
-        args.cur_arch = arch
-        new = sass(build(args))
-        with nvrtc.source_override(old["verify.cu"], "verify.cu"):
-            if len(parts) == 2:
-                with nvrtc.source_override(old["verify_wgmma.cu"], "verify_wgmma.cu"):
-                    was = sass(build(args))
-            else:
-                was = sass(build(args))
+        new = sass(build(args, arch))
+        with contextlib.ExitStack() as stack:
+            for part, text in old.items():
+                stack.enter_context(nvrtc.source_override(text, part))
+            was = sass(build(args, arch))
         diff = [(i, a, b) for i, (a, b) in enumerate(zip(new, was)) if a != b]
         same_set = sorted(new) == sorted(was)
         differ += not same_set

@@ -168,7 +168,7 @@ def oracle_check(source: str, names: list[str], backend: str, tol: float = 1e-2)
     from kvtune.kernels import get_backend, make_inputs, reference_attention, rel_error, verify_attention
     from kvtune.kernels.cuda import nvrtc
     from kvtune.kernels.cuda.params import WgmmaParams
-    table, part = variants_of(backend)
+    _, part = variants_of(backend)
     be = get_backend(backend)
     for variant in [v for v in names if set(v.split("+")) <= OUTPUTS_RIGHT]:
         with nvrtc.source_override(patched_source(source, variant, backend), part):
@@ -309,12 +309,12 @@ def main(argv=None) -> int:
         cases = [(name, log_uniform(*known[name], seed=known[name][0])) for name in args.ragged.split(",")]
     for prefix, keys in cases:
         pools = cold_pools(args.heads, keys, args.batch)
+        n_req = len(keys) if isinstance(keys, list) else args.batch
         for variant in names:
             runs = [(variant, pools)] + ([("full, hot L2", pools[:1])] if variant == "full" and args.variants else [])
             with nvrtc.source_override(patched_source(source, variant, args.backend), part):
                 ph.be._kernels.clear()
                 for name, use in runs:
-                    n_req = len(keys) if isinstance(keys, list) else args.batch
                     row = {"prefix": prefix, "B": n_req, "H": args.heads, "merge": args.merge, "variant": name,
                            **ph.time(use, over)}
                     rows.append(row)
