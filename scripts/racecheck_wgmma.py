@@ -31,8 +31,8 @@ for (B, T, H, prefix, tree) in [(1, 9, 8, [54], "chain"), (3, 1, 8, [97, 1, 7], 
                                 (2, 16, 16, [300, 5], "random"), (1, 2, 64, [1000], "random")]:
     x = make_inputs(B, T, H, prefix, tree=tree, device="cuda", seed=B * 100 + T)
     ref, _ = reference_attention(*x.args)
-    for rows in (64, 72):  # both shapes: the tail warpgroup's handoffs only exist at 72
-        p = WgmmaParams(NSPLIT=4, ROWS=rows)
+    for rows, lanes in ((64, 4), (72, 4), (72, 8)):  # the tail's handoffs only exist at 72; both gathers
+        p = WgmmaParams(NSPLIT=4, ROWS=rows, COPY_LANES=lanes)
         o = verify_attention(*x.args, backend="wgmma", params=p)
         torch.cuda.synchronize()
-        print(args.publish, rows, B, T, H, prefix, tree, "rel err", round(rel_error(o, ref), 5), flush=True)
+        print(args.publish, rows, lanes, B, T, H, prefix, tree, "rel err", round(rel_error(o, ref), 5), flush=True)

@@ -10,8 +10,9 @@ says; `--merge warp|block` forces one of its two merge kernels, `--batch` times 
 prefix each, `--ragged` bench_serving.py's ragged batches); its variants (WGMMA_VARIANTS: full,
 no_tiles, no_q, no_o_store, exit_early, no_gather, for ROWS 72 the tail warpgroup's: tail_idle, its
 handshakes only; tail_no_s_mma, its S^T MMAs left out; tail_no_pv, its O^T MMAs left out; and the
-schedule forced, outputs right: items, ranges; and the key gather's lane mappings, outputs right:
-copy_pairs, copy_shift, copy_rows8) patch verify_wgmma.cu at its own anchors.
+schedule forced, outputs right: items, ranges) patch verify_wgmma.cu at its own anchors (the gather's
+lane-mapping variants measured on source 1ec2426d7d93fe07 are in git history; eight lanes per row is
+now the COPY_LANES parameter).
 
 --variants also times copies of the source with one stage left out (METHOD.md: place time
 inside a kernel by differences), compiled in memory (`nvrtc.source_override`), never shipped;
@@ -37,8 +38,8 @@ their outputs are wrong, only their times mean anything:
     python scripts/time_phases.py --out $OUT --backend wgmma --heads 7 --prefixes 256,131072
     python scripts/time_phases.py --out $OUT --backend wgmma --prefixes 131072 --variants full,tail_idle
     python scripts/time_phases.py --out $OUT --backend wgmma --batch 8 --prefixes 4096 --variants items,ranges+no_q
-    python scripts/time_phases.py --out $OUT --backend wgmma --heads 64 --prefixes 131072 --variants full,copy_rows8 \
-        --oracle
+    python scripts/time_phases.py --out $OUT --backend wgmma --heads 64 --prefixes 131072 --params COPY_LANES=8 \
+        --variants full,ranges --oracle
 """
 from __future__ import annotations
 
@@ -103,54 +104,6 @@ WGMMA_VARIANTS = {
     "tail_no_s_mma": [("        mma_bf16(cq[h], af, qf[i][0], qf[i][1]);",
                        "        if (a.H < 0) mma_bf16(cq[h], af, qf[i][0], qf[i][1]);")],
     "tail_no_pv": [("        mma_ss_n8_vt(o[j], desc_sw(", "        if (a.H < 0) mma_ss_n8_vt(o[j], desc_sw(")],
-    # the key gather with odd rows' 64-byte pieces swapped pairwise (outputs right): a quarter warp's
-    # two rows then land in disjoint 16-byte bank groups of the swizzled buffer (now the same four)
-    "copy_pairs": [("      const int c = csub + 4 * k;\n", "      const int c = csub + 4 * (k ^ (crow & 1));\n")],
-    # the same, odd rows starting one 64-byte piece later (wrapping): constant steps between copies
-    "copy_shift": [("      const int c = csub + 4 * k;\n",
-                    "      const int kk = k + (crow & 1), c = csub + 4 * (kk == CHUNKS / 4 ? 0 : kk);\n")],
-    # eight lanes per key row (two rows per thread, 128 contiguous bytes per row and copy): a
-    # quarter warp's copies fill eight bank groups, with no per-copy index math
-    "copy_rows8": [
-        ("  const int crow = wt >> 2, csub = wt & 3;\n", "  const int crow = wt >> 3, csub = wt & 7;\n"),
-        ("""  auto slot_of = [&](int t) -> u32 {  // ~0u: past the split (the row is zero-filled)
-    const int n = lo + BN * t + crow;
-    if (t >= n_tiles || n >= hi) return ~0u;
-    return (u32)idx32[(i64)n << idx_shift];
-  };""", """  auto slot_of = [&](int t) -> u64 {  // rows crow and crow + 16
-    u64 r = 0;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int n = lo + BN * t + crow + 16 * h;
-      const u32 s = (t >= n_tiles || n >= hi) ? ~0u : (u32)idx32[(i64)n << idx_shift];
-      r |= (u64)s << (32 * h);
-    }
-    return r;
-  };"""),
-        ("""  auto issue_tile = [&](int t, u32 slot) {
-    const bool ok = slot != ~0u;
-    const u16* src = ok ? a.kv + (i64)slot * a.kv_stride : a.kv;
-    const int bytes = ok ? 16 : 0;
-    const u32 dst = ks + (t % NBUF) * KBUF;
-#pragma unroll
-    for (int k = 0; k < CHUNKS / 4; ++k) {
-      const int c = csub + 4 * k;
-      cp_async<16>(dst + sw_off(crow, c, BN), src + c * 8, bytes);
-    }""", """  auto issue_tile = [&](int t, u64 slots) {
-    const u32 dst = ks + (t % NBUF) * KBUF;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const u32 slot = (u32)(slots >> (32 * h));
-      const bool ok = slot != ~0u;
-      const u16* src = ok ? a.kv + (i64)slot * a.kv_stride : a.kv;
-      const int bytes = ok ? 16 : 0;
-#pragma unroll
-      for (int k = 0; k < CHUNKS / 8; ++k) {
-        const int c = csub + 8 * k;
-        cp_async<16>(dst + sw_off(crow + 16 * h, c, BN), src + c * 8, bytes);
-      }
-    }"""),
-        ("  u32 slot_next = slot_of(wgi + 2);", "  u64 slot_next = slot_of(wgi + 2);")],
     # the schedule forced (outputs right): verify.cu's items always, or key ranges whenever B > 1
     "items": [("constexpr int RANGE_RESTART_TILES = 3;", "constexpr int RANGE_RESTART_TILES = 1000000;")],
     "ranges": [("constexpr int RANGE_RESTART_TILES = 3;", "constexpr int RANGE_RESTART_TILES = -1000000;")],
@@ -159,12 +112,13 @@ WGMMA_VARIANTS = {
 #: variants that may fault (see the docstring): only when named
 UNSAFE = {"no_stage_barriers"}
 #: variants whose outputs are right (a schedule forced, a different copy mapping): --oracle checks them
-OUTPUTS_RIGHT = {"full", "items", "ranges", "copy_pairs", "copy_shift", "copy_rows8"}
+OUTPUTS_RIGHT = {"full", "items", "ranges"}
 
 
-def oracle_check(source: str, names: list[str], backend: str, tol: float = 1e-2) -> None:
+def oracle_check(source: str, names: list[str], backend: str, over: dict, tol: float = 1e-2) -> None:
     """Each variant of `names` whose outputs should be right, against the fp32 oracle on three
-    small odd batches (T 9 and 1; H 8 and 64; at ROWS 64 and 72 for wgmma); exits on a miss."""
+    small odd batches (T 9 and 1; H 8 and 64; at ROWS 64 and 72 for wgmma, with the --params
+    given, NSPLIT and ROWS aside); exits on a miss."""
     from kvtune.kernels import get_backend, make_inputs, reference_attention, rel_error, verify_attention
     from kvtune.kernels.cuda import nvrtc
     from kvtune.kernels.cuda.params import WgmmaParams
@@ -176,7 +130,9 @@ def oracle_check(source: str, names: list[str], backend: str, tol: float = 1e-2)
             for B, T, H, prefix in [(1, 9, 8, [4000]), (3, 9, 8, [97, 1, 700]), (2, 1, 64, [1000, 33])]:
                 x = make_inputs(B, T, H, prefix, device="cuda", seed=B + T)
                 ref, _ = reference_attention(*x.args)
-                for params in ([WgmmaParams(NSPLIT=5, ROWS=r) for r in (64, 72)] if backend == "wgmma" else [None]):
+                rest = {k: v for k, v in over.items() if k not in ("NSPLIT", "ROWS")}
+                for params in ([WgmmaParams(NSPLIT=5, ROWS=r, **rest) for r in (64, 72)] if backend == "wgmma"
+                               else [None]):
                     err = rel_error(verify_attention(*x.args, backend=backend, params=params), ref)
                     print(f"oracle: {variant} B {B} T {T} H {H} {prefix} {params or 'default'}: rel err {err:.2e}",
                           flush=True)
@@ -238,7 +194,7 @@ class Phases:
 
     def kernels(self, p, B: int):
         if self.name == "wgmma":
-            k = self.be._get(9, p.ROWS, torch.device("cuda"))
+            k = self.be._get(9, p.ROWS, torch.device("cuda"), p.COPY_LANES)
             return k.split, k.merge_for(p.NSPLIT, B, 9, self.heads)[0]
         return self.be._get(p, 9, torch.device("cuda"))[:2]
 
@@ -297,7 +253,7 @@ def main(argv=None) -> int:
         wgmma.WARP_MERGE_MAX_SPLITS = 10**6 if args.merge == "warp" else 0
     source = nvrtc.SOURCE_PATH.with_name(part).read_text()
     if args.oracle:
-        oracle_check(source, names, args.backend)
+        oracle_check(source, names, args.backend, over)
     ph = Phases(args.heads, args.backend)
     rows = []
     cases = [(int(p), int(p)) for p in args.prefixes.split(",")]

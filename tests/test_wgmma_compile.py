@@ -13,12 +13,13 @@ from kvtune.kernels.cuda.params import WgmmaParams
 pytest.importorskip("cuda.bindings.nvrtc")
 
 
+@pytest.mark.parametrize("lanes", [4, 8])
 @pytest.mark.parametrize("rows", [64, 72])
 @pytest.mark.parametrize("T", [1, 9, 16, 64])
-def test_compiles_for_sm90a_without_spills(T, rows):
+def test_compiles_for_sm90a_without_spills(T, rows, lanes):
     from kvtune.kernels.cuda import wgmma
-    mod = wgmma.compile_wgmma(T, rows=rows)
-    res = mod.resources[wgmma.split_expr(T, rows)]
+    mod = wgmma.compile_wgmma(T, rows=rows, lanes=lanes)
+    res = mod.resources[wgmma.split_expr(T, rows, lanes)]
     assert res.spills == 0 and res.stack == 0
     # one CTA per SM: 256 threads may hold up to 255 registers; 384 (the tail warpgroup) are
     # launched with 168 and redistribute them with setmaxnreg, which ptxas must not have dropped
@@ -35,6 +36,14 @@ def test_rows_outside_the_kernels_two_shapes_raise():
         wgmma.compile_wgmma(9, rows=80)
     with pytest.raises(ValueError, match="ROWS"):
         WgmmaParams(NSPLIT=8, ROWS=80)
+
+
+def test_copy_lanes_outside_the_gathers_two_mappings_raise():
+    from kvtune.kernels.cuda import wgmma
+    with pytest.raises(ValueError, match="COPY_LANES.*4 or 8, got 16"):
+        wgmma.compile_wgmma(9, rows=64, lanes=16)
+    with pytest.raises(ValueError, match="COPY_LANES"):
+        WgmmaParams(NSPLIT=8, ROWS=64, COPY_LANES=2)
 
 
 def test_the_smem_mirror_is_the_kernels_sum():

@@ -24,18 +24,20 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 TOL = 1e-2
 
 
-def _params(nsplit=None, x=None, rows=None):
-    """NSPLIT (None: the default for x's shape and `rows`) and ROWS (None: the default)."""
+def _params(nsplit=None, x=None, rows=None, lanes=4):
+    """NSPLIT (None: the default for x's shape and `rows`), ROWS (None: the default) and COPY_LANES."""
+    from dataclasses import replace
+
     from kvtune.kernels.cuda.params import WgmmaParams
     from kvtune.kernels.cuda.wgmma import one_wave
     if nsplit is None:
         pb = describe_problem(*x.args)
         p = get_backend("wgmma").default_params(pb)
         if rows is None or rows == p.ROWS:
-            return p
+            return replace(p, COPY_LANES=lanes)
         return WgmmaParams(NSPLIT=one_wave(pb.H, pb.T, rows, torch.cuda.get_device_properties(0).multi_processor_count),
-                           ROWS=rows)
-    return WgmmaParams(NSPLIT=nsplit, ROWS=rows or 64)
+                           ROWS=rows, COPY_LANES=lanes)
+    return WgmmaParams(NSPLIT=nsplit, ROWS=rows or 64, COPY_LANES=lanes)
 
 
 def _check(x, params=None, **kw):
@@ -51,10 +53,22 @@ def test_prefixes_heads_drafts(prefix, T, H, rows):
 
 
 @pytest.mark.parametrize("rows", [64, 72])
+@pytest.mark.parametrize("prefix", [1, 7, 17, 54, 300, 4096])
+@pytest.mark.parametrize("T,H", [(1, 8), (9, 8), (9, 64), (5, 14)])
+def test_eight_copy_lanes(prefix, T, H, rows):
+    """COPY_LANES 8 (two key rows per thread, rows crow and crow + 16): prefixes that leave the
+    second row of a thread past the split (17: one row of the last tile's second half), or the
+    first one too (1, 7)."""
+    x = make_inputs(1, T, H, prefix, tree="random", device="cuda")
+    _check(x, params=_params(x=x, rows=rows, lanes=8))
+
+
+@pytest.mark.parametrize("lanes", [4, 8])
+@pytest.mark.parametrize("rows", [64, 72])
 @pytest.mark.parametrize("nsplit", [1, 2, 5, 64, 300])
-def test_nsplit_more_splits_than_tiles(nsplit, rows):
+def test_nsplit_more_splits_than_tiles(nsplit, rows, lanes):
     x = make_inputs(2, 9, 8, [97, 2000], tree="random", device="cuda")
-    _check(x, params=_params(nsplit, rows=rows))
+    _check(x, params=_params(nsplit, rows=rows, lanes=lanes))
 
 
 @pytest.mark.parametrize("rows", [64, 72])

@@ -51,6 +51,10 @@ WGMMA_PARAMS = Declaration("WgmmaParams", [
           "query rows per CTA (a template value): 64, two warpgroups on wgmma m64; or 72, a third "
           "warpgroup that runs rows 64-71 with the keys in M (mma.sync, wgmma m64n8): H x T = 72 takes one "
           "CTA per split instead of two, 144 two instead of three"),
+    Param("COPY_LANES", (4, 8), 4,
+          "lanes per key row in the key gather (a template value): 4, a 64-byte piece per lane group "
+          "(two rows per quarter warp share bank groups: 2-way conflicts); 8, whole 128-byte lines and "
+          "no conflicts, two rows per thread (measured: faster where many CTAs stream, slower at batch 1)"),
 ], rules=[
     ("draft_tokens", "T", "1 <= T <= 64", "the wgmma kernel supports 1..64 draft tokens (one int64 mask per row)"),
 ])

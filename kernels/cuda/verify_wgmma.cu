@@ -429,6 +429,16 @@ struct Seg {
   int b, lo, hi, item;  // b = -1: no more work for this CTA
 };
 
+// A thread's gather slots for one tile: one 32-bit word per key row it copies.
+template <int NR>
+struct SlotWord {
+  using type = u64;
+};
+template <>
+struct SlotWord<1> {
+  using type = u32;
+};
+
 // The thread's and block's indices read again at each segment (volatile): what derives from them
 // is then computed per segment, not hoisted above the segment loop and held in registers across
 // the tile loop (which spilled at ROWS 72's 184 / 136 registers).
@@ -533,14 +543,17 @@ __device__ Seg next_segment(const SplitArgs& a, int R, int chunk, int& x, int x_
 
 // grid (ceil(H * T / (64 + XR)), NSPLIT + B): x the row block, y the work item; block 256 (two
 // warpgroups) + 128 with XR = 8 (the tail warpgroup: rows 64-71 of each block, wg::tail_loop);
-// dynamic smem wg::Layout<XR>::SMEM_BYTES.
-template <int T, int XR>
+// dynamic smem wg::Layout<XR>::SMEM_BYTES. CL: lanes per key row in the gather (COPY_LANES): 4 puts a
+// quarter warp's two rows on the same four bank groups (2-way conflicts), 8 fills eight with whole
+// 128-byte lines but holds two slots per thread (results/kernel/wgmma/phases/gather-bank-groups/).
+template <int T, int XR, int CL>
 __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const SplitArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace wg;
   const float NEG_INF = -__int_as_float(0x7f800000);
   static_assert(T >= 1 && T <= 64, "T in [1, 64]: the tree mask is one int64 per row");
   static_assert(XR == 0 || XR == XR_ROWS, "the tail warpgroup takes 8 rows or none");
+  static_assert(CL == 4 || CL == 8, "COPY_LANES: 4 or 8 lanes per key row");
   constexpr int RB = ROWS + XR, NT = XR ? 384 : 256;  // query rows and threads per CTA
   using Lay = Layout<XR>;
   constexpr int NPB = Lay::NPB;
@@ -701,33 +714,45 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
   }
   cp_async_commit();
 
-  // -- key tiles: this thread copies key row wt / 4 of its warpgroup's tiles, chunks wt % 4 + 4 k
-  const int crow = wt >> 2, csub = wt & 3;
+  // -- key tiles: CL lanes per key row; this thread copies rows crow + RPP h (h < NR) of its
+  // warpgroup's tiles, chunks csub + CL k
+  constexpr int RPP = 128 / CL, NR = BN / RPP;  // rows per pass of the warpgroup, rows per thread
+  const int crow = wt / CL, csub = wt % CL;
+  using Slots = typename SlotWord<NR>::type;  // NR raw 32-bit slots, row h in word h
   // A slot is loaded two tiles before its copy is issued, as a raw 32-bit word (the low word of an
   // int64 index, as verify.cu reads it): converting it at the load would wait for the load there.
   // The pointer is offset by the request's first key once: NVRTC 13.0 otherwise kept kv_start
   // apart and spilled it at T 1, ROWS 72 (one store before the loop, three reloads in it).
   const int idx_shift = a.indices_64 ? 1 : 0;
   const int* idx32 = reinterpret_cast<const int*>(a.indices) + ((i64)kv_start << idx_shift);
-  auto slot_of = [&](int t) -> u32 {  // ~0u: past the split (the row is zero-filled)
-    const int n = lo + BN * t + crow;
-    if (t >= n_tiles || n >= hi) return ~0u;
-    return (u32)idx32[(i64)n << idx_shift];
+  auto slot_of = [&](int t) -> Slots {  // ~0u: past the split (the row is zero-filled)
+    Slots r = 0;
+#pragma unroll
+    for (int h = 0; h < NR; ++h) {
+      const int n = lo + BN * t + crow + RPP * h;
+      const u32 s = (t >= n_tiles || n >= hi) ? ~0u : (u32)idx32[(i64)n << idx_shift];
+      r |= (Slots)s << (32 * h);
+    }
+    return r;
   };
-  auto issue_tile = [&](int t, u32 slot) {
-    const bool ok = slot != ~0u;
-    const u16* src = ok ? a.kv + (i64)slot * a.kv_stride : a.kv;
-    const int bytes = ok ? 16 : 0;
+  auto issue_tile = [&](int t, Slots slots) {
     const u32 dst = ks + (t % NBUF) * KBUF;
 #pragma unroll
-    for (int k = 0; k < CHUNKS / 4; ++k) {
-      const int c = csub + 4 * k;
-      cp_async<16>(dst + sw_off(crow, c, BN), src + c * 8, bytes);
+    for (int h = 0; h < NR; ++h) {
+      const u32 slot = (u32)(slots >> (32 * h));
+      const bool ok = slot != ~0u;
+      const u16* src = ok ? a.kv + (i64)slot * a.kv_stride : a.kv;
+      const int bytes = ok ? 16 : 0;
+#pragma unroll
+      for (int k = 0; k < CHUNKS / CL; ++k) {
+        const int c = csub + CL * k;
+        cp_async<16>(dst + sw_off(crow + RPP * h, c, BN), src + c * 8, bytes);
+      }
     }
     cp_async_commit();
   };
   if (wgi < n_tiles) issue_tile(wgi, slot_of(wgi));
-  u32 slot_next = slot_of(wgi + 2);
+  Slots slot_next = slot_of(wgi + 2);
   for (int i = tid; i < ROWS; i += 256) m_s[i] = NEG_INF;
   // this thread's rows' tree-mask bits
   u64 bits0, bits1;

@@ -76,25 +76,32 @@ def one_wave(H: int, T: int, rows: int, sms: int) -> int:
     return max(1, min(256, sms // row_blocks(H, T, rows)))
 
 
-def split_expr(T: int, rows: int = ROWS) -> str:
-    return f"kvtune::verify_wgmma_kernel<{T}, {rows - ROWS}>"
+#: lanes per key row in the gather when not given (WgmmaParams.COPY_LANES's default)
+COPY_LANES = 4
 
 
-def module_name(T: int, rows: int = ROWS) -> str:
+def split_expr(T: int, rows: int = ROWS, lanes: int = COPY_LANES) -> str:
+    return f"kvtune::verify_wgmma_kernel<{T}, {rows - ROWS}, {lanes}>"
+
+
+def module_name(T: int, rows: int = ROWS, lanes: int = COPY_LANES) -> str:
     from .backend import MERGE_SPLIT_GROUPS
-    return f"verify_wgmma_T{T}_R{rows}_MSG{MERGE_SPLIT_GROUPS}"
+    return f"verify_wgmma_T{T}_R{rows}_CL{lanes}_MSG{MERGE_SPLIT_GROUPS}"
 
 
-def compile_wgmma(T: int, arch: str = "sm_90", rows: int = ROWS):
-    """Compile (or fetch) the module for T draft tokens and `rows` query rows per CTA (no GPU
-    needed); `arch` must have wgmma."""
+def compile_wgmma(T: int, arch: str = "sm_90", rows: int = ROWS, lanes: int = COPY_LANES):
+    """Compile (or fetch) the module for T draft tokens, `rows` query rows per CTA and `lanes`
+    lanes per key row in the gather (no GPU needed); `arch` must have wgmma."""
     from .nvrtc import compile_module
     if arch not in WGMMA_ARCHS:
         raise ValueError(f"arch: the wgmma kernel needs {' or '.join(WGMMA_ARCHS)}, got {arch}")
     if rows not in (ROWS, ROWS + TAIL_ROWS):
         raise ValueError(f"rows: the wgmma kernel takes {ROWS} or {ROWS + TAIL_ROWS} query rows per CTA, got {rows}")
-    return compile_module(module_name(T, rows), [split_expr(T, rows), MERGE_EXPR, MERGE_WARP_EXPR], arch + "a",
-                          parts=PARTS)
+    bad = WgmmaParams.declaration.params["COPY_LANES"].violation(lanes)
+    if bad:
+        raise ValueError(f"lanes (COPY_LANES): {bad}")
+    return compile_module(module_name(T, rows, lanes), [split_expr(T, rows, lanes), MERGE_EXPR, MERGE_WARP_EXPR],
+                          arch + "a", parts=PARTS)
 
 
 #: verify_wgmma.cu's merge with a warp per (row, head) pair
@@ -157,10 +164,10 @@ class WgmmaBackend(SplitMergeBackend):
             return f"shared memory {smem} B per block exceeds {arch}'s {ARCH_LIMITS[arch].smem_per_block} B"
         from .nvrtc import NvrtcError
         try:
-            mod = compile_wgmma(problem.T, arch, params.ROWS)
+            mod = compile_wgmma(problem.T, arch, params.ROWS, params.COPY_LANES)
         except NvrtcError as e:
             return f"compile error on {arch}a: {e}"
-        res = mod.resources[split_expr(problem.T, params.ROWS)]
+        res = mod.resources[split_expr(problem.T, params.ROWS, params.COPY_LANES)]
         if res.spills:
             return f"register spills on {arch}a: {res.spill_stores} B stores / {res.spill_loads} B loads"
         return None
@@ -168,9 +175,9 @@ class WgmmaBackend(SplitMergeBackend):
     def supports(self, device: torch.device) -> str | None:
         return nvrtc_unsupported(device, lambda arch: arch in WGMMA_ARCHS, "wgmma (sm_90: H100 / H200)")
 
-    def _get(self, T: int, rows: int, device: torch.device) -> _Loaded:
+    def _get(self, T: int, rows: int, device: torch.device, lanes: int = COPY_LANES) -> _Loaded:
         idx = device.index if device.index is not None else torch.cuda.current_device()
-        got = self._kernels.get((T, rows, idx))
+        got = self._kernels.get((T, rows, lanes, idx))
         if got is None:
             from .nvrtc import load_kernels
             arch = device_arch(idx)
@@ -178,15 +185,16 @@ class WgmmaBackend(SplitMergeBackend):
             smem = smem_bytes(rows)
             if smem > limit:
                 raise ValueError(f"wgmma: {smem} bytes of shared memory per block exceed this device's {limit}")
-            ks = load_kernels(compile_wgmma(T, arch, rows), idx, {split_expr(T, rows): smem})
-            got = _Loaded(ks[split_expr(T, rows)], ks[MERGE_EXPR], ks[MERGE_WARP_EXPR], pdl_enabled(arch))
-            self._kernels[(T, rows, idx)] = got
+            expr = split_expr(T, rows, lanes)
+            ks = load_kernels(compile_wgmma(T, arch, rows, lanes), idx, {expr: smem})
+            got = _Loaded(ks[expr], ks[MERGE_EXPR], ks[MERGE_WARP_EXPR], pdl_enabled(arch))
+            self._kernels[(T, rows, lanes, idx)] = got
         return got
 
     def _launch(self, a: LaunchArgs, params: WgmmaParams) -> None:
         pb = a.problem
         rows = params.ROWS
-        k = self._get(pb.T, rows, pb.device)
+        k = self._get(pb.T, rows, pb.device, params.COPY_LANES)
         split_shape = ((row_blocks(pb.H, pb.T, rows), work_items(params, pb.B), 1), (threads(rows), 1, 1))
         merge_k, merge_launch = k.merge_for(params.NSPLIT, pb.B, pb.T, pb.H)
         launch_split_merge(a, params, k.split, split_shape, smem_bytes(rows), merge_k, k.pdl, 8,
