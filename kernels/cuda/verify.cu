@@ -212,6 +212,15 @@ static_assert(sizeof(SplitArgs) == 136, "SplitArgs must match backend._SplitArgs
 struct Work {
   int b, split, chunk;
 };
+// Lane i gets v_0 + ... + v_i over the warp's lanes (all 32 lanes must call).
+__device__ __forceinline__ int warp_inclusive_sum(int v, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int u = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += u;
+  }
+  return v;
+}
 __device__ int count_splits(const SplitArgs& a, int chunk) {  // sum_b max(ceil(L_b / chunk), 1), warp-wide
   const int lane = threadIdx.x & 31;
   int n = 0;
@@ -255,12 +264,7 @@ __device__ Work find_item(const SplitArgs& a, int item, bool write_meta, int chu
     // equal pieces in whole tiles: piece <= chunk, and ceil(L / piece) = parts
     const int piece = max(((L + parts - 1) / parts + BLOCK_N - 1) / BLOCK_N * BLOCK_N, BLOCK_N);
     const int n = b < a.B ? parts : 0;
-    int incl = n;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += v;
-    }
+    const int incl = warp_inclusive_sum(n, lane);
     const int start = run + incl - n;
     if (write_meta && b < a.B) {
       a.meta[2 * b] = start;

@@ -503,12 +503,7 @@ __device__ void range_meta(const SplitArgs& a, int R) {
     const int b = b0 + lane;
     const int st = b < a.B ? a.indptr[b] - base : 0, en = b < a.B ? a.indptr[b + 1] - base : 0;
     const int inside = en > st && st % R != 0;
-    int incl = inside;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += v;
-    }
+    const int incl = warp_inclusive_sum(inside, lane);
     if (b < a.B) {
       const int first_range = (st + R - 1) / R;
       a.meta[2 * b] = en > st ? first_range + run + incl - inside : 0;
