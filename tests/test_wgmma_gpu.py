@@ -150,6 +150,7 @@ def forced(request):
     be._kernels.clear()
 
 
+@pytest.mark.parametrize("lanes", [4, 8])
 @pytest.mark.parametrize("rows", [64, 72])
 @pytest.mark.parametrize("B,T,H,prefix,nsplit", [
     (16, 9, 8, [1200, 90000, 3000, 17, 40000, 5000, 1, 800, 25000, 2000, 60000, 300, 9000, 150, 7000, 33], 132),
@@ -157,12 +158,12 @@ def forced(request):
     (2, 9, 8, [1015, 1015], 2),                           # request 1 starts at a range start
     (3, 9, 16, [700, 97, 4096], 5),                       # two row blocks at ROWS 64 and 72
     (5, 1, 8, [64, 1, 3000, 31, 500], 3)])                # T 1: 32-key tiles cut mid-request
-def test_items_and_ranges_match_the_oracle(forced, B, T, H, prefix, nsplit, rows):
+def test_items_and_ranges_match_the_oracle(forced, B, T, H, prefix, nsplit, rows, lanes):
     """Either schedule, forced, on ragged batches: outputs against the fp32 oracle, and every
     request's (first item, item count) in the kernel's meta against the schedule written out here."""
     mode, restart = forced
     x = make_inputs(B, T, H, prefix, tree="random", device="cuda", seed=B + nsplit)
-    p = _params(nsplit, rows=rows)
+    p = _params(nsplit, rows=rows, lanes=lanes)
     lengths = [n + T for n in prefix]
     want = _schedule(lengths, nsplit, restart)
     assert want[0] == mode
