@@ -4,6 +4,7 @@ looked up in `results/tpe-vs-grid/before/grid/kimi-k2-h200/trials.csv`. No GPU, 
 from __future__ import annotations
 
 import contextlib
+import json
 import io
 import math
 import random
@@ -127,3 +128,46 @@ def test_a_study_whose_search_found_nothing_is_a_miss(monkeypatch):
     s = rp.summarize(df).set_index("ctx")
     assert s.loc[4096, "seeds"] == 1 and s.loc[4096, "within_3pct"] == 0
     assert s.loc[65536, "within_3pct"] == 1
+
+
+def test_cross_phase_times_each_winning_group_at_every_buckets_best_nsplit(tmp_path):
+    """After the search, each compile-time group that placed in some bucket's top two (or is
+    the default) is measured at every other bucket with that bucket's best NSPLIT, even where
+    the search had met the group there at another NSPLIT only (then the export could not
+    compare it with the default on equal terms). The expectation is read off the trials table
+    the sweep wrote and the grid; CUDA at tp 8, 4k and 64k, a budget of 5, three seeds."""
+    from kvtune.tuner.config import load_deployment
+    from kvtune.tuner.replay import GridTable, ReplaySweep, space_fields
+    from kvtune.tuner.table import read_trials
+
+    grid = read_trials(GRID)
+    grid = grid[(grid["phase"] == "search") & (grid["outcome"] == "ok") & (grid["backend"] == "cuda")
+                & (grid["tp"] == 8) & (grid["bs"] == 1)]
+
+    def compile_part(p):
+        return json.dumps({k: v for k, v in p.items() if k != "NSPLIT"}, sort_keys=True)
+
+    in_grid = {(int(c), json.dumps(p, sort_keys=True)) for c, p in zip(grid["ctx"], grid["params"])}
+    met_elsewhere = 0
+    for seed in range(3):
+        o = SweepOptions(tps=[8], ctxs=[4096, 65536], bss=[1], backends=["cuda"], strategy=DEFAULT, seed=seed,
+                         trials=5, space_dir=str(SPACES), out=str(tmp_path / f"s{seed}"))
+        sw = ReplaySweep(load_deployment(DEPLOYMENT), o, GridTable(GRID), space_fields(SPACES, ["cuda"]))
+        with contextlib.redirect_stderr(io.StringIO()):
+            sw.run()
+        df = read_trials(sw.out_dir / "trials.csv")
+        df = df[df["phase"] == "search"]
+        searched = df[(df["role"] != "cross") & (df["outcome"] == "ok")].sort_values("median_us", kind="stable")
+        best, groups = {}, set()
+        for ctx, g in searched.groupby("ctx"):
+            best[int(ctx)] = g.iloc[0]["params"]["NSPLIT"]
+            groups |= {compile_part(p) for p in list(g["params"][:2]) + list(g[g["role"] == "baseline"]["params"])}
+        timed = {(int(c), json.dumps(p, sort_keys=True)) for c, p in zip(df["ctx"], df["params"])}
+        for ctx, n in best.items():
+            for ck in groups:
+                want = json.dumps({**json.loads(ck), "NSPLIT": n}, sort_keys=True)
+                if (ctx, want) in in_grid:
+                    assert (ctx, want) in timed, (seed, ctx, want)
+                    mine = searched[(searched["ctx"] == ctx) & (searched["params"].map(compile_part) == ck)]
+                    met_elsewhere += len(mine) > 0 and all(p["NSPLIT"] != n for p in mine["params"])
+    assert met_elsewhere, "no seed met a group at another NSPLIT only: the case the check is for never arose"

@@ -4,13 +4,15 @@ Per tp and batch bucket, one backend and one set of compile-time parameters must
 every context bucket under one CUDA graph, while NSPLIT is chosen per bucket on the device.
 So for each backend, configs are grouped by their compile-time part (all parameters but
 NSPLIT); a group qualifies when it has a correct measurement at every context bucket, and
-when at no bucket it is slower than the backend's own default measured there; the group
-with the least total latency over the buckets (best NSPLIT per bucket) wins, across
-backends. The default's own group always qualifies, so an exported config never loses to
-the default it was measured against. Each bucket then serves `pick_nsplit`'s NSPLIT (equal
-requests and the bucket's ragged batch; the default's own NSPLIT unless another beats it by more
-than NSPLIT_MARGIN). Latencies are the interleaved re-measurements where
-they exist, else the search measurement. `params.NSPLIT` is the largest bucket NSPLIT (the
+when at no bucket it is slower than the backend's own default measured there by more than
+BUCKET_LOSS_MARGIN (3%), and, where it is slower at some bucket at all, its total over the
+buckets is below the default's by more than that; the group with the least total latency over
+the buckets (best NSPLIT per bucket) wins, across backends. The default's own group always
+qualifies, so an exported config never loses more than 3% to the default it was measured
+against at any bucket, and only to win more than 3% over all of them. Each bucket then serves
+`pick_nsplit`'s NSPLIT (equal requests and the bucket's ragged batch; the default's own NSPLIT
+unless another beats it by more than NSPLIT_MARGIN). Latencies are the interleaved
+re-measurements where they exist, else the search measurement. `params.NSPLIT` is the largest bucket NSPLIT (the
 grid size); the file is written and validated with `kvtune.kernels.tuned`.
 
 The serving check is part of the choice: each pick is measured the way serving runs it
@@ -91,6 +93,27 @@ def _per_config(rows, latency) -> dict:
 NSPLIT_MARGIN = 0.03
 
 
+#: A compile-time group may serve a (tp, batch) where it is slower than the default at some
+#: context bucket by at most this fraction, and only when its total over the buckets is less than
+#: the default's by more than it. One compile-time config serves every context under one graph:
+#: the kimi-k2-h200 sweep of 2026-12-01 (source 68e1f8ea4f9897c9) measured eight copy lanes at
+#: 1.44-1.55x the default at tp 2, batch 16, 64k-128k; without the allowance a loss within the
+#: noise at 4k would have kept the default at every bucket.
+BUCKET_LOSS_MARGIN = 0.03
+
+
+def beside_default(fastest: dict, default: dict) -> bool:
+    """Whether a group ({ctx: its fastest us}) may stand beside the backend's default ({ctx: us},
+    where measured): nowhere slower by more than BUCKET_LOSS_MARGIN, and where slower at all,
+    faster over the buckets by more than it."""
+    shared = [c for c in fastest if c in default]
+    if any(fastest[c] > default[c] * (1 + BUCKET_LOSS_MARGIN) for c in shared):
+        return False
+    if any(fastest[c] > default[c] for c in shared):
+        return sum(fastest[c] for c in shared) * (1 + BUCKET_LOSS_MARGIN) < sum(default[c] for c in shared)
+    return True
+
+
 def pick_nsplit(equal: dict, ragged: dict, keep=None):
     """One compile-time config's NSPLIT at one bucket, from its latencies on equal requests and
     on the ragged batch ({NSPLIT: us}). Score of an NSPLIT: its worse ratio to the best over the
@@ -140,8 +163,8 @@ def choose(df, backends, tp, bs, contexts, exclude=frozenset(), rnd: str | None 
             if any(c not in g for c in contexts) or (be, ck) in exclude:
                 continue
             fastest = {c: min(g[c].values()) for c in contexts}
-            if any(c in default_lat and fastest[c] > default_lat[c] for c in contexts):
-                continue  # would lose to the default at some bucket
+            if not beside_default(fastest, default_lat):
+                continue
             total = sum(fastest.values())
             if best is None or total < best[0]:
                 best = (total, be, ck, g, default_lat, ck == default_key, default_nsplit)

@@ -191,8 +191,12 @@ class Sweep(StudyLoop):
         return trial, m
 
     def _cross_options(self, backend, tp, bs, ctx, study, oks, cands) -> list[list[dict]]:
-        """Per candidate this bucket has no correct config of: the configs to try here (its
-        NSPLIT, or this bucket's best NSPLIT first), untried and feasible; their compiles start."""
+        """Per candidate: the configs to try here, untried and feasible; their compiles start.
+        A candidate this bucket has no correct config of: this bucket's best NSPLIT first, then
+        its own. One the search met here only at other NSPLIT values: this bucket's best NSPLIT
+        (the kimi-k2-h200 sweep of 2026-12-01 had measured eight copy lanes at tp 2, batch 16,
+        4k only at NSPLIT 33, 1.4x the default's NSPLIT 26 there, so the group that won 16k-128k
+        by 1.07-1.55x was never compared at 4k on equal terms)."""
         space = self.spaces[backend]
         have = {compile_key(t.params) for t in oks}
         tried = {params_key(t.params) for t in self._finished(study)}
@@ -202,10 +206,16 @@ class Sweep(StudyLoop):
         nsplits = [oks[0].params["NSPLIT"]] if oks and "NSPLIT" in space.names else []
         out = []
         for ck, p in cands.items():
-            if ck in have or any(p.get(n) not in dists[n] for n in dists if n != "NSPLIT"):
+            if any(p.get(n) not in dists[n] for n in dists if n != "NSPLIT"):
                 continue
-            options = [dict(p, NSPLIT=n) for n in dict.fromkeys(nsplits + [p.get("NSPLIT")]) if n is not None] \
-                if "NSPLIT" in space.names else [p]
+            if ck in have:
+                if not nsplits:
+                    continue
+                options = [dict(p, NSPLIT=nsplits[0])]
+            elif "NSPLIT" in space.names:
+                options = [dict(p, NSPLIT=n) for n in dict.fromkeys(nsplits + [p.get("NSPLIT")]) if n is not None]
+            else:
+                options = [p]
             options = [q for q in options if params_key(q) not in tried and q.get("NSPLIT", 1) in
                        dists.get("NSPLIT", (1,)) and not space.violation(q, env)]
             if options:

@@ -1,0 +1,54 @@
+"""Which compile-time group `kvtune export` may serve beside the backend's default (CPU, no
+device): a small loss at one context bucket is allowed only for a larger win over all of
+them (BUCKET_LOSS_MARGIN). Checked on hand-made trials tables against expectations written
+out per case, and against the brute-force oracle (`export_oracle.py`)."""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+from export_oracle import eligible_groups
+
+from kvtune.tuner.export import BUCKET_LOSS_MARGIN, beside_default, choose
+
+DEFAULT = {"NSPLIT": 26, "ROWS": 64, "COPY_LANES": 4}
+LANES8 = {"NSPLIT": 26, "ROWS": 64, "COPY_LANES": 8}
+CTXS = [4096, 65536]
+
+
+def _table(default_us, lanes8_us):
+    rows = []
+    for params, role, lat in ((DEFAULT, "baseline", default_us), (LANES8, "search", lanes8_us)):
+        for ctx, us in zip(CTXS, lat):
+            rows.append({"backend": "wgmma", "tp": 2, "bs": 16, "ctx": ctx, "phase": "search", "round": "",
+                         "outcome": "ok", "role": role, "params": dict(params), "median_us": float(us),
+                         "floor_us": 10.0})
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("lanes8_us,served", [
+    ((102.0, 60.0), LANES8),    # 2% slower at 4k, 40% faster at 64k: a win worth the loss
+    ((104.0, 60.0), DEFAULT),   # 4% slower at 4k: over the margin, however much it wins at 64k
+    ((101.0, 98.0), DEFAULT),   # 1% slower at 4k, 0.5% faster in total: not worth it
+    ((101.0, 92.0), LANES8),    # 1% slower at 4k, 3.5% faster in total
+    ((99.0, 99.5), LANES8),     # faster everywhere: no margin asked
+    ((100.0, 100.0), DEFAULT),  # a tie: the default's own group, listed first, keeps it
+])
+def test_a_group_may_lose_a_little_at_one_bucket_to_win_more_over_all(lanes8_us, served):
+    df = _table((100.0, 100.0), lanes8_us)
+    pick, _ = choose(df, ["wgmma"], 2, 16, CTXS)
+    backend, cparams, buckets, _ = pick
+    assert backend == "wgmma" and cparams == {k: v for k, v in served.items() if k != "NSPLIT"}
+    assert {c: b.nsplit for c, b in buckets.items()} == {c: 26 for c in CTXS}
+    oracle = eligible_groups(df.assign(params=df["params"].map(json.dumps)), 2, 16)
+    may = json.dumps({"COPY_LANES": 8, "ROWS": 64}, sort_keys=True)
+    assert (("wgmma", may) in oracle) == (served is LANES8 or lanes8_us == (100.0, 100.0))
+
+
+def test_beside_default_reads_the_margin_both_ways():
+    m = BUCKET_LOSS_MARGIN
+    assert beside_default({1: 100 * (1 + m) - 1e-9, 2: 50.0}, {1: 100.0, 2: 100.0})
+    assert not beside_default({1: 100 * (1 + m) + 1e-6, 2: 1.0}, {1: 100.0, 2: 100.0})
+    assert beside_default({1: 100.0, 2: 100.0}, {1: 100.0, 2: 100.0})   # equal is not a loss
+    assert beside_default({1: 100.0, 2: 100.0}, {1: 100.0})              # a bucket the default lacks
