@@ -2,8 +2,10 @@
 pandas, from the rule the README states: per tp and batch bucket, one backend and one set of
 compile-time parameters (every parameter but NSPLIT) that has a correct measurement at every
 context bucket and is slower than that backend's default at no bucket by more than 3%, and,
-where slower at any, faster over all buckets together by more than 3%; the least total latency
-over the buckets (fastest NSPLIT per bucket) wins. Each bucket then serves the
+where slower at any, faster over all buckets together by more than 3%, and (unless it is the
+default's own group) whose NSPLIT served on each bucket's ragged batch, where timed, is not more
+than 3% slower there than the default; the least total latency over the buckets (fastest NSPLIT
+per bucket) wins. Each bucket then serves the
 fastest NSPLIT, unless the group's NSPLIT were also timed on the bucket's ragged batch (phase
 `ragged`): then, of those timed on both batches, the one whose worse ratio to the best (equal
 requests: the best of every NSPLIT; ragged: of those timed) is least, ties to the faster on
@@ -55,11 +57,12 @@ def config_latencies(trials: pd.DataFrame) -> pd.DataFrame:
                                        "default"])
 
 
-def eligible_groups(trials: pd.DataFrame, tp: int, bs: int) -> dict:
+def eligible_groups(trials: pd.DataFrame, tp: int, bs: int, rnd: str | None = None) -> dict:
     """(backend, compile-time part) -> {ctx: (NSPLIT, latency)} with the fastest NSPLIT per
     context, for every group that may serve (tp, bs): correct at each context bucket swept there,
     within 3% of its backend's default everywhere (and 3% faster in total where slower at any
-    bucket), serving check not failed."""
+    bucket), within 3% of the default on each ragged batch timed (`rnd`: the ragged rows that
+    count) at the NSPLIT it would serve there, serving check not failed."""
     search = trials[(trials["phase"] == "search") & (trials["tp"] == tp) & (trials["bs"] == bs)]
     contexts = sorted({int(c) for c in search["ctx"]})
     lat = config_latencies(trials)
@@ -78,12 +81,26 @@ def eligible_groups(trials: pd.DataFrame, tp: int, bs: int) -> dict:
             best[ctx] = (r["NSPLIT"], r["latency_us"])
         shared = [ctx for ctx in contexts if ctx in default.index]
         ratio = [best[ctx][1] / default[ctx] for ctx in shared]
-        if all(r <= 1 for r in ratio):
-            out[(be, comp)] = best
-        elif max(ratio) <= 1 + MARGIN and \
-                sum(best[ctx][1] for ctx in shared) * (1 + MARGIN) < sum(default[ctx] for ctx in shared):
-            out[(be, comp)] = best
+        if not (all(r <= 1 for r in ratio) or (max(ratio) <= 1 + MARGIN and sum(
+                best[ctx][1] for ctx in shared) * (1 + MARGIN) < sum(default[ctx] for ctx in shared))):
+            continue
+        if not g["default"].any() and _slower_ragged(trials, lat, be, comp, tp, bs, contexts, rnd):
+            continue
+        out[(be, comp)] = best
     return out
+
+
+def _slower_ragged(trials, lat, be, comp, tp, bs, contexts, rnd) -> bool:
+    """Whether group (be, comp) would serve some bucket's ragged batch more than 3% slower than
+    the default's ragged time there (where both were timed)."""
+    at = lat[(lat["backend"] == be) & (lat["tp"] == tp) & (lat["bs"] == bs)]
+    for ctx in contexts:
+        rows = ragged_rows(trials, be, tp, bs, ctx, rnd)
+        base = rows[rows["role"] == "baseline"]["median_us"].astype(float)
+        n, ragged = served_nsplit(trials, at, be, comp, tp, bs, ctx, rnd)
+        if ragged is not None and not base.empty and ragged > float(base.median()) * (1 + MARGIN):
+            return True
+    return False
 
 
 def ragged_rows(trials: pd.DataFrame, backend: str, tp: int, bs: int, ctx: int, rnd: str | None):
@@ -128,7 +145,7 @@ def check_export(tuned: dict, trials: pd.DataFrame, rnd: str | None = None) -> N
     swept = trials[trials["phase"] == "search"][["tp", "bs"]].drop_duplicates()
     lat = config_latencies(trials)
     for tp, bs in zip(swept["tp"].astype(int), swept["bs"].astype(int)):
-        groups = eligible_groups(trials, tp, bs)
+        groups = eligible_groups(trials, tp, bs, rnd)
         assert ((tp, bs) in entries) == bool(groups), f"tp={tp} bs={bs}: {len(groups)} groups could serve"
         if not groups:
             continue

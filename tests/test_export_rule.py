@@ -1,6 +1,7 @@
 """Which compile-time group `kvtune export` may serve beside the backend's default (CPU, no
 device): a small loss at one context bucket is allowed only for a larger win over all of
-them (BUCKET_LOSS_MARGIN). Checked on hand-made trials tables against expectations written
+them (BUCKET_LOSS_MARGIN), and no group serves a bucket's ragged batch more than that slower than
+the default. Checked on hand-made trials tables against expectations written
 out per case, and against the brute-force oracle (`export_oracle.py`)."""
 from __future__ import annotations
 
@@ -52,3 +53,22 @@ def test_beside_default_reads_the_margin_both_ways():
     assert not beside_default({1: 100 * (1 + m) + 1e-6, 2: 1.0}, {1: 100.0, 2: 100.0})
     assert beside_default({1: 100.0, 2: 100.0}, {1: 100.0, 2: 100.0})   # equal is not a loss
     assert beside_default({1: 100.0, 2: 100.0}, {1: 100.0})              # a bucket the default lacks
+
+
+@pytest.mark.parametrize("lanes8_ragged,served", [
+    (110.0, DEFAULT),   # 10% slower than the default on the 4k bucket's ragged batch
+    (102.0, LANES8),    # within 3%
+    (None, LANES8),     # its ragged batch never timed: nothing to hold against it
+])
+def test_a_group_slower_on_a_ragged_batch_gives_way(lanes8_ragged, served):
+    """Eight lanes 1.5x faster on equal requests at both buckets; at 4k the ragged batch (phase
+    `ragged`, round "r8") decides."""
+    df = _table((100.0, 100.0), (66.0, 66.0))
+    ragged = [(DEFAULT, "baseline", 100.0)] + ([(LANES8, "search", lanes8_ragged)] if lanes8_ragged else [])
+    rows = [{"backend": "wgmma", "tp": 2, "bs": 16, "ctx": 4096, "phase": "ragged", "round": "r8", "outcome": "ok",
+             "role": role, "params": dict(p), "median_us": us, "floor_us": 10.0} for p, role, us in ragged]
+    df = pd.concat([df, pd.DataFrame(rows)], ignore_index=True)
+    pick, _ = choose(df, ["wgmma"], 2, 16, CTXS, rnd="r8")
+    assert pick[1] == {k: v for k, v in served.items() if k != "NSPLIT"}
+    oracle = eligible_groups(df.assign(params=df["params"].map(json.dumps)), 2, 16, "r8")
+    assert (("wgmma", json.dumps({"COPY_LANES": 8, "ROWS": 64}, sort_keys=True)) in oracle) == (served is LANES8)

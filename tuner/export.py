@@ -3,17 +3,19 @@
 Per tp and batch bucket, one backend and one set of compile-time parameters must serve
 every context bucket under one CUDA graph, while NSPLIT is chosen per bucket on the device.
 So for each backend, configs are grouped by their compile-time part (all parameters but
-NSPLIT); a group qualifies when it has a correct measurement at every context bucket, and
-when at no bucket it is slower than the backend's own default measured there by more than
-BUCKET_LOSS_MARGIN (3%), and, where it is slower at some bucket at all, its total over the
-buckets is below the default's by more than that; the group with the least total latency over
-the buckets (best NSPLIT per bucket) wins, across backends. The default's own group always
-qualifies, so an exported config never loses more than 3% to the default it was measured
-against at any bucket, and only to win more than 3% over all of them. Each bucket then serves
-`pick_nsplit`'s NSPLIT (equal requests and the bucket's ragged batch; the default's own NSPLIT
-unless another beats it by more than NSPLIT_MARGIN). Latencies are the interleaved
-re-measurements where they exist, else the search measurement. `params.NSPLIT` is the largest bucket NSPLIT (the
-grid size); the file is written and validated with `kvtune.kernels.tuned`.
+NSPLIT); a group qualifies when it has a correct measurement at every context bucket, when at no
+bucket it is slower than the backend's own default measured there by more than
+BUCKET_LOSS_MARGIN (3%) and, where it is slower at some bucket at all, its total over the
+buckets is below the default's by more than that, and when, at every bucket whose ragged batch
+the sweep timed, the NSPLIT it would serve there is not more than 3% slower on that batch than
+the default. The group with the least total latency over the buckets (best NSPLIT per bucket)
+wins, across backends. The default's own group always qualifies, so an exported config never
+loses more than 3% to the default it was measured against at any bucket, and only to win more
+than 3% over all of them. Each bucket then serves `pick_nsplit`'s NSPLIT (equal requests and the
+bucket's ragged batch; the default's own NSPLIT unless another beats it by more than
+NSPLIT_MARGIN). Latencies are the interleaved re-measurements where they exist, else the search
+measurement. `params.NSPLIT` is the largest bucket NSPLIT (the grid size); the file is written
+and validated with `kvtune.kernels.tuned`.
 
 The serving check is part of the choice: each pick is measured the way serving runs it
 (`params.NSPLIT` and a split table, `tuner/serve_check.py`) unless the table already holds
@@ -165,6 +167,8 @@ def choose(df, backends, tp, bs, contexts, exclude=frozenset(), rnd: str | None 
             fastest = {c: min(g[c].values()) for c in contexts}
             if not beside_default(fastest, default_lat):
                 continue
+            if ck != default_key and _loses_ragged(g, {c: _bucket_ragged(rag, be, tp, bs, c, ck) for c in contexts}):
+                continue
             total = sum(fastest.values())
             if best is None or total < best[0]:
                 best = (total, be, ck, g, default_lat, ck == default_key, default_nsplit)
@@ -175,19 +179,40 @@ def choose(df, backends, tp, bs, contexts, exclude=frozenset(), rnd: str | None 
     total, be, ck, g, dl, is_default, dn = best
     buckets = {}
     for c in contexts:
-        ragged = {}
-        default_ragged = None
-        for (b, t, s, ctx, pj), (v, role) in rag.items():
-            if (b, t, s, ctx) != (be, tp, bs, c):
-                continue
-            p = json.loads(pj)
-            if compile_key(p) == ck:
-                ragged[p.get("NSPLIT")] = v
-            if role == "baseline":
-                default_ragged = v
+        ragged, default_ragged = _bucket_ragged(rag, be, tp, bs, c, ck)
         n = pick_nsplit(g[c], ragged, dn.get(c) if is_default else None)
         buckets[c] = Bucket(n, g[c][n], dl.get(c), floors.get(c), ragged.get(n), default_ragged)
     return (be, json.loads(ck), buckets, is_default), notes
+
+
+def _bucket_ragged(rag: dict, be, tp, bs, ctx, ck) -> tuple[dict, float | None]:
+    """On bucket ctx's ragged batch: {NSPLIT: us} of compile-time group ck, and the backend
+    default's us (None where not timed)."""
+    ragged, default_ragged = {}, None
+    for (b, t, s, c, pj), (v, role) in rag.items():
+        if (b, t, s, c) != (be, tp, bs, ctx):
+            continue
+        p = json.loads(pj)
+        if compile_key(p) == ck:
+            ragged[p.get("NSPLIT")] = v
+        if role == "baseline":
+            default_ragged = v
+    return ragged, default_ragged
+
+
+def _loses_ragged(equal: dict, ragged: dict) -> bool:
+    """Whether a group ({ctx: {NSPLIT: us}} on equal requests; {ctx: (its ragged {NSPLIT: us},
+    the default's ragged us)}) would serve some bucket's ragged batch more than
+    BUCKET_LOSS_MARGIN slower than the default. The kimi-k2-h200 sweep of 2026-12-01 exported
+    ROWS 72 with eight lanes at tp 2, batch 64 (1.09-1.45x the default on equal requests) whose
+    4k ragged batch took 565 us against the default's 504."""
+    for c, (rg, default) in ragged.items():
+        if not rg or default is None:
+            continue
+        n = pick_nsplit(equal[c], rg)
+        if n in rg and rg[n] > default * (1 + BUCKET_LOSS_MARGIN):
+            return True
+    return False
 
 
 def served(cparams: dict, buckets: dict, contexts: list[int], T: int, backend: str = "triton", batch: int = 1):

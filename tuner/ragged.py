@@ -55,12 +55,12 @@ def nsplit_candidates(measured: dict[int, float], legal) -> list[int]:
     return list(dict.fromkeys(out))[:MAX_CANDIDATES]
 
 
-def served_groups(df, backend, tp, bs, ctxs) -> dict:
+def served_groups(df, backend, tp, bs, ctxs, rnd: str | None = None) -> dict:
     """{compile key: {ctx: {NSPLIT: us}}} of the configs the export may serve at (backend, tp,
-    bs), judged as the export judges them (`tuner.export.choose` on the table so far): its
-    pick, and the backend's default."""
+    bs), judged as the export judges them (`tuner.export.choose` on the table so far, with the
+    ragged rows of round `rnd`): its pick, and the backend's default."""
     from .export import choose, latencies   # the export imports this module
-    pick, _ = choose(df, [backend], tp, bs, list(ctxs))
+    pick, _ = choose(df, [backend], tp, bs, list(ctxs), rnd=rnd)
     keys = [compile_key(pick[1])] if pick else []
     out: dict = {}
     for (b, t, s, ctx, pj), (v, role) in latencies(df).items():
@@ -72,6 +72,25 @@ def served_groups(df, backend, tp, bs, ctxs) -> dict:
             keys.append(ck)
         out.setdefault(ck, {}).setdefault(ctx, {})[p.get("NSPLIT")] = v
     return {ck: out[ck] for ck in keys if ck in out}
+
+
+#: Picks of one (backend, tp, bs) timed on the ragged batches at most: the export passes over a
+#: group that serves a ragged batch more than 3% slower than the default (`tuner.export`), so the
+#: group that takes its place is timed there too, and so on.
+RAGGED_PICKS = 3
+
+
+def ragged_pick(sweep, backend, tp, bs) -> str | None:
+    """The compile key the export would serve at (backend, tp, bs) from the table so far, or
+    None (no table, no pick)."""
+    if not sweep.table.path.is_file():
+        return None
+    from .export import choose   # the export imports this module
+    from .table import read_trials
+    df = read_trials(sweep.table.path)
+    pick, _ = choose(df[df["deployment"] == sweep.dep.name], [backend], tp, bs, list(sweep.ctxs),
+                     rnd=ragged_round(sweep.dep.ragged_spread))
+    return compile_key(pick[1]) if pick else None
 
 
 def measure_ragged(sweep, backend, tp, bs) -> bool:
@@ -86,8 +105,8 @@ def measure_ragged(sweep, backend, tp, bs) -> bool:
     from .table import read_trials
     df = read_trials(sweep.table.path)
     df = df[df["deployment"] == sweep.dep.name]
-    groups = served_groups(df, backend, tp, bs, sweep.ctxs)
     rnd = ragged_round(spread)
+    groups = served_groups(df, backend, tp, bs, sweep.ctxs, rnd)
     bounds = split_bounds(backend, list(sweep.ctxs), sweep.dep.model.draft_tokens, bs)
     new = False
     for ctx in sweep.ctxs:
