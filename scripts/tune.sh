@@ -15,7 +15,7 @@ fi
 out=${KVTUNE_OUT:-runs}
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     dep=${KVTUNE_DEPLOYMENT:-configs/deployments/kimi-k2-h200.yaml}
-    # the shipped sweep's settings (results/kimi-k2-h200/: every tp and batch bucket in 10.3 min of
+    # the shipped sweep's settings (results/kimi-k2-h200/: every tp and batch bucket in 11.5 min of
     # one H200). Where the wgmma kernel runs (H100/H200) it serves every entry: the CUDA kernel is
     # measured at its default only (the fallback, and the export's CUDA-default column), and wgmma
     # gets 8 trials per study over NSPLIT x ROWS x COPY_LANES. On other GPUs the CUDA kernel is the
