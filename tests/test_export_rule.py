@@ -34,7 +34,7 @@ def _table(default_us, lanes8_us):
     ((101.0, 98.0), DEFAULT),   # 1% slower at 4k, 0.5% faster in total: not worth it
     ((101.0, 92.0), LANES8),    # 1% slower at 4k, 3.5% faster in total
     ((99.0, 99.5), LANES8),     # faster everywhere: no margin asked
-    ((100.0, 100.0), DEFAULT),  # a tie: the default's own group, listed first, keeps it
+    ((100.0, 100.0), DEFAULT),  # a tie goes to the default's own group
 ])
 def test_a_group_may_lose_a_little_at_one_bucket_to_win_more_over_all(lanes8_us, served):
     df = _table((100.0, 100.0), lanes8_us)
@@ -72,3 +72,15 @@ def test_a_group_slower_on_a_ragged_batch_gives_way(lanes8_ragged, served):
     assert pick[1] == {k: v for k, v in served.items() if k != "NSPLIT"}
     oracle = eligible_groups(df.assign(params=df["params"].map(json.dumps)), 2, 16, "r8")
     assert (("wgmma", json.dumps({"COPY_LANES": 8, "ROWS": 64}, sort_keys=True)) in oracle) == (served is LANES8)
+
+
+def test_a_tie_goes_to_the_default_whatever_the_order_of_the_groups():
+    """The default with eight lanes, another group with four, equal everywhere: the default
+    (groups are met in the order of their parameters' JSON, four lanes first)."""
+    rows = []
+    for params, role in ((dict(LANES8), "baseline"), (dict(DEFAULT), "search")):
+        for ctx in CTXS:
+            rows.append({"backend": "wgmma", "tp": 2, "bs": 16, "ctx": ctx, "phase": "search", "round": "",
+                         "outcome": "ok", "role": role, "params": params, "median_us": 100.0, "floor_us": 10.0})
+    pick, _ = choose(pd.DataFrame(rows), ["wgmma"], 2, 16, CTXS)
+    assert pick[1] == {"ROWS": 64, "COPY_LANES": 8} and pick[3], pick

@@ -9,13 +9,13 @@ BUCKET_LOSS_MARGIN (3%) and, where it is slower at some bucket at all, its total
 buckets is below the default's by more than that, and when, at every bucket whose ragged batch
 the sweep timed, the NSPLIT it would serve there is not more than 3% slower on that batch than
 the default. The group with the least total latency over the buckets (best NSPLIT per bucket)
-wins, across backends. The default's own group always qualifies, so an exported config never
-loses more than 3% to the default it was measured against at any bucket, and only to win more
-than 3% over all of them. Each bucket then serves `pick_nsplit`'s NSPLIT (equal requests and the
-bucket's ragged batch; the default's own NSPLIT unless another beats it by more than
-NSPLIT_MARGIN). Latencies are the interleaved re-measurements where they exist, else the search
-measurement. `params.NSPLIT` is the largest bucket NSPLIT (the grid size); the file is written
-and validated with `kvtune.kernels.tuned`.
+wins, across backends (a tie to the default's own group). The default's own group always
+qualifies, so an exported group's fastest NSPLIT never loses more than 3% to the default it was
+measured against at any bucket, and only to win more than 3% over all of them. Each bucket
+then serves `pick_nsplit`'s NSPLIT (equal requests and the bucket's ragged batch; the default's
+own NSPLIT unless another beats it by more than NSPLIT_MARGIN). Latencies are the interleaved
+re-measurements where they exist, else the search measurement. `params.NSPLIT` is the largest
+bucket NSPLIT (the grid size); the file is written and validated with `kvtune.kernels.tuned`.
 
 The serving check is part of the choice: each pick is measured the way serving runs it
 (`params.NSPLIT` and a split table, `tuner/serve_check.py`) unless the table already holds
@@ -170,7 +170,8 @@ def choose(df, backends, tp, bs, contexts, exclude=frozenset(), rnd: str | None 
             if ck != default_key and _loses_ragged(g, {c: _bucket_ragged(rag, be, tp, bs, c, ck) for c in contexts}):
                 continue
             total = sum(fastest.values())
-            if best is None or total < best[0]:
+            # a tie goes to the default's own group (then its NSPLIT margin applies too)
+            if best is None or total < best[0] or (total == best[0] and ck == default_key):
                 best = (total, be, ck, g, default_lat, ck == default_key, default_nsplit)
         if not groups:
             notes.append(f"{be}: no correct measurement at tp={tp} bs={bs}")

@@ -80,6 +80,13 @@ def served_groups(df, backend, tp, bs, ctxs, rnd: str | None = None) -> dict:
 RAGGED_PICKS = 3
 
 
+def ragged_applies(sweep, backend, bs) -> bool:
+    """Whether the ragged phase times anything at (backend, bs): a batch bucket above 1, a
+    spread above 1, NSPLIT in the space, and a trials table."""
+    return bool(sweep.ragged) and bs >= 2 and sweep.dep.ragged_spread > 1 and \
+        "NSPLIT" in sweep.spaces[backend].names and sweep.table.path.is_file()
+
+
 def ragged_pick(sweep, backend, tp, bs) -> str | None:
     """The compile key the export would serve at (backend, tp, bs) from the table so far, or
     None (no table, no pick)."""
@@ -98,7 +105,7 @@ def measure_ragged(sweep, backend, tp, bs) -> bool:
     it measured a new config on equal requests (to be re-measured against the default)."""
     spread = sweep.dep.ragged_spread
     space = sweep.spaces[backend]
-    if not sweep.ragged or bs < 2 or spread <= 1 or "NSPLIT" not in space.names or not sweep.table.path.is_file():
+    if not ragged_applies(sweep, backend, bs):
         return False
     from kvtune.kernels.backends import split_bounds
 

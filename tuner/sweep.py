@@ -31,7 +31,7 @@ from .config import ConfigError, Deployment, load_deployment, redact_argv, redac
 from .log import get_logger
 from .options import SweepOptions, check_options, subset
 from .progress import Progress
-from .ragged import RAGGED_PICKS, measure_ragged, ragged_pick
+from .ragged import RAGGED_PICKS, measure_ragged, ragged_applies, ragged_pick
 from .runner import Runner
 from .space import load_space, problem_env
 from .strategy import params_key
@@ -267,14 +267,20 @@ class Sweep(StudyLoop):
         place, until the pick has been timed (at most RAGGED_PICKS picks)."""
         self.cross_measure(backend, tp, bs)
         self.remeasure(backend, tp, bs)
+        if not ragged_applies(self, backend, bs):
+            return
         timed = set()
         for _ in range(RAGGED_PICKS):
             pick = ragged_pick(self, backend, tp, bs)
             if pick in timed:
-                break
+                return
             timed.add(pick)
             if measure_ragged(self, backend, tp, bs):
                 self.remeasure(backend, tp, bs)
+        pick = ragged_pick(self, backend, tp, bs)
+        if pick not in timed:
+            log.warning("%s tp=%d bs=%d: %d picks in turn gave way on their ragged batches; the export's "
+                        "next pick, %s, was not timed on them", backend, tp, bs, RAGGED_PICKS, pick)
 
     # -- progress and the whole sweep -----------------------------------------------------
     def _progress(self, m, count=True, best=True):
