@@ -16,6 +16,10 @@ with CUDA events, median of 15), and:
   cold, as the Measurer does) and reduces them to one number per program: what any verify
   kernel, which must read those bytes, could reach at that size.
 
+`--tuned kimi-k2-h200` (a deployment name or a YAML path) also times, per shape, the config the
+tuned defaults serve there (the batch bucket's entry at H heads per rank, the context bucket's
+NSPLIT: what the sweep measured as `latency_us`).
+
 Writes bench.csv / bench.json under --out and prints a short table last.
 
     python scripts/bench_kernel.py --out $OUT
@@ -139,6 +143,19 @@ def _print_table(rows: list, shapes) -> None:
               f"{(best or {}).get('pct_floor') or 0:>6.1f} {best['backend'] + ' ' + best['config'] if best else '-'}")
 
 
+def tuned_run(tuned, H: int, batch: int, prefix: int) -> tuple[str, str, dict] | None:
+    """(backend, label, params) of the config a tuned-defaults file serves at H heads per rank,
+    `batch` requests of `prefix` keys: the entry of the first batch bucket >= batch (the runtime's
+    policy, `TunedDefaults.lookup`) with the context bucket's NSPLIT, or None where no entry has
+    H heads per rank."""
+    tps = sorted({e.tp for e in tuned.entries if e.heads_per_rank == H})
+    if not tps:
+        return None
+    e = tuned.lookup(tps[0], batch)
+    b = e.bucket_for(prefix)
+    return e.backend, f"exported (tp {e.tp}, batch bucket {e.max_batch})", {**e.params, "NSPLIT": b.NSPLIT}
+
+
 def _runs(args, spec, H: int, sms: int) -> list[tuple[str, str, dict | None]]:
     """(backend, label, params) to time at one shape: each backend's default and the asked-for others."""
     from kvtune.kernels import get_backend
@@ -161,6 +178,10 @@ def _runs(args, spec, H: int, sms: int) -> list[tuple[str, str, dict | None]]:
             if "NSPLIT" not in over:
                 p["NSPLIT"] = one_wave(H, args.T, p["ROWS"], sms)
             runs.append(("wgmma", ex, p))
+    if args.tuned is not None:
+        run = tuned_run(args.tuned, H, spec.batch, spec.context)
+        if run is not None and (run[0] != "wgmma" or wgmma.supports(torch.device("cuda")) is None):
+            runs.append(run)
     if H == 8:
         for ex in args.extra:
             runs.append(("cuda", ex, {**base, **parse_kv(ex)}))
@@ -180,7 +201,16 @@ def main(argv=None) -> int:
                     help="other wgmma configs (k=v,k=v); NSPLIT, unless given, is one wave of ROWS-row blocks")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="also time the CUDA default with KVTUNE_CUDA_PDL=1 (PDL launch of the merge)")
+    ap.add_argument("--tuned", default=None, metavar="YAML_OR_DEPLOYMENT",
+                    help="also time the config this tuned-defaults file (or packaged deployment name) serves at "
+                         "each shape: its batch bucket's entry, the context bucket's NSPLIT")
     args = ap.parse_args(argv)
+    if args.tuned is not None:
+        from kvtune.kernels.lookup import load_defaults
+        name = args.tuned
+        args.tuned = load_defaults(name) if Path(name).is_file() else load_defaults(deployment=name)
+        if args.tuned is None:
+            ap.error(f"--tuned {name}: no tuned-defaults file of that name or path")
 
     from kvtune.kernels import get_backend
     from kvtune.tuner.measure import Ceilings, MeasureOptions, Measurer, ProblemSpec

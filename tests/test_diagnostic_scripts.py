@@ -255,3 +255,25 @@ def test_ncu_source_table_sums_per_region(tmp_path, capsys):
     tail = next(line for line in out.splitlines() if line.startswith("tail"))
     assert head.split()[1] == "14" and "barrier 79%" in head and "long_sb 21%" in head
     assert tail.split()[1] == "6" and "long_sb 100%" in tail
+
+
+def test_bench_kernel_times_the_config_the_packaged_defaults_serve():
+    """`bench_kernel.py --tuned`: per shape, the entry of the first batch bucket >= B among those
+    with H heads per rank, and its context bucket's NSPLIT, read here from the YAML itself."""
+    import yaml
+
+    import bench_kernel
+
+    from kvtune.kernels.lookup import packaged_defaults_dir
+    from kvtune.kernels.tuned import load_tuned
+    path = packaged_defaults_dir() / "kimi-k2-h200.yaml"
+    doc = yaml.safe_load(path.read_text())
+    tuned = load_tuned(path)
+    for H, B, prefix in [(8, 1, 256), (8, 8, 65536), (8, 32, 16384), (64, 1, 131072), (16, 64, 200000), (32, 5, 4097)]:
+        mine = sorted((e for e in doc["entries"] if e["heads_per_rank"] == H), key=lambda e: e["max_batch"])
+        e = next((e for e in mine if e["max_batch"] >= B), mine[-1])
+        b = next((b for b in e["buckets"] if b["max_context"] >= prefix), e["buckets"][-1])
+        backend, label, params = bench_kernel.tuned_run(tuned, H, B, prefix)
+        assert (backend, params) == (e["backend"], {**e["params"], "NSPLIT": b["NSPLIT"]}), (H, B, prefix)
+        assert f"batch bucket {e['max_batch']}" in label
+    assert bench_kernel.tuned_run(tuned, 12, 1, 4096) is None   # no entry with 12 heads per rank
