@@ -141,6 +141,10 @@ def check_export(tuned: dict, trials: pd.DataFrame, rnd: str | None = None) -> N
     """Asserts that the exported YAML (`tuned`, as yaml.safe_load reads it) is the brute-force
     choice of `trials` (pd.read_csv of trials.csv) at every (tp, batch) it covers, and covers every
     (tp, batch) that has a config to serve."""
+    if rnd is None:   # the export counts its deployment's round only: a table of one round is that one
+        rounds = set(trials[trials["phase"] == "ragged"]["round"].astype(str))
+        assert len(rounds) <= 1, f"ragged rows of several rounds {sorted(rounds)}: pass the deployment's (ragged_round)"
+        rnd = rounds.pop() if rounds else None
     entries = {(e["tp"], e["max_batch"]): e for e in tuned["entries"]}
     swept = trials[trials["phase"] == "search"][["tp", "bs"]].drop_duplicates()
     lat = config_latencies(trials)
