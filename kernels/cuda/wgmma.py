@@ -76,8 +76,8 @@ def one_wave(H: int, T: int, rows: int, sms: int) -> int:
     return max(1, min(256, sms // row_blocks(H, T, rows)))
 
 
-#: lanes per key row in the gather when not given (WgmmaParams.COPY_LANES's default)
-COPY_LANES = 4
+#: lanes per key row in the gather when not given: WgmmaParams.COPY_LANES's declared default
+COPY_LANES = WgmmaParams.declaration.params["COPY_LANES"].default
 
 
 def split_expr(T: int, rows: int = ROWS, lanes: int = COPY_LANES) -> str:
