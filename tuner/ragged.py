@@ -55,13 +55,12 @@ def nsplit_candidates(measured: dict[int, float], legal) -> list[int]:
     return list(dict.fromkeys(out))[:MAX_CANDIDATES]
 
 
-def served_groups(df, backend, tp, bs, ctxs, rnd: str | None = None) -> dict:
+def served_groups(df, backend, tp, bs, ctxs, pick: str | None) -> dict:
     """{compile key: {ctx: {NSPLIT: us}}} of the configs the export may serve at (backend, tp,
-    bs), judged as the export judges them (`tuner.export.choose` on the table so far, with the
-    ragged rows of round `rnd`): its pick, and the backend's default."""
-    from .export import choose, latencies   # the export imports this module
-    pick, _ = choose(df, [backend], tp, bs, list(ctxs), rnd=rnd)
-    keys = [compile_key(pick[1])] if pick else []
+    bs): `pick` (the export's choice on the table so far, `ragged_pick`) and the backend's
+    default."""
+    from .export import latencies   # the export imports this module
+    keys = [pick] if pick else []
     out: dict = {}
     for (b, t, s, ctx, pj), (v, role) in latencies(df).items():
         if (b, t, s) != (backend, tp, bs) or ctx not in ctxs:
@@ -87,33 +86,32 @@ def ragged_applies(sweep, backend, bs) -> bool:
         "NSPLIT" in sweep.spaces[backend].names and sweep.table.path.is_file()
 
 
-def ragged_pick(sweep, backend, tp, bs) -> str | None:
-    """The compile key the export would serve at (backend, tp, bs) from the table so far, or
-    None (no table, no pick)."""
-    if not sweep.table.path.is_file():
-        return None
-    from .export import choose   # the export imports this module
+def deployment_trials(sweep):
+    """The trials table so far, this deployment's rows (`ragged_applies` says the file exists)."""
     from .table import read_trials
     df = read_trials(sweep.table.path)
-    pick, _ = choose(df[df["deployment"] == sweep.dep.name], [backend], tp, bs, list(sweep.ctxs),
-                     rnd=ragged_round(sweep.dep.ragged_spread))
+    return df[df["deployment"] == sweep.dep.name]
+
+
+def ragged_pick(sweep, backend, tp, bs, df) -> str | None:
+    """The compile key the export would serve at (backend, tp, bs) from `df` (`deployment_trials`),
+    judged as the export judges it (`tuner.export.choose`, this deployment's ragged rows
+    counted), or None."""
+    from .export import choose   # the export imports this module
+    pick, _ = choose(df, [backend], tp, bs, list(sweep.ctxs), rnd=ragged_round(sweep.dep.ragged_spread))
     return compile_key(pick[1]) if pick else None
 
 
-def measure_ragged(sweep, backend, tp, bs) -> bool:
-    """The ragged phase of one (backend, tp, bs) of `sweep` (a `tuner.sweep.Sweep`); True when
-    it measured a new config on equal requests (to be re-measured against the default)."""
+def measure_ragged(sweep, backend, tp, bs, df, pick: str | None) -> bool:
+    """The ragged phase of one (backend, tp, bs) of `sweep` (a `tuner.sweep.Sweep`, where
+    `ragged_applies`) for `pick` and the default, from `df` (`deployment_trials`); True when it
+    measured a new config on equal requests (to be re-measured against the default)."""
     spread = sweep.dep.ragged_spread
     space = sweep.spaces[backend]
-    if not ragged_applies(sweep, backend, bs):
-        return False
     from kvtune.kernels.backends import split_bounds
 
-    from .table import read_trials
-    df = read_trials(sweep.table.path)
-    df = df[df["deployment"] == sweep.dep.name]
     rnd = ragged_round(spread)
-    groups = served_groups(df, backend, tp, bs, sweep.ctxs, rnd)
+    groups = served_groups(df, backend, tp, bs, sweep.ctxs, pick)
     bounds = split_bounds(backend, list(sweep.ctxs), sweep.dep.model.draft_tokens, bs)
     new = False
     for ctx in sweep.ctxs:

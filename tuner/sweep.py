@@ -31,7 +31,7 @@ from .config import ConfigError, Deployment, load_deployment, redact_argv, redac
 from .log import get_logger
 from .options import SweepOptions, check_options, subset
 from .progress import Progress
-from .ragged import RAGGED_PICKS, measure_ragged, ragged_applies, ragged_pick
+from .ragged import RAGGED_PICKS, deployment_trials, measure_ragged, ragged_applies, ragged_pick
 from .runner import Runner
 from .space import load_space, problem_env
 from .strategy import params_key
@@ -271,13 +271,14 @@ class Sweep(StudyLoop):
             return
         timed = set()
         for _ in range(RAGGED_PICKS):
-            pick = ragged_pick(self, backend, tp, bs)
+            df = deployment_trials(self)
+            pick = ragged_pick(self, backend, tp, bs, df)
             if pick in timed:
                 return
             timed.add(pick)
-            if measure_ragged(self, backend, tp, bs):
+            if measure_ragged(self, backend, tp, bs, df, pick):
                 self.remeasure(backend, tp, bs)
-        pick = ragged_pick(self, backend, tp, bs)
+        pick = ragged_pick(self, backend, tp, bs, deployment_trials(self))
         if pick not in timed:
             log.warning("%s tp=%d bs=%d: %d picks in turn gave way on their ragged batches; the export's "
                         "next pick, %s, was not timed on them", backend, tp, bs, RAGGED_PICKS, pick)
