@@ -84,3 +84,46 @@ def test_a_tie_goes_to_the_default_whatever_the_order_of_the_groups():
                          "outcome": "ok", "role": role, "params": params, "median_us": 100.0, "floor_us": 10.0})
     pick, _ = choose(pd.DataFrame(rows), ["wgmma"], 2, 16, CTXS)
     assert pick[1] == {"ROWS": 64, "COPY_LANES": 8} and pick[3], pick
+
+
+class _Sweep:
+    """What `ragged_pick` / `deployment_trials` read of a `tuner.sweep.Sweep`."""
+
+    def __init__(self, path):
+        from types import SimpleNamespace
+        self.table = SimpleNamespace(path=path)
+        self.ctxs = CTXS
+        self.dep = SimpleNamespace(name="dep", ragged_spread=8.0, model=SimpleNamespace(draft_tokens=9))
+
+
+def test_the_sweeps_ragged_pick_is_the_pick_the_export_can_serve(tmp_path):
+    """The ragged phase times the group the export would serve: not one measured on an older
+    kernel source (its rows no longer count), nor one whose recorded serving check failed."""
+    from kvtune.tuner.export import serve_key, served
+    from kvtune.tuner.ragged import deployment_trials, ragged_pick
+    from kvtune.tuner.table import TrialsTable
+
+    lanes8_old = dict(LANES8, ROWS=72)
+    df = _table((100.0, 100.0), (66.0, 66.0))   # eight lanes 1.5x faster: the pick
+    old = df[df["role"] == "search"].assign(params=[dict(lanes8_old)] * 2, median_us=40.0, kernel_hash="0ld")
+    df = pd.concat([old, df.assign(kernel_hash="n3w")], ignore_index=True)   # older rows first, as a table grows
+    df = df.assign(deployment="dep", device="H200", arch="sm_90", T=9, study=[f"s{i}" for i in range(len(df))],
+                   trial=0)
+    path = tmp_path / "trials.csv"
+    table = TrialsTable(path, ["NSPLIT", "ROWS", "COPY_LANES"])
+    for r in df.to_dict("records"):
+        table.append(r)
+    sweep = _Sweep(path)
+    rows = deployment_trials(sweep)
+    assert set(rows["kernel_hash"]) == {"n3w"}
+    assert json.loads(ragged_pick(sweep, "wgmma", 2, 16, rows)) == {"COPY_LANES": 8, "ROWS": 64}
+
+    # its serving check recorded wrong: the default's group is what the export would serve
+    pick, _ = choose(rows, ["wgmma"], 2, 16, CTXS)
+    params, split_table = served(pick[1], pick[2], CTXS, 9, "wgmma", 16)
+    key = serve_key("wgmma", params, split_table)
+    bad = df[df["role"] == "search"].iloc[-2:].assign(phase="serve", round=key, outcome="wrong", reason="rel_err")
+    for r in bad.to_dict("records"):
+        table.append(r)
+    rows = deployment_trials(sweep)
+    assert json.loads(ragged_pick(sweep, "wgmma", 2, 16, rows)) == {"COPY_LANES": 4, "ROWS": 64}

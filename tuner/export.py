@@ -277,7 +277,7 @@ def export_deployment(dep: Deployment | str, out: str = "runs", trials_csv: str 
     dep = dep if isinstance(dep, Deployment) else load_deployment(dep)
     out_dir = Path(out) / dep.name
     table_path = Path(trials_csv) if trials_csv else out_dir / "trials.csv"
-    df = _latest_source(_latest_device(_deployment_trials(table_path, dep)))
+    df = exportable(_deployment_trials(table_path, dep))
     backends = [b for b in dict.fromkeys(df["backend"]) if b in BACKEND_NAMES and b != "reference"]
     others = [b for b in dict.fromkeys(df["backend"]) if b not in BACKEND_NAMES]
     if others:
@@ -318,18 +318,26 @@ def _deployment_trials(table_path: Path, dep: Deployment):
     return df
 
 
-def _latest_device(df):
+def exportable(df, warn: bool = True):
+    """The rows of a deployment's trials the export judges: the latest device's, and per backend
+    its latest kernel source's (`warn`: say what was set aside). The sweep's ragged phase judges
+    its picks on the same rows."""
+    return _latest_source(_latest_device(df, warn), warn)
+
+
+def _latest_device(df, warn: bool = True):
     """Numbers from different machines are not comparable: the trials of the latest one's."""
     devices = list(dict.fromkeys(zip(df["device"].astype(str), df["arch"].astype(str))))
     if len(devices) <= 1:
         return df
     dev, arch = str(df.iloc[-1]["device"]), str(df.iloc[-1]["arch"])
-    log.warning("the table holds trials from %d devices %s; exporting those of the latest, %s (%s)",
-                len(devices), devices, dev, arch)
+    if warn:
+        log.warning("the table holds trials from %d devices %s; exporting those of the latest, %s (%s)",
+                    len(devices), devices, dev, arch)
     return df[(df["device"].astype(str) == dev) & (df["arch"].astype(str) == arch)]
 
 
-def _latest_source(df):
+def _latest_source(df, warn: bool = True):
     """A backend's trials on an older kernel source measured code that no longer runs (and its
     entries would fail the runtime's provenance check): only its latest source's rows count."""
     if "kernel_hash" not in df:
@@ -340,10 +348,11 @@ def _latest_source(df):
         hashes = rows["kernel_hash"].fillna("").astype(str)
         latest = hashes.iloc[-1]
         if latest and (hashes != latest).any():
-            log.warning("%s: %d trial row(s) were measured on an older kernel source (%s) than its latest, %s; "
-                        "exporting the latest's only (`kvtune forget --backend %s` sets the old ones aside, and "
-                        "a sweep then re-tunes it)", be, int((hashes != latest).sum()),
-                        sorted(set(hashes[hashes != latest])), latest, be)
+            if warn:
+                log.warning("%s: %d trial row(s) were measured on an older kernel source (%s) than its latest, "
+                            "%s; exporting the latest's only (`kvtune forget --backend %s` sets the old ones aside, "
+                            "and a sweep then re-tunes it)", be, int((hashes != latest).sum()),
+                            sorted(set(hashes[hashes != latest])), latest, be)
             rows = rows[hashes == latest]
         keep.append(rows)
     import pandas as pd

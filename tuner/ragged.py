@@ -87,18 +87,23 @@ def ragged_applies(sweep, backend, bs) -> bool:
 
 
 def deployment_trials(sweep):
-    """The trials table so far, this deployment's rows (`ragged_applies` says the file exists)."""
+    """The trials table so far as the export judges it (`ragged_applies` says the file exists):
+    this deployment's rows of the latest device and of each backend's latest kernel source
+    (`tuner.export.exportable`), so the sweep never times a pick the export could not serve."""
+    from .export import exportable   # the export imports this module
     from .table import read_trials
     df = read_trials(sweep.table.path)
-    return df[df["deployment"] == sweep.dep.name]
+    return exportable(df[df["deployment"] == sweep.dep.name], warn=False)
 
 
 def ragged_pick(sweep, backend, tp, bs, df) -> str | None:
     """The compile key the export would serve at (backend, tp, bs) from `df` (`deployment_trials`),
-    judged as the export judges it (`tuner.export.choose`, this deployment's ragged rows
-    counted), or None."""
-    from .export import choose   # the export imports this module
-    pick, _ = choose(df, [backend], tp, bs, list(sweep.ctxs), rnd=ragged_round(sweep.dep.ragged_spread))
+    judged as the export judges it (`tuner.export.pick_served`: this deployment's ragged rows
+    counted, a group whose recorded serving check failed passed over; no check measured here),
+    or None."""
+    from .export import pick_served   # the export imports this module
+    pick, _, _ = pick_served(df, [backend], tp, bs, list(sweep.ctxs), sweep.dep.model.draft_tokens,
+                             rnd=ragged_round(sweep.dep.ragged_spread))
     return compile_key(pick[1]) if pick else None
 
 
