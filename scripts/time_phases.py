@@ -105,8 +105,9 @@ WGMMA_VARIANTS = {
                        "        if (a.H < 0) mma_bf16(cq[h], af, qf[i][0], qf[i][1]);")],
     "tail_no_pv": [("        mma_ss_n8_vt(o[j], desc_sw(", "        if (a.H < 0) mma_ss_n8_vt(o[j], desc_sw(")],
     # the schedule forced (outputs right): verify.cu's items always, or key ranges whenever B > 1
-    "items": [("constexpr int RANGE_RESTART_TILES = 3;", "constexpr int RANGE_RESTART_TILES = 1000000;")],
-    "ranges": [("constexpr int RANGE_RESTART_TILES = 3;", "constexpr int RANGE_RESTART_TILES = -1000000;")],
+    # (kernels.cuda.wgmma.forced_schedule, applied by patched_source)
+    "items": [],
+    "ranges": [],
 }
 
 #: variants that may fault (see the docstring): only when named
@@ -162,8 +163,11 @@ def variants_of(backend: str) -> tuple[dict, str]:
 def patched_source(src: str, variant: str, backend: str = "cuda") -> str:
     """`src` (verify.cu, or verify_wgmma.cu for `backend` wgmma) with `variant`'s stage left out;
     `a+b` applies variant a, then b (e.g. `ranges+no_q`: the schedule forced and Q left out)."""
+    from kvtune.kernels.cuda.wgmma import FORCED_RESTART_TILES, forced_schedule
     table, part = variants_of(backend)
     for name in variant.split("+"):
+        if backend == "wgmma" and name in FORCED_RESTART_TILES:
+            src = forced_schedule(src, name)
         for anchor, repl in table[name]:
             if src.count(anchor) != 1:
                 raise SystemExit(f"variant {variant}: anchor {anchor!r} occurs {src.count(anchor)} times in {part}")

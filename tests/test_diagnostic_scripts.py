@@ -277,3 +277,22 @@ def test_bench_kernel_times_the_config_the_packaged_defaults_serve():
         assert (backend, params) == (e["backend"], {**e["params"], "NSPLIT": b["NSPLIT"]}), (H, B, prefix)
         assert f"batch bucket {e['max_batch']}" in label
     assert bench_kernel.tuned_run(tuned, 12, 1, 4096) is None   # no entry with 12 heads per rank
+
+
+def test_a_forced_schedule_changes_only_the_restart_weight():
+    """`forced_schedule` (used by the GPU tests' forced schedules and time_phases.py's `items` /
+    `ranges`) rewrites the one RANGE_RESTART_TILES declaration and nothing else."""
+    from kvtune.kernels.cuda.wgmma import FORCED_RESTART_TILES, forced_schedule, restart_tiles
+    src = nvrtc.SOURCE_PATH.with_name("verify_wgmma.cu").read_text()
+    shipped = restart_tiles(src)
+    assert shipped not in FORCED_RESTART_TILES.values()
+    for name, value in FORCED_RESTART_TILES.items():
+        forced = forced_schedule(src, name)
+        assert restart_tiles(forced) == value
+        changed = [(a, b) for a, b in zip(src.splitlines(), forced.splitlines()) if a != b]
+        assert changed == [(f"constexpr int RANGE_RESTART_TILES = {shipped};",
+                            f"constexpr int RANGE_RESTART_TILES = {value};")]
+    with pytest.raises(ValueError, match="schedule"):
+        forced_schedule(src, "both")
+    with pytest.raises(ValueError, match="0 times"):
+        forced_schedule("no declaration here", "items")

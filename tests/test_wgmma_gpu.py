@@ -14,6 +14,8 @@ import torch
 
 from kvtune.kernels import (SplitTable, describe_problem, get_backend, make_inputs, reference_attention, rel_error,
                             verify_attention)
+from kvtune.kernels.cuda import nvrtc
+from kvtune.kernels.cuda.wgmma import FORCED_RESTART_TILES, forced_schedule, restart_tiles
 from test_cuda_gpu import _check as check_against_oracle
 from test_cuda_gpu import _expected_items, _items_per_request
 
@@ -106,7 +108,7 @@ def test_split_table_sets_the_partial_count():
     assert items(None) == _schedule(lengths, 64)[1:]
 
 
-RESTART_TILES = 3  # verify_wgmma.cu's RANGE_RESTART_TILES
+RESTART_TILES = restart_tiles(nvrtc.SOURCE_PATH.with_name("verify_wgmma.cu").read_text())
 
 
 def _schedule(lengths, nsplit, restart_tiles=RESTART_TILES, bn=32):
@@ -137,14 +139,10 @@ def _schedule(lengths, nsplit, restart_tiles=RESTART_TILES, bn=32):
 def forced(request):
     """The source with its schedule forced (RANGE_RESTART_TILES patched: items always, or key
     ranges whenever a batch holds two requests or more), compiled in memory for this test only."""
-    from kvtune.kernels.cuda import nvrtc
     be = get_backend("wgmma")
     src = nvrtc.SOURCE_PATH.with_name("verify_wgmma.cu").read_text()
-    anchor = f"constexpr int RANGE_RESTART_TILES = {RESTART_TILES};"
-    assert src.count(anchor) == 1
-    restart = 10**6 if request.param == "items" else -10**6
-    with nvrtc.source_override(src.replace(anchor, f"constexpr int RANGE_RESTART_TILES = {restart};"),
-                               "verify_wgmma.cu"):
+    restart = FORCED_RESTART_TILES[request.param]
+    with nvrtc.source_override(forced_schedule(src, request.param), "verify_wgmma.cu"):
         be._kernels.clear()
         yield request.param, restart
     be._kernels.clear()

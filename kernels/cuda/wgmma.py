@@ -12,6 +12,7 @@ rows take 1, 2, 4 and 8 CTAs per split.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,31 @@ from .params import ARCH_LIMITS, WgmmaParams
 PARTS = ("verify.cu", "verify_wgmma.cu")
 ROWS = 64       # query rows of the two main warpgroups (wgmma's M)
 TAIL_ROWS = 8   # rows 64-71 of the tail warpgroup (ROWS 72)
+
+
+#: verify_wgmma.cu's choice between its two schedules (items / key ranges) weighs each request
+#: boundary inside a range as this many key tiles; patched, it forces one schedule.
+_RESTART_DECL = re.compile(r"constexpr int RANGE_RESTART_TILES = (-?\d+);")
+#: the patched values: items always (no range ever wins), or ranges whenever B >= 2
+FORCED_RESTART_TILES = {"items": 10**6, "ranges": -10**6}
+
+
+def restart_tiles(source: str) -> int:
+    """RANGE_RESTART_TILES as `source` (verify_wgmma.cu's text) declares it."""
+    found = _RESTART_DECL.findall(source)
+    if len(found) != 1:
+        raise ValueError(f"verify_wgmma.cu declares RANGE_RESTART_TILES {len(found)} times, not once")
+    return int(found[0])
+
+
+def forced_schedule(source: str, schedule: str) -> str:
+    """`source` (verify_wgmma.cu's text) with its schedule forced: "items" always, or "ranges"
+    whenever a batch holds two requests or more (batch 1 always runs items). For tests and
+    `scripts/time_phases.py`, compiled in memory through `nvrtc.source_override`."""
+    if schedule not in FORCED_RESTART_TILES:
+        raise ValueError(f"schedule: 'items' or 'ranges', got {schedule!r}")
+    restart_tiles(source)
+    return _RESTART_DECL.sub(f"constexpr int RANGE_RESTART_TILES = {FORCED_RESTART_TILES[schedule]};", source)
 
 
 def _main_bytes(npb: int) -> int:
