@@ -213,6 +213,10 @@ def verify_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, ba
             raise ValueError("workspace: must start at a 16-byte aligned address (kernels use vector accesses)")
     if split_table is not None:
         _check_split_table(split_table, problem.device)
+        if split_table.dispatch and not be.nsplit_per_batch:
+            raise ValueError(f"split_table: holds buckets another launch serves (NSPLIT 0), which backend "
+                             f"{be.name} cannot skip (it picks NSPLIT per request); only backends whose NSPLIT "
+                             "counts the batch's splits (cuda, wgmma) take such tables")
     be.launch(LaunchArgs(problem, q, kv_cache, kv_indptr, kv_indices, tree_mask, float(sm_scale), out, lse,
                          workspace, split_table), params)
     return (out, lse) if return_lse else out

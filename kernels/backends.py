@@ -26,10 +26,16 @@ class SplitTable:
     last bucket's NSPLIT beyond the last bound. Both are int32 `[num_buckets]` tensors on
     the kernel's device; every entry must be in [1, params.NSPLIT] (the grid size). Used by
     the serving runtime so that one captured CUDA graph stays tuned while contexts grow.
+
+    A value 0 marks a bucket the launch does not serve (`dispatch`): the runtime's per-context
+    dispatch launches each compile-time config of an entry with a table holding its own buckets
+    only, and a launch whose batch falls in a 0 bucket writes nothing. Only backends whose
+    NSPLIT counts the batch's splits (`Backend.nsplit_per_batch`: cuda, wgmma) take such tables.
     """
 
     max_keys: torch.Tensor
     nsplit: torch.Tensor
+    dispatch: bool = False   # some bucket is 0: served by another launch
 
     @staticmethod
     def build(max_keys: list[int], nsplit: list[int], device) -> "SplitTable":
@@ -37,10 +43,12 @@ class SplitTable:
             raise ValueError("SplitTable needs as many NSPLIT values as bucket bounds (at least one)")
         if any(b <= a for a, b in zip(max_keys, max_keys[1:])):
             raise ValueError(f"SplitTable bounds must increase strictly, got {max_keys}")
-        if any(int(n) < 1 for n in nsplit):
-            raise ValueError(f"SplitTable NSPLIT values must be >= 1, got {nsplit}")
+        if any(int(n) < 0 for n in nsplit) or not any(int(n) > 0 for n in nsplit):
+            raise ValueError(f"SplitTable NSPLIT values must be >= 1 (0: a bucket another launch serves), "
+                             f"and one at least >= 1, got {nsplit}")
         return SplitTable(torch.tensor(max_keys, dtype=torch.int32, device=device),
-                          torch.tensor(nsplit, dtype=torch.int32, device=device))
+                          torch.tensor(nsplit, dtype=torch.int32, device=device),
+                          dispatch=any(int(n) == 0 for n in nsplit))
 
     @property
     def num_buckets(self) -> int:

@@ -96,17 +96,23 @@ __device__ __forceinline__ u16 bf16_bits(float x) {
   return *reinterpret_cast<u16*>(&h);
 }
 
-// NSPLIT for L keys: the grid's, or the first bucket with L <= bound (the last bucket beyond
-// the last bound), clamped to [1, grid_nsplit]. Same rule as Triton's (which applies it per
-// request; here L is the batch's total).
-__device__ __forceinline__ int num_splits(int L, const int* max_keys, const int* values, int nb,
-                                          int grid_nsplit) {
+// The split table's value for L keys: the grid's NSPLIT without a table, else the first bucket
+// with L <= bound (the last bucket beyond the last bound). Same rule as Triton's (which applies
+// it per request; here L is the batch's total). 0 marks a bucket this launch does not serve: a
+// per-context dispatch puts several compile-time configs in one graph, one launch each, and
+// every launch but the one whose table holds the batch's bucket does nothing (`batch_idle`).
+__device__ __forceinline__ int table_value(int L, const int* max_keys, const int* values, int nb, int grid_nsplit) {
   if (nb == 0) return grid_nsplit;
   int n = values[nb - 1];
   for (int i = 0; i < nb; ++i) {
     if (L <= max_keys[i]) { n = values[i]; break; }
   }
-  return min(max(n, 1), grid_nsplit);
+  return n;
+}
+// NSPLIT for L keys: the table's value clamped to [1, grid_nsplit].
+__device__ __forceinline__ int num_splits(int L, const int* max_keys, const int* values, int nb,
+                                          int grid_nsplit) {
+  return min(max(table_value(L, max_keys, values, nb, grid_nsplit), 1), grid_nsplit);
 }
 
 // ---------------------------------------------------------------- configuration
@@ -247,6 +253,19 @@ __device__ __forceinline__ int batch_keys(const SplitArgs& a) { return a.indptr[
 __device__ __forceinline__ int batch_nsplit(const SplitArgs& a, int total) {
   return num_splits(total, a.split_max_keys, a.split_values, a.num_buckets, a.grid_nsplit);
 }
+// Whether another launch of a per-context dispatch serves this batch (its bucket's table value
+// is 0 here): then CTA (0, 0) marks every request's item count -1 (`mark_idle`), no CTA does
+// anything else, and the merge launched after it writes nothing.
+__device__ __forceinline__ bool batch_idle(const SplitArgs& a) {
+  return a.num_buckets > 0 &&
+         table_value(batch_keys(a), a.split_max_keys, a.split_values, a.num_buckets, a.grid_nsplit) == 0;
+}
+__device__ __forceinline__ void mark_idle(const SplitArgs& a) {  // warp-wide
+  for (int b = threadIdx.x & 31; b < a.B; b += 32) {
+    a.meta[2 * b] = 0;
+    a.meta[2 * b + 1] = -1;
+  }
+}
 
 // Work item `item` of the items schedule with pieces of at most `chunk` keys (a multiple of
 // BLOCK_N, from chunk_tiles): each request cut into equal pieces in whole tiles, requests in
@@ -283,6 +302,10 @@ __device__ Work find_item(const SplitArgs& a, int item, bool write_meta, int chu
 }
 template <int BLOCK_N>
 __device__ Work find_work(const SplitArgs& a, int item, bool write_meta) {
+  if (batch_idle(a)) {
+    if (write_meta) mark_idle(a);
+    return {-1, 0, 0};
+  }
   const int total = batch_keys(a);
   const int chunk = chunk_tiles<BLOCK_N>(a, total, max(batch_nsplit(a, total), a.B)) * BLOCK_N;
   return find_item<BLOCK_N>(a, item, write_meta, chunk);
@@ -778,6 +801,7 @@ __global__ void __launch_bounds__(SG * 16) verify_merge_kernel(const MergeArgs a
   const int b = row / a.T, t = row % a.T;
   pdl_wait();  // the split grid's partials and meta are complete and visible past this point
   const int first = a.meta[2 * b], nsplit = min(a.meta[2 * b + 1], MAX_NSPLIT);
+  if (nsplit < 0) return;  // the split launch was idle (`batch_idle`): another launch serves the batch
   const float NEG_INF = -__int_as_float(0x7f800000);
   const i64 split_stride = (i64)a.T * a.H;     // partial rows per work item
   const i64 pair0 = ((i64)first * a.T + t) * a.H + head;  // this pair's row in the request's first item

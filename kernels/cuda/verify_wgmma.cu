@@ -595,7 +595,10 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
         mbar_init(smem_u32(smem + Lay::EMPTY_OFF + 8 * i));
       }
   };
-  if (tid < 32) {
+  if (tid < 32 && batch_idle(a)) {  // another launch of a per-context dispatch serves this batch
+    if (blockIdx.y == 0 && mb == 0) mark_idle(a);
+    if (lane == 0) work_s[0] = -1;
+  } else if (tid < 32) {
     const Schedule sc = plan_schedule(a);
     const int R = sc.R, total = batch_keys(a);
     const int x = R > 0 ? (int)min((i64)blockIdx.y * R, (i64)total) : 0;
@@ -914,6 +917,7 @@ __global__ void __launch_bounds__(256, 3) verify_merge_warp_kernel(const MergeAr
   pdl_wait();  // the split grid's partials and meta are complete and visible past this point
   if (head >= a.H) return;
   const int first = a.meta[2 * b], nsplit = min(a.meta[2 * b + 1], MAX_NSPLIT);
+  if (nsplit < 0) return;  // the split launch was idle (`batch_idle`): another launch serves the batch
   const i64 split_stride = (i64)a.T * a.H;  // partial rows per work item
   const i64 pair0 = ((i64)first * a.T + t) * a.H + head;
   // the max over the splits (a lane per split); the first 32 kept for their weights
