@@ -1,9 +1,9 @@
 """Serving runtime: read the exported YAML once, then run the tuned verify kernel every step.
 
-Reads top to bottom: `Plan` (how batches up to one bucket run), `VerifyAttention` (the object
-a serving engine creates once per (deployment, tp) and calls inside its CUDA graphs) with its
-construction from the YAML, `StepPlan`, and the helpers that build plans. Finding, loading and
-provenance-checking the YAML is `lookup.py` (its names are re-exported here).
+Reads top to bottom: `VerifyAttention` (the object a serving engine creates once per
+(deployment, tp) and calls inside its CUDA graphs) with its construction from the YAML, and
+`StepPlan`. How each batch entry runs (`Plan`, built from the YAML) is `plans.py`; finding,
+loading and provenance-checking the YAML is `lookup.py` (its names are re-exported here).
 
 Never imports the tuner, Optuna or pandas: only torch, PyYAML and the kernels.
 
@@ -35,11 +35,13 @@ from typing import Any
 
 import torch
 
-from .api import DEFAULT_KV_LORA_RANK, verify_attention
+from .api import verify_attention
 from .api import check_values as api_check_values
-from .backends import Backend, LaunchArgs, SplitTable, get_backend, params_from_dict, split_bounds
-from .shapes import MAX_DRAFT_TOKENS, VerifyProblem
-from .tuned import TunedDefaults, TunedEntry
+from .backends import LaunchArgs, SplitTable, split_bounds
+from .plans import DEFAULT_BACKEND, Plan, model_on_rank  # noqa: F401 - DEFAULT_BACKEND re-exported
+from .plans import plans as build_plans
+from .shapes import VerifyProblem
+from .tuned import TunedDefaults
 
 from .lookup import (  # noqa: F401 - re-exported: the runtime's public lookup names
     ENV_CONFIG_DIR, ENV_VERIFY, VERIFY_MODES, ProvenanceError, backend_kernel_hash, reset_warn_once, warn_once,
@@ -49,36 +51,11 @@ from .lookup import (  # noqa: F401 - re-exported: the runtime's public lookup n
 
 log = logging.getLogger("kvtune.runtime")
 
-DEFAULT_BACKEND = "triton"
 #: bf16 tolerance of the start-up self-check against the oracle (||o-ref|| / ||ref||)
 SELF_CHECK_TOL = 3e-2
 
 
 # -- the verify-attention object -------------------------------------------------------
-
-@dataclass(frozen=True)
-class Plan:
-    """How batches of up to `max_batch` requests run (one per batch entry of the YAML).
-
-    split_table: device-side NSPLIT per context bucket (None: the grid's NSPLIT always).
-    entry: the YAML entry (None for the untuned fallback); `source` says where it came from.
-    """
-
-    max_batch: int
-    backend: Backend
-    params: Any
-    split_table: SplitTable | None
-    entry: TunedEntry | None
-    source: str
-
-    def nsplit_for(self, prefix_len: int) -> int:
-        """The NSPLIT the kernel picks on the device for a request with this prefix (host
-        mirror of the device-side choice; the policy is `TunedEntry.bucket_for`)."""
-        grid = getattr(self.params, "NSPLIT", 1)
-        if self.split_table is None:
-            return grid
-        return max(1, min(grid, self.entry.bucket_for(prefix_len).NSPLIT))
-
 
 class VerifyAttention:
     """The tuned verify kernel of one (deployment, tp), ready to call inside CUDA graphs.
@@ -130,7 +107,7 @@ class VerifyAttention:
             i = self._plan_of_batch[n]
             p = self.plans[i]
             if p.entry is not None and p.split_table is not None:
-                tuned_ns = tuple(min(b.NSPLIT, p.params.NSPLIT) for b in p.entry.buckets)
+                tuned_ns = p.bucket_nsplits()
                 # a backend whose NSPLIT counts the batch's splits keeps its CTA count unscaled
                 scaled = tuned_ns if p.backend.nsplit_per_batch else \
                     tuple(_scaled_nsplit(x, p.max_batch, n) for x in tuned_ns)
@@ -158,11 +135,14 @@ class VerifyAttention:
                        f"the largest tuned batch bucket: NSPLIT scaled by max_batch/batch", logging.INFO)
         self._problems = [None] + [self.problem(n) for n in range(1, max_batch + 1)]
         self._step: StepPlan | None = None
-        need = max(self._launch[n][0].backend.workspace_bytes(self.problem(n), self._launch[n][1])
-                   for n in range(1, max_batch + 1))
+        # a per-context dispatch's configs run one after the other on the same workspace
+        need = max(self._launch[n][0].backend.workspace_bytes(self.problem(n), params)
+                   for n in range(1, max_batch + 1)
+                   for params in (self._launch[n][1], *(o[0] for o in self._launch[n][0].others)))
         self.workspace_bytes = need
         out_bytes = max_batch * T * H * Dv * 2 if preallocate_out else 0
-        tables = {id(t): t for t in (self._launch[n][2] for n in range(1, max_batch + 1)) if t is not None}
+        tables = {id(t): t for n in range(1, max_batch + 1)
+                  for t in (self._launch[n][2], *(o[1] for o in self._launch[n][0].others)) if t is not None}
         table_bytes = sum(8 * t.num_buckets for t in tables.values())
         self.allocated_bytes = need + out_bytes + table_bytes
         if workspace_budget_bytes is not None and self.allocated_bytes > workspace_budget_bytes:
@@ -219,10 +199,10 @@ class VerifyAttention:
             tuned = load_defaults(tuned, deployment=deployment, device=device, allow_mismatch=allow_mismatch)
         else:
             check_provenance(tuned, device, deployment=deployment, allow_mismatch=allow_mismatch)
-        kw = _model_on_rank(tuned, tp, allow_mismatch, draft_tokens=draft_tokens, heads=heads,
+        kw = model_on_rank(tuned, tp, allow_mismatch, draft_tokens=draft_tokens, heads=heads,
                             kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, sm_scale=sm_scale)
         kw.update(tp=tp, max_batch=max_batch, max_context=max_context, device=device, tuned=tuned)
-        plans = _plans(tuned, kw, mode, backend, allow_mismatch)
+        plans = build_plans(tuned, kw, mode, backend, allow_mismatch)
         self = cls(plans=plans, workspace_budget_bytes=workspace_budget_bytes, preallocate_out=preallocate_out,
                    check_values=check_values, **kw)
         if warmup:
@@ -238,21 +218,24 @@ class VerifyAttention:
             raise ValueError(f"batch: {batch!r} requests; this VerifyAttention serves 1..{self.max_batch}")
         return self.plans[self._plan_of_batch[batch]]
 
-    def params_for(self, batch: int):
+    def params_for(self, batch: int, keys: int | None = None):
         """The backend parameters a batch of `batch` requests launches with (the plan's, with
-        the grid NSPLIT scaled down past the largest tuned batch bucket)."""
-        self.plan_for(batch)                 # validates batch
+        the grid NSPLIT scaled down past the largest tuned batch bucket). keys: the batch's
+        keys in all (prefixes and drafts); under a per-context dispatch, the parameters of the
+        config that serves them (host mirror of the device's choice)."""
+        p = self.plan_for(batch)             # validates batch
+        if keys is not None and p.others:
+            return p.params_for_keys(keys, self.T)
         return self._launch[batch][1]
 
     def nsplit_for(self, batch: int, prefix_len: int) -> int:
         """NSPLIT the kernel will choose on the device for a request with this prefix (host mirror)."""
         p = self.plan_for(batch)
         _, params, table = self._launch[batch]
-        grid = getattr(params, "NSPLIT", 1)
         if table is None:
-            return grid
+            return getattr(params, "NSPLIT", 1)
         i = p.entry.buckets.index(p.entry.bucket_for(prefix_len))
-        return max(1, min(grid, self._nsplits[batch][i]))
+        return self._nsplits[batch][i]
 
     def warmup(self) -> None:
         """Compile every plan's kernel now (not in the first captured step) and check it
@@ -270,14 +253,23 @@ class VerifyAttention:
             inp = make_inputs(n, self.T, self.H, [(1, 37)[b % 2] for b in range(n)], tree="random",
                               kv_lora_rank=self.Dv, rope_dim=self.Dk - self.Dv, device=self.device, seed=1234 + i,
                               sm_scale=self.sm_scale)
-            out = torch.full((n * self.T, self.H, self.Dv), float("nan"), dtype=torch.bfloat16, device=self.device)
-            verify_attention(*inp.args, backend=p.backend, params=params, out=out, workspace=self.workspace,
-                             split_table=table, kv_lora_rank=self.Dv, check_values_=True)
             ref, _ = reference_attention(*inp.args, kv_lora_rank=self.Dv)
-            err = rel_error(out, ref)
-            if not err <= SELF_CHECK_TOL:
-                raise RuntimeError(f"kvtune: start-up self-check failed for {p.source}: backend {p.backend.name} "
-                                   f"params {params} gives relative error {err:.3g} against the oracle")
+            # a per-context dispatch: each config on its own (its grid NSPLIT: these short
+            # requests fall in the first bucket, which one config serves), then all of them in
+            # turn as `run` launches them, the idle ones writing nothing
+            checks = [((params, table),)] if not p.others else \
+                [((c, None),) for c in (params, *(o[0] for o in p.others))] + [((params, table), *p.others)]
+            for launches in checks:
+                out = torch.full((n * self.T, self.H, self.Dv), float("nan"), dtype=torch.bfloat16,
+                                 device=self.device)
+                for c, t in launches:
+                    verify_attention(*inp.args, backend=p.backend, params=c, out=out, workspace=self.workspace,
+                                     split_table=t, kv_lora_rank=self.Dv, check_values_=True)
+                err = rel_error(out, ref)
+                if not err <= SELF_CHECK_TOL:
+                    raise RuntimeError(f"kvtune: start-up self-check failed for {p.source}: backend "
+                                       f"{p.backend.name} params {[c for c, _ in launches]} give relative error "
+                                       f"{err:.3g} against the oracle")
 
     def describe(self) -> dict:
         """A plain summary (for logs): plans, parameters, buckets and preallocated bytes."""
@@ -285,7 +277,8 @@ class VerifyAttention:
                 "max_context": self.max_context, "workspace_bytes": self.workspace_bytes,
                 "allocated_bytes": self.allocated_bytes,
                 "plans": [{"max_batch": p.max_batch, "backend": p.backend.name, "params": p.params,
-                           "buckets": [(b.max_context, b.NSPLIT) for b in p.entry.buckets] if p.entry else None,
+                           "buckets": [(b.max_context, b.NSPLIT) + ((b.params,) if b.params else ())
+                                       for b in p.entry.buckets] if p.entry else None,
                            "source": p.source} for p in self.plans]}
 
     # -- plan once per step, run once per layer
@@ -397,9 +390,12 @@ class VerifyAttention:
             sm_scale = self.sm_scale
         elif isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not 0 < sm_scale < math.inf:
             raise ValueError(f"sm_scale: expected a positive finite float, got {sm_scale!r}")
-        step.plan.backend.launch(LaunchArgs(step.problem, q, kv_cache, step.kv_indptr, step.kv_indices,
-                                            step.tree_mask, float(sm_scale), out, lse, self.workspace,
-                                            step.split_table), step.params)
+        # a per-context dispatch launches every config of the entry: the one whose split table
+        # holds the batch's bucket runs, the others exit at once (their bucket's value is 0)
+        for params, table in ((step.params, step.split_table), *step.plan.others):
+            step.plan.backend.launch(LaunchArgs(step.problem, q, kv_cache, step.kv_indptr, step.kv_indices,
+                                                step.tree_mask, float(sm_scale), out, lse, self.workspace, table),
+                                     params)
         return out if lse is None else (out, lse)
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor,
@@ -460,119 +456,3 @@ def _scaled_nsplit(nsplit: int, tuned_batch: int, batch: int) -> int:
     """NSPLIT for `batch` requests from one tuned at `tuned_batch`: at most the tuned CTA
     count (floor), and at least one split per request."""
     return max(1, nsplit * tuned_batch // batch)
-
-
-def _problem(kw: dict, batch: int) -> VerifyProblem:
-    return VerifyProblem(B=batch, T=kw["T"], H=kw["H"], Dk=kw["Dk"], Dv=kw["Dv"], device=kw["device"])
-
-
-def _usable_backend(name: str, device: torch.device, what: str) -> Backend:
-    """The backend `name`, or a ValueError naming `what` asked for it and why it cannot run here."""
-    try:
-        be = get_backend(name)
-    except ImportError as e:
-        raise ValueError(f"{what}: backend {name!r} cannot be imported: {e}") from None
-    why = be.supports(device)
-    if why:
-        raise ValueError(f"{what}: backend {name!r} cannot run on {device}: {why}")
-    return be
-
-
-def _plan_from_entry(e: TunedEntry, forced: str | None, fallback: str, allow_mismatch: bool, kw: dict,
-                     max_batch: int, source: str) -> Plan:
-    """A Plan from one YAML entry. The entry's parameters and split table, unless
-    `KVTUNE_VERIFY` forces another backend, or (allow_mismatch) the entry's backend cannot
-    run here: then the `fallback` backend's default parameters, logged once."""
-    if e.heads_per_rank != kw["H"]:
-        warn_once(f"heads:{source}", f"kvtune: {source}: tuned for {e.heads_per_rank} heads per rank, "
-                   f"running {kw['H']}")
-    why = None
-    if forced is None or forced == e.backend:
-        try:
-            be = _usable_backend(e.backend, kw["device"], f"{source}: backend")
-        except ValueError as err:
-            if forced is not None or not allow_mismatch:
-                raise ValueError(f"{err} (allow_mismatch=True falls back to {fallback}'s defaults)") from None
-            why = f"{err}; falling back to {fallback}"
-    if (forced is not None and forced != e.backend) or why is not None:
-        be = _usable_backend(fallback, kw["device"], f"{ENV_VERIFY}={forced}" if forced else "backend")
-        params = be.default_params(_problem(kw, min(e.max_batch, max_batch)))
-        why = why or f"{ENV_VERIFY}={forced} overrides {source}'s backend {e.backend!r}"
-        warn_once(f"fallback:{source}:{fallback}", f"kvtune: {why}: running {be.name} with its default "
-                   f"parameters {params}")
-        return Plan(e.max_batch, be, params, None, None, f"{source}, replaced by {be.name} defaults")
-    params = params_from_dict(be.params_type, dict(e.params), where=f"{source}: params", complete=True) \
-        if be.params_type is not None else None
-    table = None
-    grid = getattr(params, "NSPLIT", None)
-    if grid is not None:
-        # the kernel compares L_b = prefix + T keys with the bound; the YAML's bounds are prefixes
-        table = SplitTable.build(split_bounds(be, [b.max_context for b in e.buckets], kw["T"], e.max_batch),
-                                 [min(b.NSPLIT, grid) for b in e.buckets], kw["device"])
-    return Plan(e.max_batch, be, params, table, e, source)
-
-
-def _model_on_rank(tuned: TunedDefaults | None, tp: int, allow_mismatch: bool, **given) -> dict:
-    """The model's shape on this rank (T, H, Dk, Dv, sm_scale): the YAML's `model` (heads =
-    num_heads / tp), unless the caller gives a value, which must then match it (or
-    allow_mismatch). Without a YAML every value must be given."""
-    m = tuned.model if tuned is not None else {}
-    src = tuned.source if tuned is not None else "<no tuned defaults>"
-
-    def pick(name, from_yaml, default=None):
-        v = given[name]
-        if from_yaml is None:
-            if v is None and default is None:
-                raise ValueError(f"{name}: no tuned defaults to take it from; pass {name}=")
-            return v if v is not None else default
-        if v is not None and v != from_yaml:
-            msg = f"{src}: {name}: tuned for {from_yaml!r}, runtime asked for {v!r}"
-            if not allow_mismatch:
-                raise ProvenanceError(msg + " (pass allow_mismatch=True to use these defaults anyway)")
-            warn_once(f"model:{msg}", f"kvtune: {msg}")
-            return v
-        return from_yaml
-
-    yaml_heads = None
-    if tuned is not None:
-        if m["num_heads"] % tp:
-            raise ValueError(f"tp: {tp} does not divide {src}: model.num_heads={m['num_heads']}")
-        yaml_heads = m["num_heads"] // tp
-    T = pick("draft_tokens", m.get("draft_tokens"))
-    H = pick("heads", yaml_heads)
-    Dv = pick("kv_lora_rank", m.get("kv_lora_rank"), DEFAULT_KV_LORA_RANK)
-    dpe = pick("rope_dim", m.get("qk_rope_head_dim"), 64)
-    sm_scale = given["sm_scale"] if given["sm_scale"] is not None else m.get("sm_scale")
-    if sm_scale is None:
-        # a guessed 192**-0.5 would drop the model's YaRN mscale (Kimi-K2: 0.131, not 0.072)
-        raise ValueError("sm_scale: required when no tuned defaults file gives the model's")
-    if not 1 <= T <= MAX_DRAFT_TOKENS:
-        raise ValueError(f"draft_tokens: {T} not in [1, {MAX_DRAFT_TOKENS}]")
-    return dict(T=T, H=H, Dk=Dv + dpe, Dv=Dv, sm_scale=sm_scale)
-
-
-def _plans(tuned: TunedDefaults | None, kw: dict, mode: str, backend: str | None, allow_mismatch: bool) -> list[Plan]:
-    """One plan per batch entry of tp this rank can hit (up to the first covering max_batch);
-    the untuned default of the fallback backend without entries. Each plan's params are checked
-    at the largest batch it serves."""
-    tp, max_batch, device = kw["tp"], kw["max_batch"], kw["device"]
-    src = tuned.source if tuned is not None else "<no tuned defaults>"
-    forced = mode if mode != "auto" else None
-    entries = tuned.entries_for(tp) if tuned is not None else []
-    if tuned is not None and not entries:
-        warn_once(f"notp:{src}:{tp}", f"kvtune: {src} has no entry for tp={tp}; falling back to the "
-                  "backend's untuned default parameters")
-    plans: list[Plan] = []
-    fallback = forced or backend or DEFAULT_BACKEND
-    for e in entries:
-        plans.append(_plan_from_entry(e, forced, fallback, allow_mismatch, kw, max_batch,
-                                      f"{src} (tp={tp}, max_batch={e.max_batch})"))
-        if e.max_batch >= max_batch:
-            break
-    if not plans:
-        be = _usable_backend(fallback, device, f"{ENV_VERIFY}={forced}" if forced else "backend")
-        params = be.default_params(_problem(kw, max_batch))
-        plans.append(Plan(max_batch, be, params, None, None, f"untuned default of {fallback}"))
-    for p in plans:
-        p.backend.check_params(p.params, _problem(kw, min(p.max_batch, max_batch)))
-    return plans

@@ -22,6 +22,13 @@ Schema (version 1)::
         buckets:                        # NSPLIT per context bucket (context = prefix tokens P_b)
           - {max_context: 4096, NSPLIT: 8, latency_us: 9.1, default_latency_us: 14.0, floor_us: 5.2}
           - {max_context: 131072, NSPLIT: 32}
+      - tp: 4                           # a per-context dispatch (cuda and wgmma entries only)
+        max_batch: 64
+        backend: wgmma
+        params: {NSPLIT: 66, ROWS: 72, COPY_LANES: 4}
+        buckets:
+          - {max_context: 4096, NSPLIT: 66}
+          - {max_context: 65536, NSPLIT: 33, params: {ROWS: 72, COPY_LANES: 8}}
       - tp: 8                           # a batch bucket > 1: also timed on a ragged batch
         max_batch: 64
         ...
@@ -32,9 +39,17 @@ Schema (version 1)::
 Bucket policy: a request with prefix P uses the first bucket with P <= max_context, and the
 last bucket beyond it; a batch of size n uses the first entry of its tp with n <= max_batch,
 and the largest entry beyond it. Every bucket's NSPLIT is <= params.NSPLIT.
+
+A bucket's `params` (optional) names the compile-time parameters of its own config where it is
+not the entry's (a per-context dispatch, written by `kvtune export` where the sweep measured
+another config faster there by more than the dispatch costs): the runtime launches each
+distinct config of the entry on every call, and the one whose buckets hold the batch's runs
+while the others exit at once (`TunedEntry.configs`). Those buckets' NSPLIT are within their
+own config's grid (the largest of them), not params.NSPLIT.
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -69,6 +84,9 @@ class ContextBucket:
     # ragged requests is least, so latency_us may exceed default_latency_us by that ratio
     ragged_us: float | None = None
     default_ragged_us: float | None = None
+    # a per-context dispatch: this bucket's compile-time parameters (no NSPLIT) where they are
+    # not the entry's; None: the entry's
+    params: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +103,23 @@ class TunedEntry:
             if context <= b.max_context:
                 return b
         return self.buckets[-1]
+
+    def configs(self) -> list[tuple[dict, list[int]]]:
+        """The compile-time configs this entry launches on every call: (their params, NSPLIT as
+        the grid, the largest of their buckets'; NSPLIT per bucket, 0 where another config
+        serves it). The entry's own config first (its NSPLIT: params.NSPLIT), then each other
+        in the order of its first bucket. One config unless some bucket has `params`."""
+        own = {k: v for k, v in self.params.items() if k != "NSPLIT"}
+        groups: dict[str, tuple[dict, list[int]]] = {json.dumps(own, sort_keys=True): (own, [])}
+        for i, b in enumerate(self.buckets):
+            cp = dict(own, **b.params) if b.params else own
+            groups.setdefault(json.dumps(cp, sort_keys=True), (cp, []))[1].append(i)
+        out = []
+        for n, (cp, idx) in enumerate(groups.values()):
+            ns = [b.NSPLIT if i in idx else 0 for i, b in enumerate(self.buckets)]
+            grid = self.params.get("NSPLIT", max(ns)) if n == 0 else max(ns)
+            out.append((dict(cp, NSPLIT=grid) if "NSPLIT" in self.params else dict(cp), ns))
+        return out
 
 
 @dataclass(frozen=True)
@@ -211,7 +246,6 @@ def parse_tuned(data: Any, source: str = "<memory>", check_params: bool = True,
         if legacy_names:
             from .backends import rename_legacy_params
             params = rename_legacy_params(e["backend"], params)
-        grid_nsplit = params.get("NSPLIT")
         if check_params and e["backend"] != "reference":
             from .backends import params_from_dict
             from .params import params_type
@@ -219,26 +253,65 @@ def parse_tuned(data: Any, source: str = "<memory>", check_params: bool = True,
                 params_from_dict(params_type(e["backend"]), params, where=f"{src}: {key}.params", complete=True)
             except ValueError as exc:
                 raise SchemaError(str(exc) if str(exc).startswith(src) else f"{src}: {key}.params: {exc}") from None
-        braw = e["buckets"]
-        if not isinstance(braw, list) or not braw:
-            raise _err(src, f"{key}.buckets", "expected a non-empty list")
-        buckets = []
-        prev = 0
-        for j, b in enumerate(braw):
-            bkey = f"{key}.buckets[{j}]"
-            b = check_keys(src, bkey, b, ("max_context", "NSPLIT") + _BUCKET_TIMES, ("max_context", "NSPLIT"))
-            mc = _int(src, f"{bkey}.max_context", b["max_context"])
-            if mc <= prev:
-                raise _err(src, f"{bkey}.max_context", f"buckets must increase strictly ({mc} after {prev})")
-            prev = mc
-            ns = _int(src, f"{bkey}.NSPLIT", b["NSPLIT"])
-            if grid_nsplit is not None and ns > grid_nsplit:
-                raise _err(src, f"{bkey}.NSPLIT", f"{ns} exceeds params.NSPLIT={grid_nsplit} (the grid size)")
-            times = {k: _opt_float(src, f"{bkey}.{k}", b.get(k)) for k in _BUCKET_TIMES}
-            buckets.append(ContextBucket(mc, ns, **times))
-        entries.append(TunedEntry(tp, hpr, mb, e["backend"], dict(params), tuple(buckets)))
+        entry = TunedEntry(tp, hpr, mb, e["backend"], dict(params),
+                           _parse_buckets(src, key, e["buckets"], params, e["backend"]))
+        if check_params and e["backend"] != "reference":
+            from .backends import params_from_dict
+            from .params import params_type
+            for cp, _ in entry.configs()[1:]:
+                try:
+                    params_from_dict(params_type(e["backend"]), cp, where=f"{src}: {key}.buckets[].params",
+                                     complete=True)
+                except ValueError as exc:
+                    raise SchemaError(str(exc) if str(exc).startswith(src) else f"{src}: {key}: {exc}") from None
+        entries.append(entry)
     return TunedDefaults(deployment=d["deployment"], model=dict(model), provenance=dict(prov),
                          entries=tuple(entries), source=src)
+
+
+def _parse_buckets(src, key, braw, params: dict, backend: str) -> tuple[ContextBucket, ...]:
+    """An entry's buckets: strictly increasing max_context, each NSPLIT within its config's grid
+    (params.NSPLIT for the entry's own), its own params checked for shape (`_bucket_params`)."""
+    if not isinstance(braw, list) or not braw:
+        raise _err(src, f"{key}.buckets", "expected a non-empty list")
+    grid_nsplit = params.get("NSPLIT")
+    buckets = []
+    prev = 0
+    for j, b in enumerate(braw):
+        bkey = f"{key}.buckets[{j}]"
+        b = check_keys(src, bkey, b, ("max_context", "NSPLIT", "params") + _BUCKET_TIMES, ("max_context", "NSPLIT"))
+        mc = _int(src, f"{bkey}.max_context", b["max_context"])
+        if mc <= prev:
+            raise _err(src, f"{bkey}.max_context", f"buckets must increase strictly ({mc} after {prev})")
+        prev = mc
+        ns = _int(src, f"{bkey}.NSPLIT", b["NSPLIT"])
+        own = _bucket_params(src, bkey, b.get("params"), params, backend)
+        if own is None and grid_nsplit is not None and ns > grid_nsplit:
+            raise _err(src, f"{bkey}.NSPLIT", f"{ns} exceeds params.NSPLIT={grid_nsplit} (the grid size)")
+        times = {k: _opt_float(src, f"{bkey}.{k}", b.get(k)) for k in _BUCKET_TIMES}
+        buckets.append(ContextBucket(mc, ns, **times, params=own))
+    if all(b.params is not None for b in buckets):
+        raise _err(src, f"{key}.buckets", "every bucket names its own params: the entry's params serve none")
+    return tuple(buckets)
+
+
+def _bucket_params(src, bkey, raw, entry_params: dict, backend: str) -> dict | None:
+    """A bucket's own compile-time parameters (a per-context dispatch), checked for shape: a
+    mapping of the entry's parameter names but NSPLIT (a bucket's NSPLIT is its own key) that
+    differs from the entry's. None when absent."""
+    if raw is None:
+        return None
+    raw = _mapping(src, f"{bkey}.params", raw)
+    if backend in ("reference", "triton"):
+        raise _err(src, f"{bkey}.params", f"backend {backend} picks NSPLIT per request and cannot serve a bucket "
+                                          "with other compile-time params (only cuda and wgmma can)")
+    bad = sorted(k for k in raw if k == "NSPLIT" or k not in entry_params)
+    if bad or not raw:
+        raise _err(src, f"{bkey}.params", f"expected compile-time parameters of the entry but NSPLIT, got "
+                                          f"{sorted(raw)}{'' if raw else ' (empty)'}")
+    if all(entry_params[k] == v for k, v in raw.items()):
+        raise _err(src, f"{bkey}.params", f"{raw} are the entry's own: leave them out")
+    return dict(raw)
 
 
 def load_tuned(path: str | os.PathLike, check_params: bool = True, legacy_names: bool = False) -> TunedDefaults:

@@ -202,17 +202,19 @@ def _default_backends(names: str, dev) -> dict:
     return out
 
 
-def _kernel_variants(va, va_b1, defaults: dict, B: int, out, nsplits: list[int] = ()) -> dict:
+def _kernel_variants(va, va_b1, defaults: dict, B: int, out, nsplits: list[int] = (), keys: int | None = None) -> dict:
     """variant name -> (make(inputs) -> launch, config text) for one layer's kernel; `nsplits`:
-    the CUDA default again at each of these NSPLIT (`default-cuda-nsplitN`)."""
+    the CUDA default again at each of these NSPLIT (`default-cuda-nsplitN`); `keys`: the batch's
+    keys in all (under a per-context dispatch the config text is the serving config's)."""
     def runtime_launch(rt):
         def launch_on(inp):
             step = rt.plan(inp.kv_indptr, inp.kv_indices, inp.tree_mask, check_values=False)
             return lambda: rt.run(inp.q, inp.kv_cache, out, plan=step)
         return launch_on
-    variants = {"tuned": (runtime_launch(va), f"{va.plan_for(B).backend.name} {va.params_for(B)}")}
+    variants = {"tuned": (runtime_launch(va), f"{va.plan_for(B).backend.name} {va.params_for(B, keys)}")}
     if va_b1 is not None:
-        variants["tuned-b1"] = (runtime_launch(va_b1), f"{va_b1.plan_for(B).backend.name} {va_b1.params_for(B)}")
+        variants["tuned-b1"] = (runtime_launch(va_b1),
+                                f"{va_b1.plan_for(B).backend.name} {va_b1.params_for(B, keys)}")
     problem = va.problem(B)
     runs = [(vname, be, be.default_params(problem)) for vname, be in defaults.items()]
     runs += [(f"default-cuda-nsplit{n}", be, dataclasses.replace(be.default_params(problem), NSPLIT=n))
@@ -311,7 +313,7 @@ def _run_case(m, spec, prefixes, opts, ci, va, va_b1, ad, defaults, args, common
     B = spec.batch
     case = Case(m, spec, prefixes, opts, seed=ci)
     out = torch.empty(B * va.T, va.H, va.Dv, dtype=torch.bfloat16, device=va.device)
-    variants = _kernel_variants(va, va_b1, defaults, B, out, args.nsplit)
+    variants = _kernel_variants(va, va_b1, defaults, B, out, args.nsplit, common["keys"])
     res = _time_kernels(m, case, opts, variants, common, cuda, rows)
     _time_steps(va, ad, case, args.layers, args.reps, res["tuned"].get("median_us"), common, cuda, rows)
     del case
@@ -366,7 +368,9 @@ def main(argv=None) -> int:
         spec = dataclasses.replace(base, batch=B, context=max(prefixes))
         common = {"case": label, "B": B, "prefix": prefixes[0] if len(set(prefixes)) == 1 else "ragged",
                   "keys": sum(prefixes) + B * va.T, "floor_us": round(floor_us(ceil, base, prefixes), 3)}
-        need = va.plan_for(B).backend.workspace_bytes(va.problem(B), va.params_for(B))
+        plan = va.plan_for(B)
+        need = max(plan.backend.workspace_bytes(va.problem(B), c)
+                   for c in (va.params_for(B), *(o[0] for o in plan.others)))
         if need > budget:
             rows.append({**common, "variant": "tuned", "outcome": "skipped",
                          "reason": f"workspace {need / 2**20:.0f} MiB > budget {budget / 2**20:.0f} MiB"})
