@@ -22,6 +22,14 @@ The serving check is part of the choice: each pick is measured the way serving r
 that check; a pick that fails it gives way to the next best. `kvtune export` measures the
 checks it lacks on this machine (`--no-check`: only recorded ones count); so does
 `kvtune sweep --export`.
+
+A per-context dispatch (`with_dispatch`, `tuner/dispatch.py`): on cuda and wgmma, where another
+compile-time group of the pick's backend measured faster at some context buckets by more than
+NSPLIT_MARGIN and by more than the dispatch's launch cost (DISPATCH_COST_US, per call), those
+buckets name that group's params in the YAML and serving launches both configs on every call
+(the one holding the batch's bucket runs, the other exits at once). It is kept only when its
+own serving check beats the pick's serving check at every moved bucket by the same margins and
+over all buckets together; else the pick serves every bucket alone.
 """
 from __future__ import annotations
 
@@ -229,10 +237,51 @@ def served(cparams: dict, buckets: dict, contexts: list[int], T: int, backend: s
     return params, table
 
 
-def serve_key(backend: str, params: dict, table) -> str:
-    """Names one serving check (the `round` of its rows in the trials table)."""
+def serve_key(backend: str, params: dict, table, dispatch: list | None = None) -> str:
+    """Names one serving check (the `round` of its rows in the trials table); `dispatch`: a
+    per-context dispatch's other launches ([params, table] each)."""
     import hashlib
-    return "serve-" + hashlib.sha256(json.dumps([backend, params, table], sort_keys=True).encode()).hexdigest()[:10]
+    what = [backend, params, table] + ([dispatch] if dispatch else [])
+    return "serve-" + hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def _recorded_checks(df, tp, bs, key) -> list[dict]:
+    sel = df[(df["phase"] == "serve") & (df["round"].astype(str) == key) & (df["tp"] == tp) & (df["bs"] == bs)]
+    return sel[["ctx", "outcome", "reason", "median_us"]].to_dict("records")
+
+
+def with_dispatch(df, pick, tp, bs, contexts, T, served_lat, check=None, rnd: str | None = None):
+    """A per-context dispatch of a served pick, where it pays: the buckets `tuner.dispatch.
+    dispatch_moves` finds on the trials, kept only when the dispatch, measured the way serving
+    runs it (every config launched, `check` unless recorded), is faster than the pick's own
+    serving check (`served_lat`) at every moved bucket by more than NSPLIT_MARGIN and by more
+    than DISPATCH_COST_US, and faster over all buckets together (the other buckets pay its idle
+    launches). Returns ({ctx: Bucket} moved, their compile params, {ctx: served latency} of the
+    dispatch, notes); nothing moved: ({}, {}, None, notes)."""
+    from .dispatch import DISPATCH_COST_US, dispatch_moves, dispatch_tables
+    be, cparams, buckets, _ = pick
+    moves, alt = dispatch_moves(df, be, tp, bs, contexts, cparams, buckets, rnd)
+    if not moves or served_lat is None:
+        return {}, {}, None, []
+    params, table, others = dispatch_tables(be, cparams, buckets, moves, alt, contexts, T, bs)
+    key = serve_key(be, params, table, others)
+    rows = _recorded_checks(df, tp, bs, key)
+    unchecked = [c for c in contexts if c not in {int(r["ctx"]) for r in rows}]
+    if unchecked and check is not None:
+        rows += check(be, params, table, tp, bs, unchecked, key, dispatch=others) or []
+    lat = {int(r["ctx"]): float(r["median_us"]) for r in rows if r["outcome"] == "ok"}
+    what = f"tp={tp} bs={bs}: {be} {alt} at context(s) {sorted(moves)} beside {cparams}"
+    if set(contexts) - set(lat):
+        bad = [r for r in rows if r["outcome"] != "ok"]
+        return {}, {}, None, [f"{what}: no dispatch, its serving check " +
+                              (f"failed ({bad[0]['outcome']}: {bad[0]['reason']})" if bad else "was not measured")]
+    gain = {c: served_lat[c] - lat[c] for c in contexts}
+    if not all(lat[c] * (1 + NSPLIT_MARGIN) < served_lat[c] and gain[c] > DISPATCH_COST_US for c in moves) or \
+            sum(gain.values()) <= 0:
+        return {}, {}, None, [f"{what}: no dispatch, served it measured " +
+                              ", ".join(f"{c}: {lat[c]:.1f} vs {served_lat[c]:.1f} us" for c in contexts)]
+    return moves, alt, lat, [f"{what}: a per-context dispatch, served " +
+                             ", ".join(f"{c}: {lat[c]:.1f} vs {served_lat[c]:.1f} us" for c in contexts)]
 
 
 def pick_served(df, backends, tp, bs, contexts, T, check=None, rnd: str | None = None):
@@ -251,8 +300,7 @@ def pick_served(df, backends, tp, bs, contexts, T, check=None, rnd: str | None =
         be, cparams, buckets, _ = pick
         params, table = served(cparams, buckets, contexts, T, be, bs)
         key = serve_key(be, params, table)
-        sel = df[(df["phase"] == "serve") & (df["round"].astype(str) == key) & (df["tp"] == tp) & (df["bs"] == bs)]
-        rows = sel[["ctx", "outcome", "reason", "median_us"]].to_dict("records")
+        rows = _recorded_checks(df, tp, bs, key)
         unchecked = [c for c in contexts if c not in {int(r["ctx"]) for r in rows}]
         if unchecked and check is not None and measured < MAX_CHECKS:   # a check a kill cut short: the rest
             rows += check(be, params, table, tp, bs, unchecked, key) or []
@@ -412,16 +460,26 @@ def _entries(df, dep: Deployment, backends, checker):
                             tp, bs, contexts)
                 continue
             be, cparams, buckets, is_default = pick
-            params, _ = served(cparams, buckets, contexts, T)
+            moves, alt, dispatch_lat, notes = with_dispatch(df, pick, tp, bs, contexts, T, served_lat, checker, rnd)
+            for n in notes:
+                log.info("note: %s", n)
+            served_lat = dispatch_lat or served_lat
+            params, _ = served(cparams, {c: b for c, b in buckets.items() if c not in moves},
+                               [c for c in contexts if c not in moves], T)
             params = {k: params[k] for k in sorted(params, key=lambda k: (order.index(k) if k in order else 99, k))}
+            alt = {k: alt[k] for k in params if k in alt}
+            buckets = {**buckets, **moves}
             bl = tuple(ContextBucket(max_context=c, NSPLIT=int(buckets[c].nsplit or 1),
                                      latency_us=_r3(buckets[c].latency), default_latency_us=_r3(buckets[c].default),
                                      floor_us=_r3(buckets[c].floor), ragged_us=_r3(buckets[c].ragged),
-                                     default_ragged_us=_r3(buckets[c].default_ragged))
+                                     default_ragged_us=_r3(buckets[c].default_ragged),
+                                     params=dict(alt) if c in moves else None)
                        for c in contexts)
             entries.append(TunedEntry(tp=tp, heads_per_rank=dep.heads(tp), max_batch=bs, backend=be, params=params,
                                       buckets=bl))
-            report += [_report_row(b, lat, backends, be, tp, bs, served_lat, is_default, params) for b in bl]
+            report += [_report_row(b, lat, backends, be, tp, bs, served_lat, is_default and b.params is None,
+                                   dict(params, **(b.params or {}), NSPLIT=b.NSPLIT) if b.params else params)
+                       for b in bl]
     return entries, report
 
 

@@ -135,6 +135,9 @@ class MeasureOptions:
     cpu_reps: int = 3
     # serving mode: [max_keys per bucket, NSPLIT per bucket] -> launches use a SplitTable
     split_table: list | None = None
+    # a per-context dispatch: the other configs' [params, [max_keys, NSPLIT per bucket]] (0 where
+    # another config serves), launched after the measured one in every call, as serving runs them
+    dispatch: list | None = None
 
     def __post_init__(self):
         if self.timing not in TIMINGS:
@@ -279,11 +282,14 @@ class Measurer:
             p = be.default_params(problem) if params is None else \
                 params_from_dict(be.params_type, dict(params), where=f"{backend} params")
             why = be.static_reject(p, problem, self.arch)
+            others = [params_from_dict(be.params_type, dict(d[0]), where=f"{backend} dispatch params")
+                      for d in opts.dispatch or []]
+            why = why or next((w for w in (be.static_reject(o, problem, self.arch) for o in others) if w), None)
         except ValueError as e:
             return Measurement("pruned", str(e))
         if why:
             return Measurement("pruned", why)
-        ws_bytes = be.workspace_bytes(problem, p)
+        ws_bytes = max(be.workspace_bytes(problem, c) for c in (p, *others))
         if ws_bytes > opts.workspace_budget_bytes:
             return Measurement("pruned", f"workspace {ws_bytes / 2**20:.1f} MiB at batch {spec.batch} exceeds the "
                                          f"budget of {opts.workspace_budget_bytes / 2**20:.0f} MiB")
@@ -305,10 +311,13 @@ class Measurer:
         ws = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=dev)
         out = torch.empty(rows, H, Dv, dtype=torch.bfloat16, device=dev)
         st = SplitTable.build(list(opts.split_table[0]), list(opts.split_table[1]), dev) if opts.split_table else None
+        launches = [(p, st)] + [(params_from_dict(be.params_type, dict(d[0])), SplitTable.build(*d[1], dev))
+                                for d in opts.dispatch or []]
 
         def launch(inp, lse=None):
-            verify_attention(*inp.args, backend=be, params=p, out=out, lse=lse, workspace=ws,
-                             kv_lora_rank=spec.kv_lora_rank, check_values_=False, split_table=st)
+            for c, t in launches:
+                verify_attention(*inp.args, backend=be, params=c, out=out, lse=lse, workspace=ws,
+                                 kv_lora_rank=spec.kv_lora_rank, check_values_=False, split_table=t)
 
         # -- 2. correctness gate: fresh values, poisoned outputs, fp32 oracle
         self._refresh_check()

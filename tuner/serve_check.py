@@ -5,7 +5,8 @@ and a SplitTable choosing each bucket's NSPLIT on the device (one graph-capturab
 a correctness gate and a timing. Its rows go to the trials table as phase `serve`, round
 `export.serve_key(...)`, trial 0, role `export` (the schema earlier sweeps wrote them in), so
 a check is measured once and read back by every later export; a config that fails it is
-skipped for the next best (`export.pick_served`).
+skipped for the next best (`export.pick_served`). A per-context dispatch (`export.with_dispatch`)
+is checked the same way with every config launched in each call, role `dispatch`.
 
 Only the machine that measured the trials can check them: the check runs on the device of
 the table's rows (its `device` name must be this machine's), else export uses the checks
@@ -69,19 +70,25 @@ class ServingCheck:
                     "%s and %s; only checks recorded in the trials table count", self.device_name, why)
         return False
 
-    def __call__(self, backend, params, split_table, tp, bs, contexts, key) -> list[dict] | None:
+    def __call__(self, backend, params, split_table, tp, bs, contexts, key, dispatch=None) -> list[dict] | None:
+        """`dispatch`: a per-context dispatch's other launches ([params, split table] each), run
+        after `params` in every call as serving runs them."""
         if not self._start(backend):
             return None
         r = self.runner
         rows = []
+        extra = {"split_table": split_table, **({"dispatch": dispatch} if dispatch else {})}
         for ctx in contexts:
             spec = r.spec(tp, bs, ctx)
-            m = r.measure(backend, params, spec, self.seed + 7 * ctx, extra={"split_table": split_table})
-            row = r.row(backend, tp, bs, ctx, spec, study_name(self.dep.name, backend, tp, bs, ctx), 0, "export",
-                        params, m, phase="serve", rnd=key)
+            m = r.measure(backend, params, spec, self.seed + 7 * ctx, extra=extra)
+            # role "dispatch": the check of a per-context dispatch (its params are the entry's own
+            # launch; a failure says nothing about that config alone)
+            row = r.row(backend, tp, bs, ctx, spec, study_name(self.dep.name, backend, tp, bs, ctx), 0,
+                        "dispatch" if dispatch else "export", params, m, phase="serve", rnd=key)
             self.tables[backend].append(row)
             rows.append(row)
-        log.info("serving check of tp=%s bs=%s %s %s: %s", tp, bs, backend, params,
+        log.info("serving check of tp=%s bs=%s %s %s%s: %s", tp, bs, backend, params,
+                 f" with {[d[0] for d in dispatch]} at their buckets" if dispatch else "",
                  ", ".join(f"{r['ctx']}: {r['outcome']}" for r in rows))
         return rows
 

@@ -25,6 +25,7 @@ from .sections import (
     SECTIONS,
     Section,
     build_sections,
+    section_dispatch,
     section_export,
     section_history,
     section_importance,
@@ -39,6 +40,7 @@ from .sections import (
 from .studies import history_frame, importance_frame, importance_summary
 from .tables import (
     best_params_table,
+    dispatch_table,
     exported_table,
     nsplit_table,
     problem_trials,
@@ -50,8 +52,9 @@ from .tables import (
 
 __all__ = ["Results", "Section", "SECTIONS", "load_results", "resolve_results_dir", "build_sections", "show",
            "write_report", "header_html", "section_html", "table_html", "summary_table", "best_params_table",
-           "problem_trials", "exported_table", "provenance_table", "ragged_table", "runs_table", "nsplit_table",
+           "problem_trials", "exported_table", "dispatch_table", "provenance_table", "ragged_table", "runs_table",
+           "nsplit_table",
            "history_frame", "importance_frame", "importance_summary", "fig_latency", "fig_speedup", "fig_nsplit",
            "fig_history", "fig_importance", "fig_outcomes", "section_summary", "section_latency", "section_speedup",
            "section_nsplit", "section_ragged", "section_history", "section_importance", "section_problems",
-           "section_export", "section_provenance"]
+           "section_export", "section_provenance", "section_dispatch"]

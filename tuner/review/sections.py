@@ -92,6 +92,27 @@ def section_ragged(res: Results) -> Section:
     return s
 
 
+def section_dispatch(res: Results) -> Section:
+    from ..dispatch import DISPATCH_COST_US
+    from ..export import NSPLIT_MARGIN
+    s = Section("dispatch", "One compile-time config per batch bucket: what a per-context choice would win")
+    t = tables.dispatch_table(res)
+    if res.tuned is None:
+        s.notes.append("No exported YAML in this folder: nothing served to compare.")
+        return s
+    s.notes.append("One captured graph serves every context of a (tp, batch bucket), so its entry holds one "
+                   "compile-time config. Per bucket where the sweep measured another compile-time group faster "
+                   "(each judged as the export judges it): the win, and the win net of a per-context dispatch's "
+                   f"cost ({DISPATCH_COST_US:g} µs per call: an early-exit split and merge launch, "
+                   f"results/serving/dispatch/). 'pays': faster by more than {100 * NSPLIT_MARGIN:g}% (the "
+                   "export's noise margin) and by more than that cost. The ragged batch is not weighed here.")
+    if t.empty:
+        s.notes.append("No bucket has a faster compile-time group than the one served.")
+    else:
+        s.tables.append(("buckets where another compile-time group measured faster", t))
+    return s
+
+
 def section_history(res: Results) -> Section:
     s = Section("history", "Optimisation history")
     _, source = history_frame(res)
@@ -161,7 +182,8 @@ def section_provenance(res: Results) -> Section:
 
 
 SECTIONS: list[Callable[[Results], Section]] = [
-    section_summary, section_latency, section_speedup, section_nsplit, section_ragged, section_history,
+    section_summary, section_latency, section_speedup, section_nsplit, section_ragged, section_dispatch,
+    section_history,
     section_importance,
     section_problems, section_export, section_provenance,
 ]

@@ -163,3 +163,22 @@ def ragged_table(res: Results) -> pd.DataFrame:
                          "ragged µs": us, "equal µs": eq[0] if eq else np.nan,
                          "compile-time params": ", ".join(f"{k}={v}" for k, v in sorted(p.items()) if k != "NSPLIT")})
     return pd.DataFrame(rows)
+
+
+def dispatch_table(res: Results) -> pd.DataFrame:
+    """Per exported bucket: the fastest other compile-time group the sweep measured there and
+    what a per-context dispatch to it would net (`tuner.dispatch.context_alternatives`); only the
+    buckets where another group was faster."""
+    from ..dispatch import context_alternatives
+    if res.tuned is None:
+        return pd.DataFrame()
+
+    def shown(ck):
+        return ", ".join(f"{k}={v}" for k, v in json.loads(ck).items()) if ck else ""
+    rows = [r for r in context_alternatives(res.trials, res.tuned) if r["win_us"] is not None and r["win_us"] > 0]
+    return pd.DataFrame([{"backend": r["backend"], "tp": r["tp"], "batch": r["batch"],
+                          "max context": ctx_label(r["ctx"]), "served": shown(r["served"]),
+                          "NSPLIT": r["served_NSPLIT"], "served µs": r["served_us"],
+                          "faster group": shown(r["alternative"]), "its NSPLIT": r["alt_NSPLIT"],
+                          "its µs": r["alt_us"], "win %": r["win_pct"], "net µs": r["net_us"],
+                          "pays": r["pays"]} for r in rows])

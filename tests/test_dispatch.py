@@ -1,0 +1,209 @@
+"""The per-context dispatch on the CPU (no device): buckets naming their own compile-time params
+in the exported YAML (schema and `TunedEntry.configs`), the export's rule for them
+(`tuner.dispatch.dispatch_moves`, `tuner.export.with_dispatch`) on hand-made trials tables with
+the expected outcome written out per case, and the runtime plan's host mirrors. Its kernels
+(a launch whose batch falls in a bucket of another config writes nothing) are checked on the
+GPU: `tests/test_dispatch_gpu.py`."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pandas as pd
+import pytest
+
+from kvtune.kernels.backends import SplitTable, get_backend, split_bounds
+from kvtune.kernels.plans import Plan
+from kvtune.kernels.tuned import SchemaError, parse_tuned
+from kvtune.tuner.dispatch import DISPATCH_COST_US, dispatch_moves
+from kvtune.tuner.export import Bucket, serve_key, with_dispatch
+
+CTXS = [4096, 16384, 65536]
+LANES4 = {"ROWS": 72, "COPY_LANES": 4}
+LANES8 = {"ROWS": 72, "COPY_LANES": 8}
+
+
+def _doc(buckets, backend="wgmma", params=None) -> dict:
+    return {
+        "schema_version": 1, "deployment": "d",
+        "model": {"name": "m", "num_heads": 64, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "draft_tokens": 9,
+                  "sm_scale": 0.1},
+        "provenance": {"device_name": "NVIDIA H200", "arch": "sm_90", "kernel_hash": {backend: "x"},
+                       "date": "2026-12-01T00:00:00Z"},
+        "entries": [{"tp": 4, "heads_per_rank": 16, "max_batch": 64, "backend": backend,
+                     "params": params or dict(LANES4, NSPLIT=66), "buckets": buckets}]}
+
+
+def test_a_bucket_with_its_own_params_makes_a_second_config():
+    t = parse_tuned(_doc([{"max_context": 4096, "NSPLIT": 66},
+                          {"max_context": 16384, "NSPLIT": 44, "params": {"COPY_LANES": 8}},
+                          {"max_context": 65536, "NSPLIT": 132},
+                          {"max_context": 131072, "NSPLIT": 33, "params": {"COPY_LANES": 8}}],
+                     params=dict(LANES4, NSPLIT=132)))
+    (e,) = t.entries
+    assert e.configs() == [({"ROWS": 72, "COPY_LANES": 4, "NSPLIT": 132}, [66, 0, 132, 0]),
+                           ({"ROWS": 72, "COPY_LANES": 8, "NSPLIT": 44}, [0, 44, 0, 33])]
+    assert parse_tuned(t.to_dict()) == t          # written and read back the same
+
+
+@pytest.mark.parametrize("bucket,error", [
+    ({"params": {"NSPLIT": 3}}, "but NSPLIT"),
+    ({"params": {"VEC": 8}}, "but NSPLIT"),                     # not a parameter of the entry
+    ({"params": {}}, "empty"),
+    ({"params": {"COPY_LANES": 4}}, "entry's own"),
+    ({"params": {"COPY_LANES": 5}}, "COPY_LANES"),              # an illegal value, named by its declaration
+    ({"params": [8]}, "expected a mapping"),
+])
+def test_bucket_params_are_checked_and_named(bucket, error):
+    with pytest.raises(SchemaError, match=error):
+        parse_tuned(_doc([{"max_context": 4096, "NSPLIT": 66}, {"max_context": 16384, "NSPLIT": 44, **bucket}]))
+
+
+def test_every_bucket_on_other_params_or_a_per_request_backend_is_refused():
+    with pytest.raises(SchemaError, match="serve none"):
+        parse_tuned(_doc([{"max_context": 4096, "NSPLIT": 66, "params": {"COPY_LANES": 8}}]))
+    triton = {"NSPLIT": 4, "BLOCK_N": 16, "HEADS_PER_BLOCK": 2, "NUM_WARPS": 4, "STAGES": 1}
+    with pytest.raises(SchemaError, match="triton picks NSPLIT per request"):
+        parse_tuned(_doc([{"max_context": 4096, "NSPLIT": 4},
+                          {"max_context": 16384, "NSPLIT": 4, "params": {"BLOCK_N": 32}}], "triton", triton))
+
+
+def test_a_split_table_of_another_configs_buckets():
+    t = SplitTable.build([10, 20], [0, 5], "cpu")
+    assert t.dispatch and not SplitTable.build([10, 20], [1, 5], "cpu").dispatch
+    with pytest.raises(ValueError, match="one at least"):
+        SplitTable.build([10, 20], [0, 0], "cpu")
+    with pytest.raises(ValueError, match=">= 1"):
+        SplitTable.build([10], [-1], "cpu")
+
+
+def test_the_plan_mirrors_the_devices_choice_of_config_and_nsplit():
+    """The launch serving a batch is the one whose table holds the bucket of the batch's keys
+    (bounds: (max_context + T) x max_batch); each bucket's NSPLIT is within its config's grid."""
+    t = parse_tuned(_doc([{"max_context": 4096, "NSPLIT": 66},
+                          {"max_context": 16384, "NSPLIT": 44, "params": {"COPY_LANES": 8}},
+                          {"max_context": 65536, "NSPLIT": 33}]))
+    (e,) = t.entries
+    be = get_backend("wgmma")
+    from kvtune.kernels.cuda.params import WgmmaParams
+    main, alt = WgmmaParams(NSPLIT=66, **LANES4), WgmmaParams(NSPLIT=44, **LANES8)
+    bounds = split_bounds(be, [b.max_context for b in e.buckets], 9, 64)
+    assert bounds == [(c + 9) * 64 for c in (4096, 16384, 65536)]
+    plan = Plan(64, be, main, None, e, "mem", ((alt, None),))
+    assert plan.bucket_nsplits() == (66, 44, 33)
+    assert plan.params_for_keys(bounds[0], 9) == main
+    assert plan.params_for_keys(bounds[0] + 1, 9) == alt and plan.params_for_keys(bounds[1], 9) == alt
+    assert plan.params_for_keys(bounds[1] + 1, 9) == main
+    assert plan.params_for_keys(10 * bounds[2], 9) == main  # past the last bound: the last bucket
+
+
+# -- the export's rule ----------------------------------------------------------------------
+
+def _trial(params, ctx, us, phase="search", role="search", rnd="", outcome="ok"):
+    return {"backend": "wgmma", "tp": 4, "bs": 64, "ctx": ctx, "phase": phase, "round": rnd, "outcome": outcome,
+            "role": role, "params": dict(params), "median_us": float(us), "reason": ""}
+
+
+def _pick(latency: dict):
+    return ("wgmma", dict(LANES4), {c: Bucket(66, us, us, 10.0) for c, us in latency.items()}, True)
+
+
+def _table(rows):
+    return pd.DataFrame(rows)
+
+
+SERVED = {4096: 200.0, 16384: 800.0, 65536: 3200.0}
+
+
+def _search(lanes8: dict) -> list[dict]:
+    rows = [_trial(dict(LANES4, NSPLIT=66), c, us, role="baseline") for c, us in SERVED.items()]
+    for c, (n, us) in lanes8.items():
+        rows.append(_trial(dict(LANES8, NSPLIT=n), c, us))
+    return rows
+
+
+@pytest.mark.parametrize("lanes8,moved", [
+    ({4096: (66, 210.0), 16384: (44, 700.0), 65536: (33, 2900.0)}, {16384: 44, 65536: 33}),
+    ({4096: (66, 195.0), 16384: (44, 790.0), 65536: (33, 3150.0)}, {}),      # 2.5%, 1.3%, 1.6%: in the noise
+    ({4096: (66, 196.0), 16384: (44, 799.0), 65536: (33, 3300.0)}, {}),      # 2% at 4k only: 4 us, not 3%
+    ({4096: (66, 190.0), 16384: (44, 700.0), 65536: (33, 2900.0)}, None),    # faster everywhere: not a dispatch
+])
+def test_dispatch_moves_the_buckets_another_group_wins_by_the_margin_and_the_cost(lanes8, moved):
+    df = _table(_search(lanes8))
+    moves, alt = dispatch_moves(df, "wgmma", 4, 64, CTXS, dict(LANES4), _pick(SERVED)[2], None)
+    if moved is None:   # every bucket would move: the pick itself should have been this group
+        assert moves == {} and alt == {}
+        return
+    assert {c: b.nsplit for c, b in moves.items()} == moved
+    assert alt == (LANES8 if moved else {})
+    for c, b in moves.items():
+        assert b.latency == lanes8[c][1] and b.default == SERVED[c]
+
+
+def test_a_group_slower_on_the_ragged_batch_is_not_moved_there():
+    rows = _search({16384: (44, 700.0), 65536: (33, 2900.0)})
+    rows += [_trial(dict(LANES4, NSPLIT=66), 65536, 1000.0, "ragged", "baseline", "x8"),
+             _trial(dict(LANES8, NSPLIT=33), 65536, 1100.0, "ragged", "search", "x8")]
+    moves, _ = dispatch_moves(_table(rows), "wgmma", 4, 64, CTXS, dict(LANES4), _pick(SERVED)[2], "x8")
+    assert sorted(moves) == [16384]
+
+
+def _serve_rows(key, latency: dict, role="dispatch", outcome="ok"):
+    return [_trial(dict(LANES4, NSPLIT=66), c, us, "serve", role, key, outcome) for c, us in latency.items()]
+
+
+def _dispatch_key():
+    from kvtune.tuner.dispatch import dispatch_tables
+    moves = {16384: Bucket(44, 700.0, 800.0, 10.0), 65536: Bucket(33, 2900.0, 3200.0, 10.0)}
+    params, table, others = dispatch_tables("wgmma", dict(LANES4), _pick(SERVED)[2], moves, dict(LANES8), CTXS, 9,
+                                            64)
+    assert params["NSPLIT"] == 66 and table[1] == [66, 0, 0] and others[0][1][1] == [0, 44, 33]
+    assert others[0][0] == dict(LANES8, NSPLIT=44)
+    return serve_key("wgmma", params, table, others), (params, table, others)
+
+
+@pytest.mark.parametrize("checked,kept", [
+    ({4096: 203.0, 16384: 705.0, 65536: 2910.0}, True),    # the idle launch costs 4k 3 us; 16k, 64k win
+    ({4096: 203.0, 16384: 790.0, 65536: 2910.0}, False),   # 16k: 1.3% faster through the runtime only
+    ({4096: 203.0, 16384: 705.0}, False),                  # 64k never checked (and no device to check it)
+])
+def test_the_dispatch_stays_only_if_its_serving_check_beats_the_picks(checked, kept):
+    key, _ = _dispatch_key()
+    df = _table(_search({16384: (44, 700.0), 65536: (33, 2900.0)}) + _serve_rows(key, checked))
+    moves, alt, lat, notes = with_dispatch(df, _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED))
+    assert bool(moves) is kept and (alt == LANES8) is kept and (lat == checked) is kept
+    assert len(notes) == 1 and ("per-context dispatch" if kept else "no dispatch") in notes[0]
+
+
+def test_a_dispatch_check_is_measured_when_missing_and_a_failed_one_keeps_the_pick():
+    key, (params, table, others) = _dispatch_key()
+    df = _table(_search({16384: (44, 700.0), 65536: (33, 2900.0)}))
+    calls = []
+
+    def check(be, p, t, tp, bs, contexts, k, dispatch=None):
+        calls.append((p, t, contexts, k, dispatch))
+        return [dict(r, ctx=r["ctx"]) for r in _serve_rows(k, {c: SERVED[c] * 0.9 for c in contexts})]
+    moves, _, lat, _ = with_dispatch(df, _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED), check)
+    assert calls == [(params, table, CTXS, key, others)] and sorted(moves) == [16384, 65536]
+    wrong = _table(_search({16384: (44, 700.0), 65536: (33, 2900.0)}) +
+                   _serve_rows(key, {c: 1.0 for c in CTXS}, outcome="wrong"))
+    moves, _, lat, notes = with_dispatch(wrong, _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED))
+    assert moves == {} and lat is None and "failed (wrong" in notes[0]
+
+
+def test_a_per_request_backend_never_dispatches():
+    df = _table([dict(r, backend="triton") for r in _search({16384: (44, 700.0), 65536: (33, 2900.0)})])
+    assert dispatch_moves(df, "triton", 4, 64, CTXS, dict(LANES4), _pick(SERVED)[2], None) == ({}, {})
+
+
+def test_the_cost_is_the_measured_one():
+    assert 2.7 <= DISPATCH_COST_US <= 3.0   # results/serving/dispatch/dispatch.csv: 2.71-2.93 us per call
+
+
+def test_an_old_file_without_bucket_params_is_one_config():
+    t = parse_tuned(_doc([{"max_context": 4096, "NSPLIT": 66}, {"max_context": 16384, "NSPLIT": 44}]))
+    (e,) = t.entries
+    assert e.configs() == [(dict(LANES4, NSPLIT=66), [66, 44])]
+    doc = copy.deepcopy(t.to_dict())
+    assert all("params" not in b for b in doc["entries"][0]["buckets"])
+    assert json.dumps(doc)   # plain data

@@ -1,0 +1,92 @@
+"""The per-context dispatch on the GPU: a launch whose batch falls in a bucket its split table
+marks 0 writes nothing (no output, no lse), and an entry whose buckets name two compile-time
+configs, captured once in a CUDA graph, matches the fp32 oracle on every replay as the batch
+moves between the configs' buckets (cuda everywhere, wgmma on sm_90)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvtune.kernels import SplitTable, get_backend, make_inputs, reference_attention, rel_error, verify_attention
+from kvtune.kernels import runtime as rt
+from kvtune.kernels.runtime import VerifyAttention
+from kvtune.kernels.shapes import VerifyProblem
+from kvtune.kernels.tuned import parse_tuned
+from test_runtime_gpu import DK, DV, H, MAX_CONTEXT, NUM_HEADS, T, TOL, TP, Requests, _backend_or_skip, _capture
+
+pytestmark = pytest.mark.gpu
+
+
+def _two_configs(backend: str) -> tuple[dict, dict]:
+    """The backend's default and another legal compile-time config of it (same NSPLIT)."""
+    be = get_backend(backend)
+    p = be.default_params(VerifyProblem(B=2, T=T, H=H, Dk=DK, Dv=DV, device=torch.device("cuda")))
+    if backend == "wgmma":
+        q = dataclasses.replace(p, COPY_LANES=8 if p.COPY_LANES == 4 else 4, ROWS=72 if p.ROWS == 64 else 64)
+    else:
+        q = dataclasses.replace(p, HEADS_PER_BLOCK=max(1, p.HEADS_PER_BLOCK // 2))
+    return dataclasses.asdict(p), dataclasses.asdict(q)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "wgmma"])
+def test_an_idle_launch_writes_nothing(backend):
+    """Split table 0 at the batch's bucket: poisoned o and lse stay poisoned; the same launch
+    with the other bucket's batch computes the oracle's."""
+    _backend_or_skip(backend)
+    p, _ = _two_configs(backend)
+    be = get_backend(backend)
+    params = be.params_type(**p)
+    B = 3
+    for prefixes, active in (([100, 7, 900], False), ([3000, 5000, 4000], True)):
+        x = make_inputs(B, T, H, prefixes, device="cuda", seed=sum(prefixes))
+        keys = sum(prefixes) + B * T
+        table = SplitTable.build([2000, 10**9], [0, 16], "cuda")   # the small bucket is another launch's
+        assert (keys > 2000) is active
+        out = torch.full((B * T, H, DV), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((B * T, H), float("nan"), dtype=torch.float32, device="cuda")
+        verify_attention(*x.args, backend=backend, params=params, out=out, lse=lse, split_table=table)
+        torch.cuda.synchronize()
+        if active:
+            ref, _ = reference_attention(*x.args)
+            assert rel_error(out, ref) < TOL
+        else:
+            assert bool(torch.isnan(out.float()).all()) and bool(torch.isnan(lse).all())
+
+
+@pytest.mark.parametrize("backend", ["cuda", "wgmma"])
+def test_a_dispatch_in_one_graph_follows_the_batch_between_configs(backend):
+    _backend_or_skip(backend)
+    p, q = _two_configs(backend)
+    other = {k: v for k, v in q.items() if k != "NSPLIT" and v != p[k]}
+    dev = torch.device("cuda")
+    buckets = [{"max_context": 2048, "NSPLIT": 8},
+               {"max_context": 16384, "NSPLIT": 16, "params": other},
+               {"max_context": MAX_CONTEXT, "NSPLIT": p["NSPLIT"]}]
+    tuned = parse_tuned({
+        "schema_version": 1, "deployment": "gpu-dispatch",
+        "model": {"name": "MLA-128h", "num_heads": NUM_HEADS, "kv_lora_rank": DV, "qk_rope_head_dim": DK - DV,
+                  "draft_tokens": T, "sm_scale": 192 ** -0.5},
+        "provenance": {"device_name": rt.device_name(dev), "arch": rt.device_arch(dev),
+                       "kernel_hash": {backend: rt.backend_kernel_hash(backend) or "unknown"},
+                       "date": "2026-12-01T00:00:00Z"},
+        "entries": [{"tp": TP, "heads_per_rank": H, "max_batch": 2, "backend": backend, "params": p,
+                     "buckets": buckets}]}, "gpu-dispatch")
+    va = VerifyAttention.from_defaults(tuned, tp=TP, max_batch=2, max_context=MAX_CONTEXT, device="cuda",
+                                       check_values=False)   # warmup: each config, then both in turn
+    plan = va.plan_for(2)
+    assert len(plan.others) == 1
+    req = Requests(seed=7)
+    req.fill((1000, 1))
+    g, out = _capture(lambda: va(*req.args))
+    # the device picks the bucket by the batch's keys against (max_context + T) x 2
+    for prefixes in [(1000, 1), (5000, 9000), (2040, 1), (60000, 30000), (16384, 16384), (3000, 1000), (1, 1)]:
+        req.fill(prefixes)
+        keys = sum(prefixes) + 2 * T
+        expect = va.params_for(2, keys)
+        assert (expect == plan.params) == (keys <= (2048 + T) * 2 or keys > (16384 + T) * 2), prefixes
+        out.fill_(float("nan"))
+        g.replay()
+        ref, _ = reference_attention(*req.args, va.sm_scale)
+        assert rel_error(out, ref) < TOL, (prefixes, expect)

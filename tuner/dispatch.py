@@ -1,0 +1,123 @@
+"""What one compile-time config per (tp, batch bucket) leaves on the table.
+
+The runtime serves every context of a (tp, batch bucket) from one captured CUDA graph, so an
+entry holds one compile-time config (NSPLIT alone varies per context bucket, on the device). A
+per-context choice of compile-time config would launch every config of the entry on each call,
+all but one exiting at once: `scripts/bench_dispatch.py` measured that early exit at 2.7-2.9 us
+per call on the H200 (results/serving/dispatch/). Whether it pays is a question of the sweep's
+own numbers: per context bucket, the served config's latency against the fastest other
+compile-time group the sweep measured there, each judged as `kvtune export` judges it
+(`tuner.export.latencies`: interleaved re-measurements where there are any).
+
+`context_alternatives` lists, per exported bucket, that fastest other group and what a dispatch
+to it would net. A bucket "pays" when the group is faster by more than the export's noise margin
+(`tuner.export.NSPLIT_MARGIN`) and by more than the dispatch's launch cost. The ragged batch is
+not weighed here: an alternative is timed on it only if it was the export's pick at some point.
+"""
+from __future__ import annotations
+
+import json
+
+from .export import NSPLIT_MARGIN, exportable, latencies
+from .study import compile_key
+
+#: what a per-context dispatch adds to every call of an entry, per compile-time config beyond the
+#: first: one early-exit split launch and one early-exit merge launch inside the graph. Measured
+#: 2.71-2.93 us on the H200 at batch 1, H 8, 4k-128k (results/serving/dispatch/dispatch.csv).
+DISPATCH_COST_US = 2.9
+
+
+def context_alternatives(df, tuned) -> list[dict]:
+    """One row per bucket of `tuned` (a `kernels.tuned.TunedDefaults`) from `df` (its trials
+    table, `read_trials`; the rows the export judges: `tuner.export.exportable`): the served
+    compile-time config and latency, the fastest other compile-time group of the same backend
+    measured at that (tp, batch, context) with its NSPLIT and latency, the win (us, %), the win
+    net of DISPATCH_COST_US, and whether it pays. Buckets without another group measured
+    there have None in the alternative's columns."""
+    lat = latencies(exportable(df, warn=False))
+    best: dict = {}   # (backend, tp, bs, ctx) -> {compile key: (us, NSPLIT)}
+    for (be, tp, bs, ctx, pj), (us, _) in lat.items():
+        p = json.loads(pj)
+        group = best.setdefault((be, int(tp), int(bs), int(ctx)), {})
+        ck = compile_key(p)
+        if ck not in group or us < group[ck][0]:
+            group[ck] = (us, p.get("NSPLIT"))
+    rows = []
+    for e in tuned.entries:
+        served_key = compile_key(e.params)
+        for b in e.buckets:
+            others = {ck: v for ck, v in best.get((e.backend, e.tp, e.max_batch, b.max_context), {}).items()
+                      if ck != served_key}
+            row = {"tp": e.tp, "batch": e.max_batch, "ctx": b.max_context, "backend": e.backend,
+                   "served": served_key, "served_NSPLIT": b.NSPLIT, "served_us": b.latency_us,
+                   "alternative": None, "alt_NSPLIT": None, "alt_us": None, "win_us": None, "win_pct": None,
+                   "net_us": None, "pays": False}
+            if others and b.latency_us:
+                ck = min(others, key=lambda k: others[k][0])
+                us, nsplit = others[ck]
+                win = b.latency_us - us
+                row.update(alternative=ck, alt_NSPLIT=nsplit, alt_us=us, win_us=win,
+                           win_pct=100 * win / b.latency_us, net_us=win - DISPATCH_COST_US,
+                           pays=win > DISPATCH_COST_US and us * (1 + NSPLIT_MARGIN) < b.latency_us)
+            rows.append(row)
+    return rows
+
+
+def dispatch_moves(df, backend: str, tp: int, bs: int, contexts: list[int], cparams: dict, buckets: dict,
+                   rnd: str | None) -> tuple[dict, dict]:
+    """The buckets a per-context dispatch would move off the export's pick (compile params
+    `cparams`, its `buckets` {ctx: `export.Bucket`}) on the trials alone: the one other
+    compile-time group of `backend` with the largest total win, at the buckets where its NSPLIT
+    (`export.pick_nsplit`, ragged batch counted) beats the pick's latency by more than
+    NSPLIT_MARGIN and by more than DISPATCH_COST_US and does not serve the bucket's ragged batch
+    more than BUCKET_LOSS_MARGIN slower than the default (where timed); the group must win more
+    over those buckets than the dispatch costs over all of them, and leave the pick one bucket
+    at least. Returns ({ctx: Bucket} to move, the group's compile params), or ({}, {})."""
+    from .export import BUCKET_LOSS_MARGIN, Bucket, _bucket_ragged, pick_nsplit, ragged_latencies
+    if not _dispatches(backend):
+        return {}, {}
+    lat = latencies(df)
+    rag = ragged_latencies(df, rnd)
+    mine = compile_key(cparams)
+    groups: dict[str, dict] = {}
+    for (be, t, s, ctx, pj), (us, _) in lat.items():
+        p = json.loads(pj)
+        if (be, t, s) == (backend, tp, bs) and ctx in contexts and compile_key(p) != mine:
+            groups.setdefault(compile_key(p), {}).setdefault(ctx, {})[p.get("NSPLIT")] = us
+    best: tuple = (0.0, {}, {})
+    for ck, g in sorted(groups.items()):
+        moves = {}
+        for c, equal in g.items():
+            ragged, default_ragged = _bucket_ragged(rag, backend, tp, bs, c, ck)
+            n = pick_nsplit(equal, ragged)
+            us, have = equal[n], buckets[c].latency
+            slower_ragged = n in ragged and default_ragged is not None and \
+                ragged[n] > default_ragged * (1 + BUCKET_LOSS_MARGIN)
+            if us * (1 + NSPLIT_MARGIN) < have and have - us > DISPATCH_COST_US and not slower_ragged:
+                moves[c] = Bucket(n, us, buckets[c].default, buckets[c].floor, ragged.get(n), default_ragged)
+        win = sum(buckets[c].latency - b.latency for c, b in moves.items()) - DISPATCH_COST_US * len(contexts)
+        if moves and len(moves) < len(contexts) and win > best[0]:
+            best = (win, moves, json.loads(ck))
+    return best[1], best[2]
+
+
+def _dispatches(backend: str) -> bool:
+    """Whether `backend` can serve a per-context dispatch (its NSPLIT counts the batch's splits:
+    a launch whose batch falls in a bucket of another config exits at once)."""
+    from kvtune.kernels.backends import get_backend
+    try:
+        return get_backend(backend).nsplit_per_batch
+    except (ImportError, ValueError):
+        return False
+
+
+def dispatch_tables(backend: str, cparams: dict, buckets: dict, moves: dict, alt: dict, contexts: list[int], T: int,
+                    batch: int):
+    """The launches of a dispatch as the serving check measures them: (the pick's params, its
+    split table [bounds, NSPLIT per bucket, 0 at the moved buckets], [[the moved group's params,
+    its table]]). NSPLIT of each params: the largest of its buckets' (its grid)."""
+    from kvtune.kernels.backends import split_bounds
+    bounds = split_bounds(backend, contexts, T, batch)
+    own = [0 if c in moves else int(buckets[c].nsplit) for c in contexts]
+    other = [int(moves[c].nsplit) if c in moves else 0 for c in contexts]
+    return dict(cparams, NSPLIT=max(own)), [bounds, own], [[dict(alt, NSPLIT=max(other)), [bounds, other]]]
