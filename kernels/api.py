@@ -212,19 +212,20 @@ def verify_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, ba
         if workspace.data_ptr() % 16:
             raise ValueError("workspace: must start at a 16-byte aligned address (kernels use vector accesses)")
     if split_table is not None:
-        _check_split_table(split_table, problem.device)
-        if split_table.dispatch and not be.nsplit_per_batch:
-            raise ValueError(f"split_table: holds buckets another launch serves (NSPLIT 0), which backend "
-                             f"{be.name} cannot skip (it picks NSPLIT per request); only backends whose NSPLIT "
-                             "counts the batch's splits (cuda, wgmma) take such tables")
+        _check_split_table(split_table, problem.device, be)
     be.launch(LaunchArgs(problem, q, kv_cache, kv_indptr, kv_indices, tree_mask, float(sm_scale), out, lse,
                          workspace, split_table), params)
     return (out, lse) if return_lse else out
 
 
-def _check_split_table(split_table, device) -> None:
+def _check_split_table(split_table, device, be) -> None:
     """A ValueError naming the field unless `split_table` is a SplitTable of 1-D int32 tensors
-    on `device`, as many NSPLIT values as bounds (>= 1)."""
+    on `device`, as many NSPLIT values as bounds (>= 1), and holds buckets another launch serves
+    (NSPLIT 0) only for a backend `be` whose NSPLIT counts the batch's splits."""
+    if getattr(split_table, "dispatch", False) and not be.nsplit_per_batch:
+        raise ValueError(f"split_table: holds buckets another launch serves (NSPLIT 0), which backend "
+                         f"{be.name} cannot skip (it picks NSPLIT per request); only backends whose NSPLIT "
+                         "counts the batch's splits (cuda, wgmma) take such tables")
     if not isinstance(split_table, SplitTable):
         raise ValueError(f"split_table: expected a SplitTable, got {type(split_table).__name__}")
     for name, t in (("max_keys", split_table.max_keys), ("nsplit", split_table.nsplit)):

@@ -141,9 +141,8 @@ class VerifyAttention:
                    for params in (self._launch[n][1], *(o[0] for o in self._launch[n][0].others)))
         self.workspace_bytes = need
         out_bytes = max_batch * T * H * Dv * 2 if preallocate_out else 0
-        tables = {id(t): t for n in range(1, max_batch + 1)
-                  for t in (self._launch[n][2], *(o[1] for o in self._launch[n][0].others)) if t is not None}
-        table_bytes = sum(8 * t.num_buckets for t in tables.values())
+        table_bytes = sum(8 * t.num_buckets for t in {id(t): t for n in range(1, max_batch + 1) for t in (
+            self._launch[n][2], *(o[1] for o in self._launch[n][0].others)) if t is not None}.values())
         self.allocated_bytes = need + out_bytes + table_bytes
         if workspace_budget_bytes is not None and self.allocated_bytes > workspace_budget_bytes:
             raise ValueError(f"workspace_budget_bytes: VerifyAttention for max_batch={max_batch} needs "

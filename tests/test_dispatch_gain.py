@@ -78,3 +78,17 @@ def test_a_bucket_with_no_other_group_has_no_alternative():
                        _row(dict(SERVED, NSPLIT=132), 4096, 50.0)])   # another NSPLIT: not a compile-time group
     (r,) = context_alternatives(df, _tuned({4096: 100.0}))
     assert r["alternative"] is None and r["win_us"] is None and not r["pays"]
+
+
+def test_a_bucket_a_dispatch_already_serves_is_judged_by_its_own_config():
+    """A bucket naming its own params (a per-context dispatch) is served by them: the entry's
+    config is the alternative there."""
+    df = pd.DataFrame([_row(dict(SERVED, NSPLIT=66), 4096, 100.0, role="baseline"),
+                       _row(dict(LANES8, NSPLIT=33), 4096, 90.0)])
+    bucket = ContextBucket(max_context=4096, NSPLIT=33, latency_us=90.0, params={"COPY_LANES": 8})
+    entry = TunedEntry(tp=4, heads_per_rank=16, max_batch=64, backend="wgmma", params=dict(SERVED, NSPLIT=66),
+                       buckets=(ContextBucket(max_context=2048, NSPLIT=66, latency_us=50.0), bucket))
+    rows = context_alternatives(df, TunedDefaults(deployment="d", model={}, provenance={}, entries=(entry,)))
+    at4k = rows[1]
+    assert json.loads(at4k["served"]) == {"COPY_LANES": 8, "ROWS": 72}
+    assert json.loads(at4k["alternative"]) == {"COPY_LANES": 4, "ROWS": 72} and at4k["win_us"] == -10.0

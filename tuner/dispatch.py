@@ -44,8 +44,8 @@ def context_alternatives(df, tuned) -> list[dict]:
             group[ck] = (us, p.get("NSPLIT"))
     rows = []
     for e in tuned.entries:
-        served_key = compile_key(e.params)
         for b in e.buckets:
+            served_key = compile_key(dict(e.params, **(b.params or {})))   # a dispatch's bucket: its own
             others = {ck: v for ck, v in best.get((e.backend, e.tp, e.max_batch, b.max_context), {}).items()
                       if ck != served_key}
             row = {"tp": e.tp, "batch": e.max_batch, "ctx": b.max_context, "backend": e.backend,
