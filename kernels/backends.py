@@ -31,6 +31,8 @@ class SplitTable:
     dispatch launches each compile-time config of an entry with a table holding its own buckets
     only, and a launch whose batch falls in a 0 bucket writes nothing. Only backends whose
     NSPLIT counts the batch's splits (`Backend.nsplit_per_batch`: cuda, wgmma) take such tables.
+    Build it with `SplitTable.build`, which checks the values and sets `dispatch` from them (the
+    tensors are not read back on the launch path: a table made directly is taken to hold no 0).
     """
 
     max_keys: torch.Tensor

@@ -197,5 +197,6 @@ def plans(tuned: TunedDefaults | None, kw: dict, mode: str, backend: str | None,
         params = be.default_params(problem_of(kw, max_batch))
         plans.append(Plan(max_batch, be, params, None, None, f"untuned default of {fallback}"))
     for p in plans:
-        p.backend.check_params(p.params, problem_of(kw, min(p.max_batch, max_batch)))
+        for params in (p.params, *(o[0] for o in p.others)):   # a dispatch's every config
+            p.backend.check_params(params, problem_of(kw, min(p.max_batch, max_batch)))
     return plans

@@ -165,11 +165,13 @@ def check_export(tuned: dict, trials: pd.DataFrame, rnd: str | None = None) -> N
         assert abs(got_total - best_total) <= TOL_US * len(buckets), (tp, bs, got_total, best_total)
         own = [b for b in buckets.values() if "params" not in b]
         assert own and e["params"]["NSPLIT"] == max(b["NSPLIT"] for b in own), "NSPLIT is the grid size"
+        if len(own) < len(buckets):
+            check_dispatch(e, trials)
         at = lat[(lat["backend"] == e["backend"]) & (lat["tp"] == tp) & (lat["bs"] == bs)]
         for ctx, b in buckets.items():
             n, ragged = served_nsplit(trials, at, e["backend"], comp, tp, bs, ctx, rnd)
             if "params" in b:
-                _check_moved(trials, at, e, comp, tp, bs, ctx, b, n)
+                _check_moved(trials, at, e, comp, tp, bs, ctx, b, n, rnd)
                 continue
             assert b["NSPLIT"] == n, (tp, bs, ctx, b, n)
             assert (b.get("ragged_us") is None) == (ragged is None), (tp, bs, ctx, b)
@@ -194,12 +196,17 @@ def check_export(tuned: dict, trials: pd.DataFrame, rnd: str | None = None) -> N
 DISPATCH_COST_US = 2.9
 
 
-def _check_moved(trials, at, e, comp, tp, bs, ctx, b, n) -> None:
-    """A bucket a per-context dispatch serves with its own compile-time params (`b["params"]`)."""
+def _check_moved(trials, at, e, comp, tp, bs, ctx, b, n, rnd) -> None:
+    """A bucket a per-context dispatch serves with its own compile-time params (`b["params"]`):
+    the alternative group's NSPLIT (chosen as for any group), its measured latency, faster than
+    the entry's own config there by more than 3% and the dispatch's cost."""
     assert e["backend"] in ("cuda", "wgmma"), f"{e['backend']} cannot serve a per-context dispatch"
-    alt = {**json.loads(comp), **b["params"]}
-    assert _compile_part(alt) != comp, (tp, bs, ctx, b)
-    config = _key({**alt, "NSPLIT": b["NSPLIT"]})
+    alt = _compile_part({**json.loads(comp), **b["params"]})
+    assert alt != comp, (tp, bs, ctx, b)
+    n_alt, ragged = served_nsplit(trials, at, e["backend"], alt, tp, bs, ctx, rnd)
+    assert b["NSPLIT"] == n_alt, (tp, bs, ctx, b, n_alt)
+    assert (b.get("ragged_us") is None) == (ragged is None), (tp, bs, ctx, b)
+    config = _key({**json.loads(alt), "NSPLIT": b["NSPLIT"]})
     measured = at[(at["ctx"] == ctx) & (at["config"] == config)]["latency_us"]
     assert len(measured) and abs(measured.iloc[0] - b["latency_us"]) <= TOL_US, (tp, bs, ctx, config)
     mine = at[(at["ctx"] == ctx) & (at["config"] == _key({**json.loads(comp), "NSPLIT": n}))]["latency_us"]
@@ -207,6 +214,37 @@ def _check_moved(trials, at, e, comp, tp, bs, ctx, b, n) -> None:
     have = float(mine.iloc[0])
     assert b["latency_us"] * (1 + MARGIN) < have + TOL_US and have - b["latency_us"] > DISPATCH_COST_US - TOL_US, \
         (tp, bs, ctx, b["latency_us"], have)
-    checks = trials[(trials["phase"] == "serve") & (trials["role"].astype(str) == "dispatch") & (trials["tp"] == tp)
-                    & (trials["bs"] == bs) & (trials["ctx"] == ctx) & (trials["outcome"] == "ok")]
-    assert len(checks), (tp, bs, ctx, "the dispatch passed its serving check")
+
+
+def _served_rounds(trials, tp, bs, role, backend, comp=None) -> list[dict]:
+    """{ctx: median us} of each serving check of (tp, bs) with `role` that is ok at every context
+    swept there (`comp`: only checks of that compile-time part)."""
+    contexts = {int(c) for c in trials[(trials["phase"] == "search") & (trials["tp"] == tp)
+                                       & (trials["bs"] == bs)]["ctx"]}
+    rows = trials[(trials["phase"] == "serve") & (trials["role"].astype(str) == role) & (trials["tp"] == tp)
+                  & (trials["bs"] == bs) & (trials["backend"] == backend)]
+    out = []
+    for _, g in rows.groupby(rows["round"].astype(str)):
+        if comp is not None and any(_compile_part(p if isinstance(p, dict) else json.loads(p)) != comp
+                                    for p in g["params"]):
+            continue
+        ok = g[g["outcome"] == "ok"]
+        lat = {int(c): float(us) for c, us in zip(ok["ctx"], ok["median_us"])}
+        if set(lat) >= contexts and (g["outcome"] == "ok").all():
+            out.append(lat)
+    return out
+
+
+def check_dispatch(e: dict, trials: pd.DataFrame) -> None:
+    """An entry with moved buckets: one alternative group; a dispatch check ok at every context
+    that beats one of the entry's own serving checks at every moved bucket by more than 3% and the
+    dispatch's cost, and over all contexts together."""
+    moved = {b["max_context"]: b for b in e["buckets"] if "params" in b}
+    comp = _compile_part(e["params"])
+    alts = {_compile_part({**json.loads(comp), **b["params"]}) for b in moved.values()}
+    assert len(alts) == 1, (e["tp"], e["max_batch"], alts)
+    tp, bs = e["tp"], e["max_batch"]
+    dispatch = _served_rounds(trials, tp, bs, "dispatch", e["backend"])
+    own = _served_rounds(trials, tp, bs, "export", e["backend"], comp)
+    assert any(all(d[c] * (1 + MARGIN) < o[c] and o[c] - d[c] > DISPATCH_COST_US for c in moved)
+               and sum(o[c] - d[c] for c in o) > 0 for d in dispatch for o in own), (tp, bs, "dispatch beat its pick")

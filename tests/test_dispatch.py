@@ -197,7 +197,11 @@ def test_a_per_request_backend_never_dispatches():
 
 
 def test_the_cost_is_the_measured_one():
-    assert 2.7 <= DISPATCH_COST_US <= 3.0   # results/serving/dispatch/dispatch.csv: 2.71-2.93 us per call
+    """DISPATCH_COST_US is the largest early-exit cost `scripts/bench_dispatch.py` measured, rounded
+    to 0.1 us (the committed run: results/serving/dispatch/dispatch.csv)."""
+    from kvtune.tuner.config import REPO_ROOT
+    measured = pd.read_csv(REPO_ROOT / "results" / "serving" / "dispatch" / "dispatch.csv")["skip_cost_us"]
+    assert DISPATCH_COST_US == pytest.approx(round(float(measured.max()), 1))
 
 
 def test_an_old_file_without_bucket_params_is_one_config():

@@ -11,6 +11,7 @@ import torch
 
 from kvtune.kernels import SplitTable, get_backend, make_inputs, reference_attention, rel_error, verify_attention
 from kvtune.kernels import runtime as rt
+from kvtune.kernels.cuda.backend import work_items
 from kvtune.kernels.runtime import VerifyAttention
 from kvtune.kernels.shapes import VerifyProblem
 from kvtune.kernels.tuned import parse_tuned
@@ -77,6 +78,11 @@ def test_a_dispatch_in_one_graph_follows_the_batch_between_configs(backend):
                                        check_values=False)   # warmup: each config, then both in turn
     plan = va.plan_for(2)
     assert len(plan.others) == 1
+    alt = plan.others[0][0]
+    # the item counts the last launch (the other config) writes for the merge: -1 when it was
+    # idle (verify.cu: mark_idle), so its meta says on the device which launch served
+    rows = work_items(alt, 2) * T * H
+    meta = va.workspace[rows * (2 * DV + 4): rows * (2 * DV + 4) + 16].view(torch.int32)
     req = Requests(seed=7)
     req.fill((1000, 1))
     g, out = _capture(lambda: va(*req.args))
@@ -84,9 +90,13 @@ def test_a_dispatch_in_one_graph_follows_the_batch_between_configs(backend):
     for prefixes in [(1000, 1), (5000, 9000), (2040, 1), (60000, 30000), (16384, 16384), (3000, 1000), (1, 1)]:
         req.fill(prefixes)
         keys = sum(prefixes) + 2 * T
-        expect = va.params_for(2, keys)
-        assert (expect == plan.params) == (keys <= (2048 + T) * 2 or keys > (16384 + T) * 2), prefixes
+        alt_serves = (2048 + T) * 2 < keys <= (16384 + T) * 2
+        assert (va.params_for(2, keys) == alt) is alt_serves, prefixes
         out.fill_(float("nan"))
+        meta.fill_(7)
         g.replay()
         ref, _ = reference_attention(*req.args, va.sm_scale)
-        assert rel_error(out, ref) < TOL, (prefixes, expect)
+        assert rel_error(out, ref) < TOL, (prefixes, alt_serves)
+        counts = meta[1::2].tolist()   # requests 0 and 1: (first item, item count) pairs
+        assert (counts == [-1, -1]) is (not alt_serves) and all(c >= 1 for c in counts) is alt_serves, \
+            (prefixes, counts)

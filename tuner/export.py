@@ -261,8 +261,8 @@ def with_dispatch(df, pick, tp, bs, contexts, T, served_lat, check=None, rnd: st
     from .dispatch import DISPATCH_COST_US, dispatch_moves, dispatch_tables
     be, cparams, buckets, _ = pick
     moves, alt = dispatch_moves(df, be, tp, bs, contexts, cparams, buckets, rnd)
-    if not moves or served_lat is None:
-        return {}, {}, None, []
+    if not moves or served_lat is None or set(contexts) - set(served_lat):
+        return {}, {}, None, []   # no move, or the pick's own check is incomplete: nothing to compare with
     params, table, others = dispatch_tables(be, cparams, buckets, moves, alt, contexts, T, bs)
     key = serve_key(be, params, table, others)
     rows = _recorded_checks(df, tp, bs, key)

@@ -95,7 +95,8 @@ def exported_table(res: Results) -> pd.DataFrame:
                 r["trials best µs"] = s["tuned_us"]
                 r["trials default µs"] = s["default_us"]
                 r["trials best NSPLIT"] = (s["best_params"] or {}).get("NSPLIT")
-            r["compile-time params"] = ", ".join(f"{k}={v}" for k, v in e.params.items())
+            # a per-context dispatch's bucket runs its own params
+            r["compile-time params"] = ", ".join(f"{k}={v}" for k, v in dict(e.params, **(b.params or {})).items())
             rows.append(r)
     return pd.DataFrame(rows)
 
@@ -148,8 +149,8 @@ def ragged_table(res: Results) -> pd.DataFrame:
     served = {}
     if res.tuned is not None:
         for e in res.tuned.entries:
-            cp = compile_key(e.params)
             for b in e.buckets:
+                cp = compile_key(dict(e.params, **(b.params or {})))   # a dispatch's bucket: its own
                 served[(e.backend, e.tp, e.max_batch, b.max_context)] = (cp, b.NSPLIT)
     rows = []
     for rnd in rounds:
