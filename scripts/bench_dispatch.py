@@ -17,6 +17,10 @@ rotating inputs (cold L2, median of 15 replays of >= 40 calls):
 
 An early-exit launch reads a device int (the bucket) and returns: it is the cheapest thing a
 dispatch can launch, so `(exported+skip) - exported` is the least a dispatch costs per call.
+The runtime's dispatch (`kernels/plans.py`) launches the real kernels instead, whose idle launch
+exits after reading the batch's key count and the split table: its cost at the shapes served is
+measured by `scripts/bench_serving.py` (`results/serving/dispatch/tp4-batch64/`: about 9 us at
+tp 4 batch 64, where the idle grids take more than one wave).
 
     python scripts/bench_dispatch.py --out $OUT \
         --exported NSPLIT=132,HEADS_PER_BLOCK=8,STAGES=2 --alt NSPLIT=33,HEADS_PER_BLOCK=2,STAGES=3
