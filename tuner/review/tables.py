@@ -19,7 +19,9 @@ def summary_table(res: Results) -> pd.DataFrame:
     if res.tuned is not None:
         for e in res.tuned.entries:
             for b in e.buckets:
-                exported[(e.tp, e.max_batch, b.max_context)] = (e.backend, b.NSPLIT, b.latency_us)
+                # a per-context dispatch's bucket names its own compile-time params
+                own = "".join(f" {k}={v}" for k, v in (b.params or {}).items())
+                exported[(e.tp, e.max_batch, b.max_context)] = (e.backend, f"{b.NSPLIT}{own}", b.latency_us)
     rows = []
     for (tp, bs, ctx), g in st.groupby(["tp", "bs", "ctx"], sort=True):
         r = {"tp": int(tp), "heads": int(g["heads"].iloc[0]) if pd.notna(g["heads"].iloc[0]) else None,
