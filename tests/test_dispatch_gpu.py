@@ -10,12 +10,10 @@ import pytest
 import torch
 
 from kvtune.kernels import SplitTable, get_backend, make_inputs, reference_attention, rel_error, verify_attention
-from kvtune.kernels import runtime as rt
 from kvtune.kernels.cuda.backend import work_items
 from kvtune.kernels.runtime import VerifyAttention
 from kvtune.kernels.shapes import VerifyProblem
-from kvtune.kernels.tuned import parse_tuned
-from test_runtime_gpu import DK, DV, H, MAX_CONTEXT, NUM_HEADS, T, TOL, TP, Requests, _backend_or_skip, _capture
+from test_runtime_gpu import DK, DV, H, MAX_CONTEXT, T, TOL, TP, Requests, _backend_or_skip, _capture, tuned_for
 
 pytestmark = pytest.mark.gpu
 
@@ -61,19 +59,10 @@ def test_a_dispatch_in_one_graph_follows_the_batch_between_configs(backend):
     _backend_or_skip(backend)
     p, q = _two_configs(backend)
     other = {k: v for k, v in q.items() if k != "NSPLIT" and v != p[k]}
-    dev = torch.device("cuda")
     buckets = [{"max_context": 2048, "NSPLIT": 8},
                {"max_context": 16384, "NSPLIT": 16, "params": other},
                {"max_context": MAX_CONTEXT, "NSPLIT": p["NSPLIT"]}]
-    tuned = parse_tuned({
-        "schema_version": 1, "deployment": "gpu-dispatch",
-        "model": {"name": "MLA-128h", "num_heads": NUM_HEADS, "kv_lora_rank": DV, "qk_rope_head_dim": DK - DV,
-                  "draft_tokens": T, "sm_scale": 192 ** -0.5},
-        "provenance": {"device_name": rt.device_name(dev), "arch": rt.device_arch(dev),
-                       "kernel_hash": {backend: rt.backend_kernel_hash(backend) or "unknown"},
-                       "date": "2026-12-01T00:00:00Z"},
-        "entries": [{"tp": TP, "heads_per_rank": H, "max_batch": 2, "backend": backend, "params": p,
-                     "buckets": buckets}]}, "gpu-dispatch")
+    tuned = tuned_for(backend, p, buckets)
     va = VerifyAttention.from_defaults(tuned, tp=TP, max_batch=2, max_context=MAX_CONTEXT, device="cuda",
                                        check_values=False)   # warmup: each config, then both in turn
     plan = va.plan_for(2)

@@ -45,7 +45,9 @@ def _backend_or_skip(backend: str):
         pytest.skip(f"{backend} backend unavailable: {why}")
 
 
-def tuned_for(backend: str):
+def tuned_for(backend: str, params: dict | None = None, buckets: list[dict] | None = None):
+    """A one-entry tuned file (tp 8, batch 2) for this GPU and the backend's current source:
+    `params` (default `_params`) and `buckets` (default BUCKETS)."""
     _backend_or_skip(backend)
     dev = torch.device("cuda")
     return parse_tuned({
@@ -55,8 +57,9 @@ def tuned_for(backend: str):
         "provenance": {"device_name": rt.device_name(dev), "arch": rt.device_arch(dev),
                        "kernel_hash": {backend: rt.backend_kernel_hash(backend) or "unknown"},
                        "date": "2026-11-29T18:00:00Z"},
-        "entries": [{"tp": TP, "heads_per_rank": H, "max_batch": 2, "backend": backend, "params": _params(backend),
-                     "buckets": [{"max_context": c, "NSPLIT": n} for c, n in BUCKETS]}]}, "gpu-test")
+        "entries": [{"tp": TP, "heads_per_rank": H, "max_batch": 2, "backend": backend,
+                     "params": params or _params(backend),
+                     "buckets": buckets or [{"max_context": c, "NSPLIT": n} for c, n in BUCKETS]}]}, "gpu-test")
 
 
 def fill_metadata(buf, prefixes, T):
