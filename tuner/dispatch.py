@@ -73,7 +73,7 @@ def dispatch_moves(df, backend: str, tp: int, bs: int, contexts: list[int], cpar
     more than BUCKET_LOSS_MARGIN slower than the default (where timed); the group must win more
     over those buckets than the dispatch costs over all of them, and leave the pick one bucket
     at least. Returns ({ctx: Bucket} to move, the group's compile params), or ({}, {})."""
-    from .export import BUCKET_LOSS_MARGIN, Bucket, _bucket_ragged, pick_nsplit, ragged_latencies
+    from .export import Bucket, _bucket_ragged, _loses_ragged, pick_nsplit, ragged_latencies
     if not _dispatches(backend):
         return {}, {}
     lat = latencies(df)
@@ -91,8 +91,7 @@ def dispatch_moves(df, backend: str, tp: int, bs: int, contexts: list[int], cpar
             ragged, default_ragged = _bucket_ragged(rag, backend, tp, bs, c, ck)
             n = pick_nsplit(equal, ragged)
             us, have = equal[n], buckets[c].latency
-            slower_ragged = n in ragged and default_ragged is not None and \
-                ragged[n] > default_ragged * (1 + BUCKET_LOSS_MARGIN)
+            slower_ragged = _loses_ragged({c: equal}, {c: (ragged, default_ragged)})   # the export's ragged rule
             if us * (1 + NSPLIT_MARGIN) < have and have - us > DISPATCH_COST_US and not slower_ragged:
                 moves[c] = Bucket(n, us, buckets[c].default, buckets[c].floor, ragged.get(n), default_ragged)
         win = sum(buckets[c].latency - b.latency for c, b in moves.items()) - DISPATCH_COST_US * len(contexts)
