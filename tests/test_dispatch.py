@@ -172,7 +172,37 @@ def test_the_dispatch_stays_only_if_its_serving_check_beats_the_picks(checked, k
     df = _table(_search({16384: (44, 700.0), 65536: (33, 2900.0)}) + _serve_rows(key, checked))
     moves, alt, lat, notes = with_dispatch(df, _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED))
     assert bool(moves) is kept and (alt == LANES8) is kept and (lat == checked) is kept
-    assert len(notes) == 1 and ("per-context dispatch" if kept else "no dispatch") in notes[0]
+    assert ("per-context dispatch" if kept else "no dispatch") in notes[0]
+    # 16k failing alone: 64k's dispatch by itself is next, and nothing recorded it here
+    if checked.get(16384) == 790.0:
+        assert len(notes) == 2 and "at context(s) [65536]" in notes[1] and "check was not measured" in notes[1]
+    else:
+        assert len(notes) == 1
+
+
+@pytest.mark.parametrize("alone,kept", [
+    ({4096: 202.0, 16384: 800.0, 65536: 2905.0}, True),     # 64k alone: 9% and 295 us
+    ({4096: 202.0, 16384: 800.0, 65536: 3150.0}, False),    # 64k alone: 1.6%, not the 3% margin
+])
+def test_where_only_some_moved_buckets_win_those_alone_are_checked_in_turn(alone, kept):
+    """The dispatch of 16k and 64k served 16k no faster (790 vs 800 us): the dispatch of 64k alone
+    is measured next (its own tables and key) and ships only on its own check."""
+    from kvtune.tuner.dispatch import dispatch_tables
+    key, (params, table, others) = _dispatch_key()
+    df = _table(_search({16384: (44, 700.0), 65536: (33, 2900.0)}) +
+                _serve_rows(key, {4096: 203.0, 16384: 790.0, 65536: 2910.0}))
+    moves64 = {65536: Bucket(33, 2900.0, 3200.0, 10.0)}
+    p64, t64, o64 = dispatch_tables("wgmma", dict(LANES4), _pick(SERVED)[2], moves64, dict(LANES8), CTXS, 9, 64)
+    assert t64[1] == [66, 66, 0] and o64[0][1][1] == [0, 0, 33]
+    calls = []
+
+    def check(be, p, t, tp, bs, contexts, k, dispatch=None):
+        calls.append((p, t, contexts, k, dispatch))
+        return _serve_rows(k, {c: alone[c] for c in contexts})
+    moves, alt, lat, notes = with_dispatch(df, _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED), check)
+    assert calls == [(p64, t64, CTXS, serve_key("wgmma", p64, t64, o64), o64)]
+    assert (sorted(moves) == [65536]) is kept and (lat == alone) is kept and len(notes) == 2
+    assert "no dispatch" in notes[0] and ("per-context dispatch" if kept else "no dispatch") in notes[1]
 
 
 def test_a_dispatch_check_is_measured_when_missing_and_a_failed_one_keeps_the_pick():

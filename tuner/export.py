@@ -256,13 +256,37 @@ def with_dispatch(df, pick, tp, bs, contexts, T, served_lat, check=None, rnd: st
     runs it (every config launched, `check` unless recorded), is faster than the pick's own
     serving check (`served_lat`) at every moved bucket by more than NSPLIT_MARGIN and by more
     than DISPATCH_COST_US, and faster over all buckets together (the other buckets pay its idle
-    launches). Returns ({ctx: Bucket} moved, their compile params, {ctx: served latency} of the
-    dispatch, notes); nothing moved: ({}, {}, None, notes)."""
-    from .dispatch import DISPATCH_COST_US, dispatch_moves, dispatch_tables
+    launches). Where only some moved buckets pass, the dispatch of those alone is checked in
+    turn: what ships is always what its own check measured. Returns ({ctx: Bucket} moved, their
+    compile params, {ctx: served latency} of the dispatch, notes); nothing moved: ({}, {}, None,
+    notes)."""
+    from .dispatch import DISPATCH_COST_US, dispatch_moves
     be, cparams, buckets, _ = pick
     moves, alt = dispatch_moves(df, be, tp, bs, contexts, cparams, buckets, rnd)
     if not moves or served_lat is None or set(contexts) - set(served_lat):
         return {}, {}, None, []   # no move, or the pick's own check is incomplete: nothing to compare with
+    notes = []
+    while True:
+        lat, what, failed = _dispatch_served(df, pick, tp, bs, contexts, T, moves, alt, check)
+        if lat is None:
+            return {}, {}, None, notes + [f"{what}: no dispatch, its serving check {failed}"]
+        passed = {c: b for c, b in moves.items()
+                  if lat[c] * (1 + NSPLIT_MARGIN) < served_lat[c] and served_lat[c] - lat[c] > DISPATCH_COST_US}
+        kept = len(passed) == len(moves) and sum(served_lat[c] - lat[c] for c in contexts) > 0
+        notes.append(f"{what}: " + ("a per-context dispatch, served " if kept else "no dispatch, served it measured ") +
+                     ", ".join(f"{c}: {lat[c]:.1f} vs {served_lat[c]:.1f} us" for c in contexts))
+        if kept:
+            return moves, alt, lat, notes
+        if not passed or len(passed) == len(moves):   # a smaller dispatch gains less for the same idle launches
+            return {}, {}, None, notes
+        moves = passed
+
+
+def _dispatch_served(df, pick, tp, bs, contexts, T, moves, alt, check):
+    """The served latency {ctx: us} of the dispatch of `moves` to the group `alt` beside `pick`,
+    recorded or measured by `check` (None where some bucket has none), what it is, and why not."""
+    from .dispatch import dispatch_tables
+    be, cparams, buckets, _ = pick
     params, table, others = dispatch_tables(be, cparams, buckets, moves, alt, contexts, T, bs)
     key = serve_key(be, params, table, others)
     rows = _recorded_checks(df, tp, bs, key)
@@ -271,17 +295,9 @@ def with_dispatch(df, pick, tp, bs, contexts, T, served_lat, check=None, rnd: st
         rows += check(be, params, table, tp, bs, unchecked, key, dispatch=others) or []
     lat = {int(r["ctx"]): float(r["median_us"]) for r in rows if r["outcome"] == "ok"}
     what = f"tp={tp} bs={bs}: {be} {alt} at context(s) {sorted(moves)} beside {cparams}"
-    if set(contexts) - set(lat):
-        bad = [r for r in rows if r["outcome"] != "ok"]
-        return {}, {}, None, [f"{what}: no dispatch, its serving check " +
-                              (f"failed ({bad[0]['outcome']}: {bad[0]['reason']})" if bad else "was not measured")]
-    gain = {c: served_lat[c] - lat[c] for c in contexts}
-    if not all(lat[c] * (1 + NSPLIT_MARGIN) < served_lat[c] and gain[c] > DISPATCH_COST_US for c in moves) or \
-            sum(gain.values()) <= 0:
-        return {}, {}, None, [f"{what}: no dispatch, served it measured " +
-                              ", ".join(f"{c}: {lat[c]:.1f} vs {served_lat[c]:.1f} us" for c in contexts)]
-    return moves, alt, lat, [f"{what}: a per-context dispatch, served " +
-                             ", ".join(f"{c}: {lat[c]:.1f} vs {served_lat[c]:.1f} us" for c in contexts)]
+    bad = [r for r in rows if r["outcome"] != "ok"]
+    failed = f"failed ({bad[0]['outcome']}: {bad[0]['reason']})" if bad else "was not measured"
+    return (None if set(contexts) - set(lat) else lat), what, failed
 
 
 def pick_served(df, backends, tp, bs, contexts, T, check=None, rnd: str | None = None):
