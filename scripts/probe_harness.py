@@ -1,6 +1,6 @@
 """What the sm_90a tile-loop probes share (`wgmma_probe.py`, `pingpong_probe.py`,
 `rows_in_m_probe.py`): compiling one kernel with NVRTC, loading and launching it (256 threads,
-its dynamic shared memory) through the driver, and timing a launch with CUDA events."""
+or `threads`, its dynamic shared memory) through the driver, and timing a launch with CUDA events."""
 from __future__ import annotations
 
 import ctypes
@@ -21,10 +21,10 @@ class Kernel:
     shared memory. `launch(grid, *args)`: tensors go by their data pointers, ints as int, floats
     as float, ctypes values as they are (e.g. ctypes.c_uint)."""
 
-    def __init__(self, src: str, name: str, fn: str, smem: int):
+    def __init__(self, src: str, name: str, fn: str, smem: int, threads: int = 256):
         from cuda.bindings import driver as drv
         from kvtune.kernels.cuda.nvrtc import _ensure_context, check_driver
-        self.drv, self.check, self.smem, self.name = drv, check_driver, smem, fn
+        self.drv, self.check, self.smem, self.name, self.threads = drv, check_driver, smem, fn, threads
         _ensure_context(torch.cuda.current_device())
         mod = check_driver(drv.cuModuleLoadData(compile_kernel(src, name)[0]), "cuModuleLoadData")
         self.fn = check_driver(drv.cuModuleGetFunction(mod, fn.encode()), fn)
@@ -41,7 +41,7 @@ class Kernel:
         vals = [c_value(v) for v in args]
         ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
         stream = self.drv.CUstream(torch.cuda.current_stream().cuda_stream)
-        self.check(self.drv.cuLaunchKernel(self.fn, grid, 1, 1, 256, 1, 1, self.smem, stream,
+        self.check(self.drv.cuLaunchKernel(self.fn, grid, 1, 1, self.threads, 1, 1, self.smem, stream,
                                            ctypes.addressof(ptrs), 0), f"launch {self.name}")
 
 
