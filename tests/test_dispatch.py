@@ -241,3 +241,21 @@ def test_an_old_file_without_bucket_params_is_one_config():
     doc = copy.deepcopy(t.to_dict())
     assert all("params" not in b for b in doc["entries"][0]["buckets"])
     assert json.dumps(doc)   # plain data
+
+
+def test_export_measures_at_most_max_checks_serving_checks_per_bucket_then_keeps_the_next_pick_unchecked():
+    """Every pick's serving check comes back wrong: export measures MAX_CHECKS of them, in order
+    of their trials latency, then stops measuring and returns the next pick with no check."""
+    from kvtune.tuner.export import MAX_CHECKS, pick_served
+    n = MAX_CHECKS + 2   # groups "COPY_LANES" 4 (the default) .. 4 + n - 1, each faster than the one before
+    rows = [dict(_trial({"ROWS": 72, "COPY_LANES": 4 + i, "NSPLIT": 66}, c, us * (1 - 0.05 * i),
+                        role="baseline" if i == 0 else "search"), floor_us=10.0)
+            for i in range(n) for c, us in SERVED.items()]
+    calls = []
+
+    def check(be, p, t, tp, bs, contexts, k, dispatch=None):
+        calls.append(p["COPY_LANES"])
+        return [dict(r, reason="mismatch") for r in _serve_rows(k, {c: 1.0 for c in contexts}, "export", "wrong")]
+    pick, notes, lat = pick_served(_table(rows), ["wgmma"], 4, 64, CTXS, 9, check)
+    assert calls == [4 + n - 1 - i for i in range(MAX_CHECKS)] and len(notes) == MAX_CHECKS
+    assert pick[1]["COPY_LANES"] == 4 + n - 1 - MAX_CHECKS and lat is None

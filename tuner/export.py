@@ -245,9 +245,16 @@ def serve_key(backend: str, params: dict, table, dispatch: list | None = None) -
     return "serve-" + hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:10]
 
 
-def _recorded_checks(df, tp, bs, key) -> list[dict]:
+def _served_rows(df, tp, bs, contexts, key, measure=None) -> tuple[list[dict], bool]:
+    """The serving-check rows of `key` at (tp, bs): those the trials table recorded, then, for the
+    contexts none covers, `measure(contexts)`'s (`measure` None or False: not measured). Returns
+    (rows, whether `measure` ran)."""
     sel = df[(df["phase"] == "serve") & (df["round"].astype(str) == key) & (df["tp"] == tp) & (df["bs"] == bs)]
-    return sel[["ctx", "outcome", "reason", "median_us"]].to_dict("records")
+    rows = sel[["ctx", "outcome", "reason", "median_us"]].to_dict("records")
+    unchecked = [c for c in contexts if c not in {int(r["ctx"]) for r in rows}]
+    if not unchecked or not measure:
+        return rows, False
+    return rows + (measure(unchecked) or []), True
 
 
 def with_dispatch(df, pick, tp, bs, contexts, T, served_lat, check=None, rnd: str | None = None):
@@ -289,10 +296,8 @@ def _dispatch_served(df, pick, tp, bs, contexts, T, moves, alt, check):
     be, cparams, buckets, _ = pick
     params, table, others = dispatch_tables(be, cparams, buckets, moves, alt, contexts, T, bs)
     key = serve_key(be, params, table, others)
-    rows = _recorded_checks(df, tp, bs, key)
-    unchecked = [c for c in contexts if c not in {int(r["ctx"]) for r in rows}]
-    if unchecked and check is not None:
-        rows += check(be, params, table, tp, bs, unchecked, key, dispatch=others) or []
+    rows, _ = _served_rows(df, tp, bs, contexts, key, check and (
+        lambda todo: check(be, params, table, tp, bs, todo, key, dispatch=others)))
     lat = {int(r["ctx"]): float(r["median_us"]) for r in rows if r["outcome"] == "ok"}
     what = f"tp={tp} bs={bs}: {be} {alt} at context(s) {sorted(moves)} beside {cparams}"
     bad = [r for r in rows if r["outcome"] != "ok"]
@@ -316,11 +321,10 @@ def pick_served(df, backends, tp, bs, contexts, T, check=None, rnd: str | None =
         be, cparams, buckets, _ = pick
         params, table = served(cparams, buckets, contexts, T, be, bs)
         key = serve_key(be, params, table)
-        rows = _recorded_checks(df, tp, bs, key)
-        unchecked = [c for c in contexts if c not in {int(r["ctx"]) for r in rows}]
-        if unchecked and check is not None and measured < MAX_CHECKS:   # a check a kill cut short: the rest
-            rows += check(be, params, table, tp, bs, unchecked, key) or []
-            measured += 1
+        # measured where no recorded check covers a context (one a kill cut short: the rest)
+        rows, ran = _served_rows(df, tp, bs, contexts, key, check and measured < MAX_CHECKS and (
+            lambda todo: check(be, params, table, tp, bs, todo, key)))
+        measured += ran
         bad = [r for r in rows if r["outcome"] != "ok"]
         if bad:
             notes.append(f"tp={tp} bs={bs}: {be} {params} failed its serving check ({bad[0]['outcome']}: "
