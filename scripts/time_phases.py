@@ -8,7 +8,8 @@ partials: timing only). The launch of the other kernel is filtered out at `cuLau
 `--backend wgmma` times the wgmma kernel the same way (its default NSPLIT and ROWS unless --params
 says; `--merge warp|block` forces one of its two merge kernels, `--batch` times B requests of the
 prefix each, `--ragged` bench_serving.py's ragged batches); its variants (WGMMA_VARIANTS: full,
-no_tiles, no_q, no_o_store, exit_early, no_gather, for ROWS 72 the tail warpgroup's: tail_idle, its
+no_tiles, no_q, no_o_store, exit_early, no_gather, no_qk_mma and no_pv_mma (the 64-row warpgroups'
+wgmma left out, barriers kept), for ROWS 72 the tail warpgroup's: tail_idle, its
 handshakes only; tail_no_s_mma, its S^T MMAs left out; tail_no_pv, its O^T MMAs left out; with
 outputs right: tail_early_release, the tail's key buffers handed back a softmax earlier, and the
 schedule forced: items, ranges) patch verify_wgmma.cu at its own anchors (the gather's
@@ -94,6 +95,13 @@ WGMMA_VARIANTS = {
                     "      if (rg < HT && a.H < 0)\n        *reinterpret_cast<uint4*>(a.part_o")],
     "exit_early": [("  if (work_s[0] < 0) return;  // no work", "  if (work_s[0] < 0 || a.H > 0) return;  // no work")],
     "no_gather": [("    const int bytes = ok ? 16 : 0;", "    const int bytes = 0 * ok;")],
+    # the 64-row warpgroups' MMAs left out (their barriers and handoffs kept): QK^T, or both P V
+    "no_qk_mma": [("      mma_ss_n32(s, desc_sw(qs + (kk >> 2) * ROWS * 128",
+                   "      if (a.H < 0) mma_ss_n32(s, desc_sw(qs + (kk >> 2) * ROWS * 128")],
+    "no_pv_mma": [("      mma_ss_pv_n256(o, desc(ps + (tile % NPB) * PBUF",
+                   "      if (a.H < 0) mma_ss_pv_n256(o, desc(ps + (tile % NPB) * PBUF"),
+                  ("for (int kk = 0; kk < 2; ++kk) mma_rs_n256(o, pa[kk], v_desc(t, kk));",
+                   "for (int kk = 0; kk < 2 * (a.H < 0); ++kk) mma_rs_n256(o, pa[kk], v_desc(t, kk));")],
     # ROWS 72: the tail warpgroup only keeps its handshakes (the tiles' buffers and the scrub)
     "tail_idle": [("    mbar_wait(smem_u32(smem + L::FULL_OFF + 8 * buf), par);\n",
                    "    mbar_wait(smem_u32(smem + L::FULL_OFF + 8 * buf), par);\n"
