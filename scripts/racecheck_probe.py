@@ -10,7 +10,8 @@ warpgroup reads it; `results/kernel/wgmma/racecheck/`). Each kernel adds one con
 kernel before it, in a form that is race-free by construction (every shared word is written by
 one thread and read only after a barrier the writer arrived at before): named barriers at 128
 and 256 threads (their id an immediate, or in a register as in the tile loop), the ping-pong's
-flag handoff on `bar.sync` with a `bar.red.or` vote, a `bar.arrive` / `bar.sync` handoff,
+flag handoff on `bar.sync` with a `bar.red.or` vote, the tile loop's barrier protocol as the
+kernel runs it (MMAs and copies aside), a `bar.arrive` / `bar.sync` handoff,
 `bar.red.or`, an mbarrier handoff, `cp.async`, `wgmma` reading shared memory, `setmaxnreg` at
 384 threads, and 227 KB of dynamic shared memory. A hazard reported on a kernel here is the
 tool's, not a race; each kernel's output is also checked (the exchange must return the other
@@ -100,6 +101,40 @@ extern "C" __global__ void k_pingpong(float* out, int off, int rounds) {
     }
   }
   __syncthreads();
+  OUT(exchange(off, threadIdx.x) + 0.f * got);
+}
+
+// the tile loop's barrier protocol itself, MMAs and copies aside: warpgroup w owns tiles w, w + 2,
+// ... of `rounds`; per tile its own barrier (bar.sync 1 + w, 128), the other warpgroup's
+// publication of tile t - 1 (bar.sync 3 + ((t - 1) & 1), 256) and the read of what that tile
+// wrote (its flag, the shared row maxima), a vote (bar.red.or on 1 + w), then its own writes (the
+// flag of tile t, the maxima both warpgroups share) and its publication (bar.sync 3 + (t & 1));
+// after the loop the other's last tile, then the l exchange. Every write precedes the barrier its
+// readers wait on, and the next write of the same word follows a publication its reader made
+// after reading: race-free, as the kernel's `--publish sync` copy (scripts/racecheck_wgmma.py)
+extern "C" __global__ void k_tile_protocol(float* out, int off, int rounds) {
+  volatile int* flag = reinterpret_cast<volatile int*>(smem + 4096);
+  volatile float* m = reinterpret_cast<volatile float*>(smem + 4352);  // 64 rows, both warpgroups
+  const int t0 = threadIdx.x, w = t0 >> 7, wt = t0 & 127;
+  float got = 0.f;
+  int t = w;
+#pragma unroll 1
+  for (; t < rounds; t += 2) {
+    bar_sync(1 + w, 128);
+    if (t >= 1) {  // the other warpgroup's tile t - 1
+      bar_sync(3 + ((t - 1) & 1), 256);
+      got += flag[(t - 1) & 1];
+    }
+    const float mx = m[wt & 63];
+    const int grew = bar_or(1 + w, (wt & 7) == (t & 7));
+    if (wt < 64) m[wt] = mx + grew;
+    if (wt == 0) flag[t & 1] = t;
+    bar_sync(3 + (t & 1), 256);  // publish tile t
+  }
+  if (t >= 1 && t - 1 < rounds) {
+    bar_sync(3 + ((t - 1) & 1), 256);
+    got += flag[(t - 1) & 1];
+  }
   OUT(exchange(off, threadIdx.x) + 0.f * got);
 }
 
@@ -212,12 +247,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) k_setmaxnreg(float* out, in
 """
 
 #: (kernel, threads per block)
-PROBES = [("k_plain", 256), ("k_named", 256), ("k_named_reg", 256), ("k_pingpong", 256), ("k_arrive", 256),
+PROBES = [("k_plain", 256), ("k_named", 256), ("k_named_reg", 256), ("k_pingpong", 256), ("k_tile_protocol", 256),
+          ("k_arrive", 256),
           ("k_bar_red", 256), ("k_mbarrier", 256), ("k_cp_async", 256), ("k_wgmma", 256), ("k_setmaxnreg", 384)]
 
 
 #: kernels that take a round count (8 tiles' handoffs)
-ROUNDS = {"k_named_reg", "k_pingpong"}
+ROUNDS = {"k_named_reg", "k_pingpong", "k_tile_protocol"}
 
 
 def expected(fn: str, threads: int, src: torch.Tensor) -> torch.Tensor:
