@@ -95,10 +95,14 @@ class Backend(abc.ABC):
     name: str = ""
     #: the frozen parameter dataclass of this backend (None for the oracle)
     params_type: type | None = None
-    #: NSPLIT counts splits of the whole batch's keys (the CUDA kernel balances work by keys),
-    #: not splits per request (Triton); a split table is then looked up at the batch's total
-    #: key count (`split_bounds`)
-    nsplit_per_batch: bool = False
+
+    @property
+    def nsplit_per_batch(self) -> bool:
+        """NSPLIT counts splits of the whole batch's keys, not per request: a split table is then
+        looked up at the batch's total key count (`split_bounds`). Declared with the parameters
+        (`params.Declaration.nsplit_per_batch`)."""
+        decl = getattr(self.params_type, "declaration", None)
+        return bool(decl is not None and decl.nsplit_per_batch)
 
     def default_params(self, problem: VerifyProblem) -> Any:
         """The untuned default for this problem (None for backends without parameters)."""

@@ -135,10 +135,14 @@ class Declaration:
     """The parameters of one backend (`type_name`: its dataclass) and the rules among them.
 
     rules: (name, field, expression, reason) tuples; an expression may use the parameters and
-    `RULE_PROBLEM_NAMES`."""
+    `RULE_PROBLEM_NAMES`. nsplit_per_batch: NSPLIT counts splits of the whole batch's keys (the
+    CUDA kernels balance work by keys; split tables are looked up at the batch's key count and a
+    launch can serve a per-context dispatch), not splits per request (Triton)."""
 
-    def __init__(self, type_name: str, params: Iterable[Param], rules: Iterable[tuple[str, str, str, str]] = ()):
+    def __init__(self, type_name: str, params: Iterable[Param], rules: Iterable[tuple[str, str, str, str]] = (),
+                 nsplit_per_batch: bool = False):
         self.type_name = type_name
+        self.nsplit_per_batch = nsplit_per_batch
         self.params = {p.name: p for p in params}
         names = list(self.params) + list(RULE_PROBLEM_NAMES)
         self.rules = tuple(Rule(n, f, Expr(e, names, f"{type_name} rule {n}"), r) for n, f, e, r in rules)

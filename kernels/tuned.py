@@ -302,13 +302,14 @@ def _bucket_params(src, bkey, raw, entry_params: dict, backend: str) -> dict | N
     if raw is None:
         return None
     raw = _mapping(src, f"{bkey}.params", raw)
-    if backend in ("reference", "triton"):
-        raise _err(src, f"{bkey}.params", f"backend {backend} picks NSPLIT per request and cannot serve a bucket "
-                                          "with other compile-time params (only cuda and wgmma can)")
     bad = sorted(k for k in raw if k == "NSPLIT" or k not in entry_params)
     if bad or not raw:
         raise _err(src, f"{bkey}.params", f"expected compile-time parameters of the entry but NSPLIT, got "
                                           f"{sorted(raw)}{'' if raw else ' (empty)'}")
+    from .params import declaration
+    if not declaration(backend).nsplit_per_batch:   # entry_params is not empty: a backend with parameters
+        raise _err(src, f"{bkey}.params", f"backend {backend} picks NSPLIT per request and cannot serve a bucket "
+                                          "with other compile-time params")
     if all(entry_params[k] == v for k, v in raw.items()):
         raise _err(src, f"{bkey}.params", f"{raw} are the entry's own: leave them out")
     return dict(raw)

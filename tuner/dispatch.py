@@ -103,9 +103,9 @@ def dispatch_moves(df, backend: str, tp: int, bs: int, contexts: list[int], cpar
 def _dispatches(backend: str) -> bool:
     """Whether `backend` can serve a per-context dispatch (its NSPLIT counts the batch's splits:
     a launch whose batch falls in a bucket of another config exits at once)."""
-    from kvtune.kernels.backends import get_backend
+    from kvtune.kernels.params import declaration
     try:
-        return get_backend(backend).nsplit_per_batch
+        return declaration(backend).nsplit_per_batch
     except (ImportError, ValueError):
         return False
 

@@ -223,7 +223,6 @@ class SplitMergeBackend(Backend):
     parameter type and the MLA widths checked before their own checks (`_check_kernel`), the
     split workspace, `static_reject`'s default arch before their own reasons (`_reject_on`), and
     the launch in the tensors' device context (`_launch`)."""
-    nsplit_per_batch = True
 
     def __init__(self):
         self._kernels: dict[tuple, object] = {}

@@ -29,7 +29,7 @@ CUDA_PARAMS = Declaration("CudaParams", [
     ("rows_per_cta", "HEADS_PER_BLOCK", "HEADS_PER_BLOCK * T <= 256", "HEADS_PER_BLOCK x T rows per CTA exceed 256"),
     ("o_accumulator", "NUM_WARPS", "Dv // 16 // NUM_WARPS * cdiv(HEADS_PER_BLOCK * T, 8) * 4 <= 192",
      "the O accumulator needs over 192 registers per thread; use more warps or fewer heads"),
-])
+], nsplit_per_batch=True)
 
 
 @declared(CUDA_PARAMS)
@@ -57,7 +57,7 @@ WGMMA_PARAMS = Declaration("WgmmaParams", [
           "no conflicts, two rows per thread (measured: faster where many CTAs stream, slower at batch 1)"),
 ], rules=[
     ("draft_tokens", "T", "1 <= T <= 64", "the wgmma kernel supports 1..64 draft tokens (one int64 mask per row)"),
-])
+], nsplit_per_batch=True)
 
 
 @declared(WGMMA_PARAMS)
