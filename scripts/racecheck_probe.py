@@ -256,8 +256,10 @@ PROBES = [("k_plain", 256), ("k_named", 256), ("k_named_reg", 256), ("k_pingpong
 ROUNDS = {"k_named_reg", "k_pingpong", "k_tile_protocol"}
 
 
-def expected(fn: str, threads: int, src: torch.Tensor) -> torch.Tensor:
-    t = torch.arange(threads, device="cuda")
+def expected(fn: str, threads: int, src: torch.Tensor | None) -> torch.Tensor:
+    """What probe `fn`'s exchange returns to each of its `threads` (on `src`'s device; `src`: the
+    cp.async probe's global input)."""
+    t = torch.arange(threads, device=src.device if src is not None else "cpu")
     if fn == "k_setmaxnreg":
         return torch.where(t < 256, t ^ 128, t - 256).float()
     if fn == "k_cp_async":  # thread t's exchange carries src[4 (t ^ 128)]; its partner's comes back

@@ -86,6 +86,23 @@ def test_wgmma_probe_compiles_for_sm_90a():
     assert wgmma_probe.SMEM <= ARCH_LIMITS["sm_90"].smem_per_block
 
 
+def test_racecheck_probe_kernels_compile_for_sm_90a_with_the_named_probes():
+    """Every probe kernel racecheck_probe.py launches is in its source and builds for sm_90a
+    (its `wgmma` and `setmaxnreg` probes need the arch-specific target), and each probe's expected
+    exchange is the other warpgroup's value: thread t gets t ^ 128 (the tail, at 384 threads, its
+    own row of warpgroup 0), independently of the kernels."""
+    import racecheck_probe
+    from mma_ceiling import nvrtc_cubin
+    cubin, log = nvrtc_cubin(racecheck_probe.SRC, "racecheck_probe.cu", ["--gpu-architecture=sm_90a", "-std=c++17"])
+    assert len(cubin) > 0
+    for fn, threads in racecheck_probe.PROBES:
+        assert f'extern "C" __global__ void {fn}(' in racecheck_probe.SRC or \
+            f"__launch_bounds__({threads}, 1) {fn}(" in racecheck_probe.SRC, fn
+    e = racecheck_probe.expected("k_setmaxnreg", 384, None).tolist()
+    assert e[:2] == [128.0, 129.0] and e[128] == 0.0 and e[256:258] == [0.0, 1.0]
+    assert racecheck_probe.expected("k_plain", 256, None).tolist()[127:129] == [255.0, 0.0]
+
+
 def test_proxy_candidates_fit_sm_120():
     import bench_proxy
     shapes = bench_proxy.fitting_shapes("sm_120", 9, 8)
