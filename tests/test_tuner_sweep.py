@@ -339,7 +339,8 @@ def test_gate_catches_a_tree_mask_bug_invisible_at_long_prefixes():
         spec = ProblemSpec(heads=1, batch=1, context=16384, draft_tokens=8, tree="chain")
         x = make_inputs(1, 8, 1, [16384], tree="chain", seed=3)
         ref = reference_attention(*x.args)[0]
-        o = verify_attention(*x.args, backend="triton-all-drafts-visible", params=TritonParams(NSPLIT=4, BLOCK_N=64))
+        o = verify_attention(*x.args, backend="triton-all-drafts-visible",
+                             params=TritonParams(NSPLIT=4, BLOCK_N=64, HEADS_PER_BLOCK=1))
         assert rel_error(o, ref) < 1e-2              # the long-prefix check alone is blind to it
         base = dataclasses.asdict(TritonParams(NSPLIT=4, BLOCK_N=64, HEADS_PER_BLOCK=1))
         r = Measurer("cpu").measure("triton-all-drafts-visible", base, spec,
