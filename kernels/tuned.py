@@ -307,7 +307,11 @@ def _bucket_params(src, bkey, raw, entry_params: dict, backend: str) -> dict | N
         raise _err(src, f"{bkey}.params", f"expected compile-time parameters of the entry but NSPLIT, got "
                                           f"{sorted(raw)}{'' if raw else ' (empty)'}")
     from .params import declaration
-    if not declaration(backend).nsplit_per_batch:   # entry_params is not empty: a backend with parameters
+    try:
+        per_batch = declaration(backend).nsplit_per_batch
+    except ValueError:   # a backend without parameters (the oracle) has no NSPLIT of its own
+        per_batch = False
+    if not per_batch:
         raise _err(src, f"{bkey}.params", f"backend {backend} picks NSPLIT per request and cannot serve a bucket "
                                           "with other compile-time params")
     if all(entry_params[k] == v for k, v in raw.items()):

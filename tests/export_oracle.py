@@ -238,7 +238,9 @@ def _served_rounds(trials, tp, bs, role, backend, comp=None) -> list[dict]:
 def check_dispatch(e: dict, trials: pd.DataFrame) -> None:
     """An entry with moved buckets: one alternative group; a dispatch check ok at every context
     that beats one of the entry's own serving checks at every moved bucket by more than 3% and the
-    dispatch's cost, and over all contexts together."""
+    dispatch's cost, and over all contexts together; and where the sweep timed a moved bucket's
+    ragged batch (the bucket names default_ragged_us), a dispatch check on that batch within 3%
+    of the default's time there."""
     moved = {b["max_context"]: b for b in e["buckets"] if "params" in b}
     comp = _compile_part(e["params"])
     alts = {_compile_part({**json.loads(comp), **b["params"]}) for b in moved.values()}
@@ -248,3 +250,10 @@ def check_dispatch(e: dict, trials: pd.DataFrame) -> None:
     own = _served_rounds(trials, tp, bs, "export", e["backend"], comp)
     assert any(all(d[c] * (1 + MARGIN) < o[c] and o[c] - d[c] > DISPATCH_COST_US for c in moved)
                and sum(o[c] - d[c] for c in o) > 0 for d in dispatch for o in own), (tp, bs, "dispatch beat its pick")
+    rag = trials[(trials["phase"] == "serve") & (trials["role"].astype(str) == "dispatch") & (trials["tp"] == tp)
+                 & (trials["bs"] == bs) & trials["round"].astype(str).str.contains(" ragged x")
+                 & (trials["outcome"] == "ok")]
+    for c, b in moved.items():
+        if b.get("default_ragged_us") is not None:
+            got = rag[rag["ctx"] == c]["median_us"]
+            assert len(got) and got.min() <= b["default_ragged_us"] * (1 + MARGIN) + TOL_US, (tp, bs, c, "ragged")

@@ -1,6 +1,6 @@
 """The per-context dispatch on the CPU (no device): buckets naming their own compile-time params
 in the exported YAML (schema and `TunedEntry.configs`), the export's rule for them
-(`tuner.dispatch.dispatch_moves`, `tuner.export.with_dispatch`) on hand-made trials tables with
+(`tuner.dispatch.dispatch_moves`, `tuner.dispatch.with_dispatch`) on hand-made trials tables with
 the expected outcome written out per case, and the runtime plan's host mirrors. Its kernels
 (a launch whose batch falls in a bucket of another config writes nothing) are checked on the
 GPU: `tests/test_dispatch_gpu.py`."""
@@ -16,7 +16,8 @@ from kvtune.kernels.backends import SplitTable, get_backend, split_bounds
 from kvtune.kernels.plans import Plan
 from kvtune.kernels.tuned import SchemaError, parse_tuned
 from kvtune.tuner.dispatch import DISPATCH_COST_US, dispatch_moves
-from kvtune.tuner.export import Bucket, serve_key, with_dispatch
+from kvtune.tuner.dispatch import with_dispatch
+from kvtune.tuner.export import Bucket, serve_key
 
 CTXS = [4096, 16384, 65536]
 LANES4 = {"ROWS": 72, "COPY_LANES": 4}
@@ -66,6 +67,11 @@ def test_every_bucket_on_other_params_or_a_per_request_backend_is_refused():
     with pytest.raises(SchemaError, match="triton picks NSPLIT per request"):
         parse_tuned(_doc([{"max_context": 4096, "NSPLIT": 4},
                           {"max_context": 16384, "NSPLIT": 4, "params": {"BLOCK_N": 32}}], "triton", triton))
+    # the oracle has no parameters: a file giving it some, and a bucket others, is a schema error too
+    with pytest.raises(SchemaError, match="reference picks NSPLIT per request"):
+        parse_tuned(_doc([{"max_context": 4096, "NSPLIT": 1},
+                          {"max_context": 16384, "NSPLIT": 1, "params": {"X": 2}}], "reference", {"X": 1}),
+                    check_params=False)
 
 
 def test_a_split_table_of_another_configs_buckets():
@@ -201,7 +207,8 @@ def test_where_only_some_moved_buckets_win_those_alone_are_checked_in_turn(alone
         return _serve_rows(k, {c: alone[c] for c in contexts})
     moves, alt, lat, notes = with_dispatch(df, _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED), check)
     assert calls == [(p64, t64, CTXS, serve_key("wgmma", p64, t64, o64), o64)]
-    assert (sorted(moves) == [65536]) is kept and (lat == alone) is kept and len(notes) == 2
+    assert (sorted(moves) == [65536]) is kept and (lat == alone) is kept and (alt == LANES8) is kept
+    assert len(notes) == 2
     assert "no dispatch" in notes[0] and ("per-context dispatch" if kept else "no dispatch") in notes[1]
 
 
@@ -259,3 +266,52 @@ def test_export_measures_at_most_max_checks_serving_checks_per_bucket_then_keeps
     pick, notes, lat = pick_served(_table(rows), ["wgmma"], 4, 64, CTXS, 9, check)
     assert calls == [4 + n - 1 - i for i in range(MAX_CHECKS)] and len(notes) == MAX_CHECKS
     assert pick[1]["COPY_LANES"] == 4 + n - 1 - MAX_CHECKS and lat is None
+
+
+class _Check:
+    """A serving check with its ragged-batch method, answering from fixed latencies per call
+    (equal requests: `equal[i]` for the i-th equal check; ragged: `ragged`), recording calls."""
+
+    def __init__(self, equal: list[dict], ragged: dict):
+        self.equal, self.rag, self.calls = equal, ragged, []
+
+    def __call__(self, be, p, t, tp, bs, contexts, k, dispatch=None):
+        lat = self.equal[sum(c[0] == "equal" for c in self.calls)]
+        self.calls.append(("equal", list(contexts), k))
+        return _serve_rows(k, {c: lat[c] for c in contexts})
+
+    def ragged(self, be, p, t, tp, bs, contexts, k, dispatch=None):
+        self.calls.append(("ragged", list(contexts), k))
+        return _serve_rows(k, {c: self.rag[c] for c in contexts})
+
+
+@pytest.mark.parametrize("ragged64,moved", [
+    (1020.0, [16384, 65536]),   # 2% slower than the default's 1000 us on 64k's ragged batch: within 3%
+    (1100.0, [16384]),          # 10% slower there: 64k stays with the pick, 16k alone is checked next
+])
+def test_a_moved_bucket_must_not_serve_its_ragged_batch_slower_than_the_default(ragged64, moved):
+    """The sweep never timed the other group on the ragged batch (only the default, 1000 us at
+    64k): the dispatch is measured there, the way serving runs it, before a bucket moves."""
+    rows = _search({16384: (44, 700.0), 65536: (33, 2900.0)})
+    rows.append(_trial(dict(LANES4, NSPLIT=66), 65536, 1000.0, "ragged", "baseline", "x8"))
+    check = _Check([{4096: 203.0, 16384: 705.0, 65536: 2910.0}, {4096: 202.0, 16384: 704.0, 65536: 3199.0}],
+                   {65536: ragged64})
+    moves, alt, lat, notes = with_dispatch(_table(rows), _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED), check, "x8")
+    assert sorted(moves) == moved and alt == LANES8
+    kinds = [c[0] for c in check.calls]
+    assert kinds == (["equal", "ragged"] if len(moved) == 2 else ["equal", "ragged", "equal"])
+    assert check.calls[1][1] == [65536] and check.calls[1][2].endswith("ragged x8")
+    assert f"ragged at 65536: {ragged64:.1f} vs the default's 1000.0 us" in notes[0]
+    # no ragged measurement (a check without that method, nothing recorded): the bucket cannot move
+    plain = _Check(check.equal, {})
+    moves, _, _, notes = with_dispatch(_table(rows), _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED),
+                                       lambda *a, **k: plain(*a, **k), "x8")
+    assert sorted(moves) == [16384] and "ragged at 65536: not measured" in notes[0]
+
+
+def test_a_dispatch_that_wins_every_moved_bucket_but_loses_in_total_is_not_tried_smaller():
+    """Fewer moved buckets would gain less and pay the same idle launches: one check, no dispatch."""
+    check = _Check([{4096: 600.0, 16384: 705.0, 65536: 2910.0}], {})
+    df = _table(_search({16384: (44, 700.0), 65536: (33, 2900.0)}))
+    moves, alt, lat, notes = with_dispatch(df, _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED), check)
+    assert moves == {} and lat is None and len(check.calls) == 1 and "no dispatch" in notes[0]

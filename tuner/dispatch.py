@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 
-from .export import NSPLIT_MARGIN, exportable, latencies
+from .export import BUCKET_LOSS_MARGIN, NSPLIT_MARGIN, _served_rows, exportable, latencies, serve_key
 from .study import compile_key
 
 #: what a per-context dispatch adds to every call of an entry, per compile-time config beyond the
@@ -120,3 +120,73 @@ def dispatch_tables(backend: str, cparams: dict, buckets: dict, moves: dict, alt
     own = [0 if c in moves else int(buckets[c].nsplit) for c in contexts]
     other = [int(moves[c].nsplit) if c in moves else 0 for c in contexts]
     return dict(cparams, NSPLIT=max(own)), [bounds, own], [[dict(alt, NSPLIT=max(other)), [bounds, other]]]
+
+
+def with_dispatch(df, pick, tp, bs, contexts, T, served_lat, check=None, rnd: str | None = None):
+    """A per-context dispatch of a served pick, where it pays: the buckets `tuner.dispatch.
+    dispatch_moves` finds on the trials, kept only when the dispatch, measured the way serving
+    runs it (every config launched, `check` unless recorded), is faster than the pick's own
+    serving check (`served_lat`) at every moved bucket by more than NSPLIT_MARGIN and by more
+    than DISPATCH_COST_US, and faster over all buckets together (the other buckets pay its idle
+    launches). Where the sweep timed the bucket's ragged batch (`rnd`), the dispatch is also
+    measured on each moved bucket's ragged batch (`check.ragged`) and must not serve it more than
+    BUCKET_LOSS_MARGIN slower than the default did: the sweep's ragged phase never timed the
+    other group there. Where only some moved buckets pass, the dispatch of those alone is checked
+    in turn: what ships is always what its own check measured. Returns ({ctx: Bucket} moved,
+    their compile params, {ctx: served latency} of the dispatch, notes); nothing moved: ({}, {},
+    None, notes)."""
+    be, cparams, buckets, _ = pick
+    moves, alt = dispatch_moves(df, be, tp, bs, contexts, cparams, buckets, rnd)
+    if not moves or served_lat is None or set(contexts) - set(served_lat):
+        return {}, {}, None, []   # no move, or the pick's own check is incomplete: nothing to compare with
+    notes = []
+    while True:
+        lat, what, failed = _dispatch_served(df, pick, tp, bs, contexts, T, moves, alt, check)
+        if lat is None:
+            return {}, {}, None, notes + [f"{what}: no dispatch, its serving check {failed}"]
+        ragged = _dispatch_ragged(df, pick, tp, bs, contexts, T, moves, alt, check, rnd)
+        passed = {c: b for c, b in moves.items()
+                  if lat[c] * (1 + NSPLIT_MARGIN) < served_lat[c] and served_lat[c] - lat[c] > DISPATCH_COST_US
+                  and (b.default_ragged is None or
+                       ragged.get(c, float("inf")) <= b.default_ragged * (1 + BUCKET_LOSS_MARGIN))}
+        kept = len(passed) == len(moves) and sum(served_lat[c] - lat[c] for c in contexts) > 0
+        notes.append(f"{what}: " + ("a per-context dispatch, served " if kept else "no dispatch, served it measured ") +
+                     ", ".join(f"{c}: {lat[c]:.1f} vs {served_lat[c]:.1f} us" for c in contexts) +
+                     "".join(f"; ragged at {c}: " + (f"{ragged[c]:.1f}" if c in ragged else "not measured") +
+                             f" vs the default's {b.default_ragged:.1f} us"
+                             for c, b in moves.items() if b.default_ragged is not None))
+        if kept:
+            return moves, alt, lat, notes
+        if not passed or len(passed) == len(moves):   # a smaller dispatch gains less for the same idle launches
+            return {}, {}, None, notes
+        moves = passed
+
+
+def _dispatch_ragged(df, pick, tp, bs, contexts, T, moves, alt, check, rnd) -> dict:
+    """{ctx: us} of the dispatch of `moves` on the ragged batch of each moved bucket the sweep
+    timed one at (round `rnd`), recorded or measured by `check.ragged`."""
+    todo = [c for c, b in moves.items() if b.default_ragged is not None]
+    if not todo or rnd is None:
+        return {}
+    be, cparams, buckets, _ = pick
+    params, table, others = dispatch_tables(be, cparams, buckets, moves, alt, contexts, T, bs)
+    key = f"{serve_key(be, params, table, others)} ragged {rnd}"
+    measure = getattr(check, "ragged", None)
+    rows, _ = _served_rows(df, tp, bs, todo, key, measure and (
+        lambda c: measure(be, params, table, tp, bs, c, key, dispatch=others)))
+    return {int(r["ctx"]): float(r["median_us"]) for r in rows if r["outcome"] == "ok"}
+
+
+def _dispatch_served(df, pick, tp, bs, contexts, T, moves, alt, check):
+    """The served latency {ctx: us} of the dispatch of `moves` to the group `alt` beside `pick`,
+    recorded or measured by `check` (None where some bucket has none), what it is, and why not."""
+    be, cparams, buckets, _ = pick
+    params, table, others = dispatch_tables(be, cparams, buckets, moves, alt, contexts, T, bs)
+    key = serve_key(be, params, table, others)
+    rows, _ = _served_rows(df, tp, bs, contexts, key, check and (
+        lambda todo: check(be, params, table, tp, bs, todo, key, dispatch=others)))
+    lat = {int(r["ctx"]): float(r["median_us"]) for r in rows if r["outcome"] == "ok"}
+    what = f"tp={tp} bs={bs}: {be} {alt} at context(s) {sorted(moves)} beside {cparams}"
+    bad = [r for r in rows if r["outcome"] != "ok"]
+    failed = f"failed ({bad[0]['outcome']}: {bad[0]['reason']})" if bad else "was not measured"
+    return (None if set(contexts) - set(lat) else lat), what, failed

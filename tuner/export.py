@@ -23,7 +23,7 @@ that check; a pick that fails it gives way to the next best. `kvtune export` mea
 checks it lacks on this machine (`--no-check`: only recorded ones count); so does
 `kvtune sweep --export`.
 
-A per-context dispatch (`with_dispatch`, `tuner/dispatch.py`): on cuda and wgmma, where another
+A per-context dispatch (`tuner.dispatch.with_dispatch`): on cuda and wgmma, where another
 compile-time group of the pick's backend measured faster at some context buckets by more than
 NSPLIT_MARGIN and by more than the dispatch's launch cost (DISPATCH_COST_US, per call), those
 buckets name that group's params in the YAML and serving launches both configs on every call
@@ -257,54 +257,6 @@ def _served_rows(df, tp, bs, contexts, key, measure=None) -> tuple[list[dict], b
     return rows + (measure(unchecked) or []), True
 
 
-def with_dispatch(df, pick, tp, bs, contexts, T, served_lat, check=None, rnd: str | None = None):
-    """A per-context dispatch of a served pick, where it pays: the buckets `tuner.dispatch.
-    dispatch_moves` finds on the trials, kept only when the dispatch, measured the way serving
-    runs it (every config launched, `check` unless recorded), is faster than the pick's own
-    serving check (`served_lat`) at every moved bucket by more than NSPLIT_MARGIN and by more
-    than DISPATCH_COST_US, and faster over all buckets together (the other buckets pay its idle
-    launches). Where only some moved buckets pass, the dispatch of those alone is checked in
-    turn: what ships is always what its own check measured. Returns ({ctx: Bucket} moved, their
-    compile params, {ctx: served latency} of the dispatch, notes); nothing moved: ({}, {}, None,
-    notes)."""
-    from .dispatch import DISPATCH_COST_US, dispatch_moves
-    be, cparams, buckets, _ = pick
-    moves, alt = dispatch_moves(df, be, tp, bs, contexts, cparams, buckets, rnd)
-    if not moves or served_lat is None or set(contexts) - set(served_lat):
-        return {}, {}, None, []   # no move, or the pick's own check is incomplete: nothing to compare with
-    notes = []
-    while True:
-        lat, what, failed = _dispatch_served(df, pick, tp, bs, contexts, T, moves, alt, check)
-        if lat is None:
-            return {}, {}, None, notes + [f"{what}: no dispatch, its serving check {failed}"]
-        passed = {c: b for c, b in moves.items()
-                  if lat[c] * (1 + NSPLIT_MARGIN) < served_lat[c] and served_lat[c] - lat[c] > DISPATCH_COST_US}
-        kept = len(passed) == len(moves) and sum(served_lat[c] - lat[c] for c in contexts) > 0
-        notes.append(f"{what}: " + ("a per-context dispatch, served " if kept else "no dispatch, served it measured ") +
-                     ", ".join(f"{c}: {lat[c]:.1f} vs {served_lat[c]:.1f} us" for c in contexts))
-        if kept:
-            return moves, alt, lat, notes
-        if not passed or len(passed) == len(moves):   # a smaller dispatch gains less for the same idle launches
-            return {}, {}, None, notes
-        moves = passed
-
-
-def _dispatch_served(df, pick, tp, bs, contexts, T, moves, alt, check):
-    """The served latency {ctx: us} of the dispatch of `moves` to the group `alt` beside `pick`,
-    recorded or measured by `check` (None where some bucket has none), what it is, and why not."""
-    from .dispatch import dispatch_tables
-    be, cparams, buckets, _ = pick
-    params, table, others = dispatch_tables(be, cparams, buckets, moves, alt, contexts, T, bs)
-    key = serve_key(be, params, table, others)
-    rows, _ = _served_rows(df, tp, bs, contexts, key, check and (
-        lambda todo: check(be, params, table, tp, bs, todo, key, dispatch=others)))
-    lat = {int(r["ctx"]): float(r["median_us"]) for r in rows if r["outcome"] == "ok"}
-    what = f"tp={tp} bs={bs}: {be} {alt} at context(s) {sorted(moves)} beside {cparams}"
-    bad = [r for r in rows if r["outcome"] != "ok"]
-    failed = f"failed ({bad[0]['outcome']}: {bad[0]['reason']})" if bad else "was not measured"
-    return (None if set(contexts) - set(lat) else lat), what, failed
-
-
 def pick_served(df, backends, tp, bs, contexts, T, check=None, rnd: str | None = None):
     """`choose`, skipping configs whose serving check (one graph-capturable launch with the
     split table, at every bucket) was recorded wrong or failed. `check` (a `ServingCheck`)
@@ -480,6 +432,7 @@ def _entries(df, dep: Deployment, backends, checker):
                             tp, bs, contexts)
                 continue
             be, cparams, buckets, is_default = pick
+            from .dispatch import with_dispatch   # it imports this module
             moves, alt, dispatch_lat, notes = with_dispatch(df, pick, tp, bs, contexts, T, served_lat, checker, rnd)
             for n in notes:
                 log.info("note: %s", n)

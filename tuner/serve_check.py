@@ -5,8 +5,9 @@ and a SplitTable choosing each bucket's NSPLIT on the device (one graph-capturab
 a correctness gate and a timing. Its rows go to the trials table as phase `serve`, round
 `export.serve_key(...)`, trial 0, role `export` (the schema earlier sweeps wrote them in), so
 a check is measured once and read back by every later export; a config that fails it is
-skipped for the next best (`export.pick_served`). A per-context dispatch (`export.with_dispatch`)
-is checked the same way with every config launched in each call, role `dispatch`.
+skipped for the next best (`export.pick_served`). A per-context dispatch (`dispatch.with_dispatch`)
+is checked the same way with every config launched in each call, role `dispatch`, and on each
+moved bucket's ragged batch too (`ragged`, its own round).
 
 Only the machine that measured the trials can check them: the check runs on the device of
 the table's rows (its `device` name must be this machine's), else export uses the checks
@@ -73,13 +74,26 @@ class ServingCheck:
     def __call__(self, backend, params, split_table, tp, bs, contexts, key, dispatch=None) -> list[dict] | None:
         """`dispatch`: a per-context dispatch's other launches ([params, split table] each), run
         after `params` in every call as serving runs them."""
+        return self._check(backend, params, split_table, tp, bs, contexts, key, dispatch, ragged=False)
+
+    def ragged(self, backend, params, split_table, tp, bs, contexts, key, dispatch=None) -> list[dict] | None:
+        """The same launches on each of `contexts`' ragged batch (`tuner.measure.ragged_prefixes` at
+        the deployment's spread: the batch the sweep's ragged phase times), rows under round `key`."""
+        return self._check(backend, params, split_table, tp, bs, contexts, key, dispatch, ragged=True)
+
+    def _check(self, backend, params, split_table, tp, bs, contexts, key, dispatch, ragged: bool):
         if not self._start(backend):
             return None
+        from dataclasses import replace
+
+        from .measure import ragged_prefixes
         r = self.runner
         rows = []
         extra = {"split_table": split_table, **({"dispatch": dispatch} if dispatch else {})}
         for ctx in contexts:
             spec = r.spec(tp, bs, ctx)
+            if ragged:
+                spec = replace(spec, prefixes=ragged_prefixes(bs, ctx, self.dep.ragged_spread))
             m = r.measure(backend, params, spec, self.seed + 7 * ctx, extra=extra)
             # role "dispatch": the check of a per-context dispatch (its params are the entry's own
             # launch; a failure says nothing about that config alone)
@@ -87,7 +101,8 @@ class ServingCheck:
                         "dispatch" if dispatch else "export", params, m, phase="serve", rnd=key)
             self.tables[backend].append(row)
             rows.append(row)
-        log.info("serving check of tp=%s bs=%s %s %s%s: %s", tp, bs, backend, params,
+        log.info("serving check%s of tp=%s bs=%s %s %s%s: %s", " on the ragged batches" if ragged else "", tp, bs,
+                 backend, params,
                  f" with {[d[0] for d in dispatch]} at their buckets" if dispatch else "",
                  ", ".join(f"{r['ctx']}: {r['outcome']}" for r in rows))
         return rows
