@@ -27,9 +27,11 @@ A per-context dispatch (`tuner.dispatch.with_dispatch`): on cuda and wgmma, wher
 compile-time group of the pick's backend measured faster at some context buckets by more than
 NSPLIT_MARGIN and by more than the dispatch's launch cost (DISPATCH_COST_US, per call), those
 buckets name that group's params in the YAML and serving launches both configs on every call
-(the one holding the batch's bucket runs, the other exits at once). It is kept only when its
-own serving check beats the pick's serving check at every moved bucket by the same margins and
-over all buckets together; else the pick serves every bucket alone.
+(the one holding the batch's bucket runs, the other exits at once). A bucket moves only when
+the dispatch's own serving check beats the pick's there by the same margins and, where the sweep
+timed the bucket's ragged batch, serves that batch (measured too) within 3% of the default; the
+dispatch must also win over all buckets together. Where only some moved buckets pass, the
+dispatch of those alone is checked in turn; else the pick serves every bucket alone.
 """
 from __future__ import annotations
 
