@@ -141,10 +141,9 @@ def with_dispatch(df, pick, tp, bs, contexts, T, served_lat, check=None, rnd: st
         return {}, {}, None, []   # no move, or the pick's own check is incomplete: nothing to compare with
     notes = []
     while True:
-        lat, what, failed = _dispatch_served(df, pick, tp, bs, contexts, T, moves, alt, check)
+        lat, ragged, what, failed = _dispatch_served(df, pick, tp, bs, contexts, T, moves, alt, check, rnd)
         if lat is None:
             return {}, {}, None, notes + [f"{what}: no dispatch, its serving check {failed}"]
-        ragged = _dispatch_ragged(df, pick, tp, bs, contexts, T, moves, alt, check, rnd)
         passed = {c: b for c, b in moves.items()
                   if lat[c] * (1 + NSPLIT_MARGIN) < served_lat[c] and served_lat[c] - lat[c] > DISPATCH_COST_US
                   and (b.default_ragged is None or
@@ -162,31 +161,26 @@ def with_dispatch(df, pick, tp, bs, contexts, T, served_lat, check=None, rnd: st
         moves = passed
 
 
-def _dispatch_ragged(df, pick, tp, bs, contexts, T, moves, alt, check, rnd) -> dict:
-    """{ctx: us} of the dispatch of `moves` on the ragged batch of each moved bucket the sweep
-    timed one at (round `rnd`), recorded or measured by `check.ragged`."""
-    todo = [c for c, b in moves.items() if b.default_ragged is not None]
-    if not todo or rnd is None:
-        return {}
-    be, cparams, buckets, _ = pick
-    params, table, others = dispatch_tables(be, cparams, buckets, moves, alt, contexts, T, bs)
-    key = f"{serve_key(be, params, table, others)} ragged {rnd}"
-    measure = getattr(check, "ragged", None)
-    rows, _ = _served_rows(df, tp, bs, todo, key, measure and (
-        lambda c: measure(be, params, table, tp, bs, c, key, dispatch=others)))
-    return {int(r["ctx"]): float(r["median_us"]) for r in rows if r["outcome"] == "ok"}
-
-
-def _dispatch_served(df, pick, tp, bs, contexts, T, moves, alt, check):
-    """The served latency {ctx: us} of the dispatch of `moves` to the group `alt` beside `pick`,
-    recorded or measured by `check` (None where some bucket has none), what it is, and why not."""
+def _dispatch_served(df, pick, tp, bs, contexts, T, moves, alt, check, rnd):
+    """The dispatch of `moves` to the group `alt` beside `pick`, recorded or measured by `check`:
+    its served latency {ctx: us} on equal requests (None where some bucket has none); on the
+    ragged batch of each moved bucket the sweep timed one at (round `rnd`; `check.ragged`), {ctx:
+    us}; what it is, and why its check is missing."""
     be, cparams, buckets, _ = pick
     params, table, others = dispatch_tables(be, cparams, buckets, moves, alt, contexts, T, bs)
     key = serve_key(be, params, table, others)
-    rows, _ = _served_rows(df, tp, bs, contexts, key, check and (
-        lambda todo: check(be, params, table, tp, bs, todo, key, dispatch=others)))
-    lat = {int(r["ctx"]): float(r["median_us"]) for r in rows if r["outcome"] == "ok"}
+
+    def served(ctxs, key, measure):
+        rows, _ = _served_rows(df, tp, bs, ctxs, key, measure and (
+            lambda todo: measure(be, params, table, tp, bs, todo, key, dispatch=others)))
+        return rows, {int(r["ctx"]): float(r["median_us"]) for r in rows if r["outcome"] == "ok"}
+
+    rows, lat = served(contexts, key, check)
     what = f"tp={tp} bs={bs}: {be} {alt} at context(s) {sorted(moves)} beside {cparams}"
     bad = [r for r in rows if r["outcome"] != "ok"]
     failed = f"failed ({bad[0]['outcome']}: {bad[0]['reason']})" if bad else "was not measured"
-    return (None if set(contexts) - set(lat) else lat), what, failed
+    if set(contexts) - set(lat):
+        return None, {}, what, failed
+    todo = [c for c, b in moves.items() if b.default_ragged is not None]
+    ragged = served(todo, f"{key} ragged {rnd}", getattr(check, "ragged", None))[1] if todo and rnd else {}
+    return lat, ragged, what, failed
