@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -66,6 +66,10 @@ class ProblemSpec:
     @property
     def Dk(self) -> int:
         return self.kv_lora_rank + self.rope_dim
+
+    def ragged(self, spread: float) -> "ProblemSpec":
+        """This bucket's ragged batch (`ragged_prefixes` of its batch and context at `spread`)."""
+        return replace(self, prefixes=ragged_prefixes(self.batch, self.context, spread))
 
     @property
     def prefix_lens(self) -> list[int]:
@@ -428,7 +432,6 @@ def warm(backend: str, params: dict, spec: ProblemSpec, device: str, arch: str |
     that the measuring process finds it in the backends' on-disk caches: the static check
     (which compiles, for the CUDA backend) and one launch on small inputs. Returns what
     happened, for logs; any failure is left for the real measurement to record."""
-    from dataclasses import replace
     be = get_backend(backend)
     small = replace(spec, context=min(spec.context, 64), prefixes=None)
     problem = small.problem(device)

@@ -25,10 +25,8 @@ table as phase `ragged`, trial = the trial of the same config on equal requests,
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 from .log import get_logger
-from .measure import ragged_prefixes
 from .space import problem_env
 from .strategy import params_key
 from .study import compile_key
@@ -122,7 +120,7 @@ def measure_ragged(sweep, backend, tp, bs, df, pick: str | None) -> bool:
     for ctx in sweep.ctxs:
         name, study, seed = sweep._open_study(backend, tp, bs, ctx)
         spec = sweep.runner.spec(tp, bs, ctx)
-        ragged = replace(spec, prefixes=ragged_prefixes(bs, ctx, spread))
+        ragged = spec.ragged(spread)
         env = problem_env(spec.draft_tokens, spec.heads, bs, ctx, spec.Dk, spec.kv_lora_rank, sweep.dep.device)
         dists = {n: tuple(v) for n, v in study.user_attrs["dists"].items()}
         trials = {params_key(t.params): t for t in sweep._finished(study)}

@@ -84,16 +84,13 @@ class ServingCheck:
     def _check(self, backend, params, split_table, tp, bs, contexts, key, dispatch, ragged: bool):
         if not self._start(backend):
             return None
-        from dataclasses import replace
-
-        from .measure import ragged_prefixes
         r = self.runner
         rows = []
         extra = {"split_table": split_table, **({"dispatch": dispatch} if dispatch else {})}
         for ctx in contexts:
             spec = r.spec(tp, bs, ctx)
             if ragged:
-                spec = replace(spec, prefixes=ragged_prefixes(bs, ctx, self.dep.ragged_spread))
+                spec = spec.ragged(self.dep.ragged_spread)
             m = r.measure(backend, params, spec, self.seed + 7 * ctx, extra=extra)
             # role "dispatch": the check of a per-context dispatch (its params are the entry's own
             # launch; a failure says nothing about that config alone)
