@@ -230,3 +230,12 @@ def declaration(backend: str) -> Declaration:
         decl = Declaration(t.__name__, [Param(f.name, range(-2**31, 2**31), f.default, "")
                                         for f in dataclasses.fields(t)])
     return decl
+
+
+def nsplit_per_batch(backend: str) -> bool:
+    """Whether `backend`'s NSPLIT counts the batch's splits (`Declaration.nsplit_per_batch`): False
+    for a backend without parameters (the oracle) or one that cannot be loaded here."""
+    try:
+        return declaration(backend).nsplit_per_batch
+    except (ImportError, ValueError):
+        return False

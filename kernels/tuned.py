@@ -306,12 +306,8 @@ def _bucket_params(src, bkey, raw, entry_params: dict, backend: str) -> dict | N
     if bad or not raw:
         raise _err(src, f"{bkey}.params", f"expected compile-time parameters of the entry but NSPLIT, got "
                                           f"{sorted(raw)}{'' if raw else ' (empty)'}")
-    from .params import declaration
-    try:
-        per_batch = declaration(backend).nsplit_per_batch
-    except ValueError:   # a backend without parameters (the oracle) has no NSPLIT of its own
-        per_batch = False
-    if not per_batch:
+    from .params import nsplit_per_batch
+    if not nsplit_per_batch(backend):
         raise _err(src, f"{bkey}.params", f"backend {backend} picks NSPLIT per request and cannot serve a bucket "
                                           "with other compile-time params")
     if all(entry_params[k] == v for k, v in raw.items()):

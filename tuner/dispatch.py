@@ -73,8 +73,10 @@ def dispatch_moves(df, backend: str, tp: int, bs: int, contexts: list[int], cpar
     more than BUCKET_LOSS_MARGIN slower than the default (where timed); the group must win more
     over those buckets than the dispatch costs over all of them, and leave the pick one bucket
     at least. Returns ({ctx: Bucket} to move, the group's compile params), or ({}, {})."""
+    from kvtune.kernels.params import nsplit_per_batch
+
     from .export import Bucket, _bucket_ragged, _loses_ragged, pick_nsplit, ragged_latencies
-    if not _dispatches(backend):
+    if not nsplit_per_batch(backend):   # a per-request NSPLIT cannot leave a launch idle
         return {}, {}
     lat = latencies(df)
     rag = ragged_latencies(df, rnd)
@@ -98,16 +100,6 @@ def dispatch_moves(df, backend: str, tp: int, bs: int, contexts: list[int], cpar
         if moves and len(moves) < len(contexts) and win > best[0]:
             best = (win, moves, json.loads(ck))
     return best[1], best[2]
-
-
-def _dispatches(backend: str) -> bool:
-    """Whether `backend` can serve a per-context dispatch (its NSPLIT counts the batch's splits:
-    a launch whose batch falls in a bucket of another config exits at once)."""
-    from kvtune.kernels.params import declaration
-    try:
-        return declaration(backend).nsplit_per_batch
-    except (ImportError, ValueError):
-        return False
 
 
 def dispatch_tables(backend: str, cparams: dict, buckets: dict, moves: dict, alt: dict, contexts: list[int], T: int,
