@@ -9,10 +9,14 @@ partials: timing only). The launch of the other kernel is filtered out at `cuLau
 says; `--merge warp|block` forces one of its two merge kernels, `--batch` times B requests of the
 prefix each, `--ragged` bench_serving.py's ragged batches); its variants (WGMMA_VARIANTS: full,
 no_tiles, no_q, no_o_store, exit_early, no_gather, no_qk_mma and no_pv_mma (the 64-row warpgroups'
-wgmma left out, barriers kept), for ROWS 72 the tail warpgroup's: tail_idle, its
-handshakes only; tail_no_s_mma, its S^T MMAs left out; tail_no_pv, its O^T MMAs left out; with
-outputs right: tail_early_release, the tail's key buffers handed back a softmax earlier, and the
-schedule forced: items, ranges) patch verify_wgmma.cu at its own anchors (the gather's
+wgmma left out, barriers kept), no_handoff (the warpgroups stop waiting for each other's
+publication of a tile), for ROWS 72 the tail warpgroup's: tail_idle, its handshakes only;
+tail_no_s_mma, its S^T MMAs left out; tail_no_ldsm, its S^T on register values, not the keys;
+tail_no_pv, its O^T MMAs left out; with outputs right: tail_early_release, the tail's key
+buffers handed back a softmax earlier; tail_chains2 / 3, its S^T in 2 / 3 accumulator chains;
+gather_after_publish / gather_if_free, tile t + 2's gather issued after tile t is published
+(always / when the tail has not handed its buffer back yet); and the schedule forced: items,
+ranges) patch verify_wgmma.cu at its own anchors (the gather's
 lane-mapping variants measured on source 1ec2426d7d93fe07 are in git history; eight lanes per row is
 now the COPY_LANES parameter).
 
@@ -81,6 +85,19 @@ VARIANTS = {
                    "            if (a.H < 0 && nt + 1 < C::NT) mma_bf16(")],
 }
 
+# verify_wgmma.cu's gather of tile t + 2 in the 64-row warpgroups' loop, the end of that loop
+# (tile t's own P V issued), and the tail's hand-back of tile t - 2's buffer (the gather variants')
+_EMPTY = "smem_u32(smem + Lay::EMPTY_OFF + 8 * ((t - 2) % NBUF)), ((t - 2) / NBUF) & 1"
+_GATHER = ("    if (t + 2 < n_tiles) {\n      // its buffer's last reader besides the two 64-row warpgroups: the tail, "
+           "on tile t - 2\n      if (XR && t >= 2) mbar_wait(" + _EMPTY + ");\n      issue_tile(t + 2, slot_next);\n"
+           "    }\n    slot_next = slot_of(t + 4);\n")
+_PV_END = "    for (int kk = 0; kk < 2; ++kk) mma_rs_n256(o, pa[kk], v_desc(t, kk));\n    commit();\n  }\n"
+_MBAR_WAIT = "__device__ __forceinline__ void mbar_wait(u32 addr, int parity) {"
+_MBAR_TEST = ("__device__ __forceinline__ bool mbar_test(u32 addr, int parity) {\n  u32 done;\n"
+              "  asm volatile(\"{\\n.reg .pred p;\\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\\n"
+              "selp.u32 %0, 1, 0, p;\\n}\\n\" : \"=r\"(done) : \"r\"(addr), \"r\"(parity) : \"memory\");\n"
+              "  return done != 0;\n}\n")
+
 #: the same stages of the wgmma split kernel (`--backend wgmma`), anchors in verify_wgmma.cu
 WGMMA_VARIANTS = {
     "full": [],
@@ -102,6 +119,12 @@ WGMMA_VARIANTS = {
                    "      if (a.H < 0) mma_ss_pv_n256(o, desc(ps + (tile % NPB) * PBUF"),
                   ("for (int kk = 0; kk < 2; ++kk) mma_rs_n256(o, pa[kk], v_desc(t, kk));",
                    "for (int kk = 0; kk < 2 * (a.H < 0); ++kk) mma_rs_n256(o, pa[kk], v_desc(t, kk));")],
+    # the two 64-row warpgroups no longer wait for each other's publication of a tile (its P, max
+    # and factors) before their own softmax: the tile-order chain between them cut. Outputs wrong,
+    # and the other's P and key buffers are read while they are rewritten (no address depends on
+    # them): what that chain costs, at most
+    "no_handoff": [("    bar_sync(3 + (tile & 1), 256);  // one barrier per publishing warpgroup", "    //"),
+                   ("    bar_arrive(3 + (t & 1), 256);\n", "")],
     # ROWS 72: the tail warpgroup only keeps its handshakes (the tiles' buffers and the scrub)
     "tail_idle": [("    mbar_wait(smem_u32(smem + L::FULL_OFF + 8 * buf), par);\n",
                    "    mbar_wait(smem_u32(smem + L::FULL_OFF + 8 * buf), par);\n"
@@ -112,6 +135,9 @@ WGMMA_VARIANTS = {
                    "      continue;\n    }\n")],
     "tail_no_s_mma": [("        mma_bf16(cq[h], af, qf[i][0], qf[i][1]);",
                        "        if (a.H < 0) mma_bf16(cq[h], af, qf[i][0], qf[i][1]);")],
+    "tail_no_ldsm": [("        ldmatrix_x4(kbuf + sw_off(16 * h + (lane & 7) + 8 * ((lane >> 3) & 1), 2 * (9 * w + i)"
+                      " + (lane >> 4), BN),\n                    af[0], af[1], af[2], af[3]);",
+                      "        af[0] = af[1] = af[2] = af[3] = qf[i][h];")],
     "tail_no_pv": [("        mma_ss_n8_vt(o[j], desc_sw(", "        if (a.H < 0) mma_ss_n8_vt(o[j], desc_sw(")],
     # ROWS 72, outputs right: the tail waits for its O^T MMAs of tile t - 1 right after its S^T of
     # tile t (not after the softmax) and hands that key buffer back at the S^T exchange, a softmax
@@ -126,6 +152,33 @@ WGMMA_VARIANTS = {
          "    bar_sync(7, 128);\n"
          "    if (t > 0 && wt == 0) mbar_arrive(smem_u32(smem + L::EMPTY_OFF + 8 * ((t - 1) % NBUF)));\n"
          "    const int k0 = lo + BN * t;")],
+    # ROWS 72, outputs right: the tail's S^T in C independent accumulator chains per 16-key block
+    # (k-steps i % C), summed before the exchange, in place of one chain of nine dependent MMAs
+    **{f"tail_chains{c}": [
+        ("    float cq[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};\n",
+         f"    float cq[2][4] = {{{{0.f, 0.f, 0.f, 0.f}}, {{0.f, 0.f, 0.f, 0.f}}}}, cx[{c - 1}][2][4] = {{}};\n"),
+        ("        mma_bf16(cq[h], af, qf[i][0], qf[i][1]);",
+         f"        mma_bf16(i % {c} == 0 ? cq[h] : cx[i % {c} - 1][h], af, qf[i][0], qf[i][1]);"),
+        ("#pragma unroll\n    for (int h = 0; h < 2; ++h)\n      *reinterpret_cast<float4*>(scr",
+         f"#pragma unroll\n    for (int x = 0; x < {c - 1}; ++x)\n#pragma unroll\n    for (int h = 0; h < 2; ++h)\n"
+         "#pragma unroll\n      for (int e = 0; e < 4; ++e) cq[h][e] += cx[x][h][e];\n"
+         "#pragma unroll\n    for (int h = 0; h < 2; ++h)\n      *reinterpret_cast<float4*>(scr")]
+       for c in (2, 3)},
+    # outputs right: a 64-row warpgroup issues tile t + 2's gather (and loads tile t + 4's
+    # indices) after it published tile t and issued its P V, not between the other warpgroup's
+    # publication of t - 1 and its own softmax of t: off the softmax chain that runs the tiles in
+    # order, so neither the gather's issue nor a wait for the tail's hand-back delays it
+    "gather_after_publish": [(_GATHER, ""), (_PV_END, _PV_END[:-4] + _GATHER + "  }\n")],
+    # outputs right: tile t + 2's gather issued where it is when the tail has handed its buffer
+    # back (one non-blocking mbarrier test per thread), else after tile t is published and its
+    # P V issued: a late tail no longer holds up the softmax chain, an early one keeps the slack
+    "gather_if_free": [
+        (_MBAR_WAIT, _MBAR_TEST + _MBAR_WAIT),
+        (_GATHER, "    bool issued = t + 2 >= n_tiles;\n"
+                  "    if (!issued && (!XR || t < 2 || mbar_test(" + _EMPTY + "))) {\n"
+                  "      issue_tile(t + 2, slot_next);\n      issued = true;\n    }\n"),
+        (_PV_END, _PV_END[:-4] + "    if (!issued) {\n      mbar_wait(" + _EMPTY + ");\n"
+                  "      issue_tile(t + 2, slot_next);\n    }\n    slot_next = slot_of(t + 4);\n  }\n")],
     # the schedule forced (outputs right): verify.cu's items always, or key ranges whenever B > 1
     # (kernels.cuda.wgmma.forced_schedule, applied by patched_source)
     "items": [],
@@ -135,7 +188,8 @@ WGMMA_VARIANTS = {
 #: variants that may fault (see the docstring): only when named
 UNSAFE = {"no_stage_barriers"}
 #: variants whose outputs are right (a schedule forced, a different copy mapping): --oracle checks them
-OUTPUTS_RIGHT = {"full", "items", "ranges", "tail_early_release"}
+OUTPUTS_RIGHT = {"full", "items", "ranges", "tail_early_release", "tail_chains2", "tail_chains3",
+                 "gather_after_publish", "gather_if_free"}
 
 
 def oracle_check(source: str, names: list[str], backend: str, over: dict, tol: float = 1e-2) -> None:
