@@ -261,3 +261,65 @@ def test_a_constraint_dropped_since_lets_the_ragged_phase_measure_twice_the_best
     got = df[[p.get("NSPLIT") == 4 for p in df["params"]]]
     assert ((got["phase"] == "search") & (got["outcome"] == "ok") & (got["role"] == "ragged")).sum() == 1
     assert ((got["phase"] == "ragged") & (got["outcome"] == "ok")).sum() == 1
+
+
+RAGGED_WRONG_MODULE = '''
+from kvtune.kernels.triton_kernel import TritonBackend
+
+
+class RaggedWrongTriton(TritonBackend):
+    """Zeros for a batch of unequal requests one of which holds more than 68 keys (the test's
+    bucket: prefix 64 + 4 draft tokens), as only the bucket's ragged batch does: the real kernel
+    on equal requests and on the gate's short ragged prefixes."""
+
+    def launch(self, a, params):
+        keys = a.kv_indptr.diff().tolist()
+        if len(set(keys)) > 1 and max(keys) > 68:
+            a.out.zero_()
+            return
+        super().launch(a, params)
+'''
+
+
+@pytest.mark.parametrize("wrong_on_ragged", [False, True])
+def test_the_serving_check_runs_the_buckets_ragged_batch_through_the_oracle_gate(tmp_path, monkeypatch,
+                                                                                 wrong_on_ragged):
+    """`ServingCheck.ragged` (what the export measures before moving a bucket to another launch)
+    runs the same launches on the bucket's ragged batch: the floor of that batch's keys, rows
+    under its own round, and the oracle's verdict on that batch, not on equal requests."""
+    from kvtune.kernels.backends import register_backend
+    from kvtune.tuner.config import load_deployment
+    from kvtune.tuner.runner import Runner
+    from kvtune.tuner.serve_check import ServingCheck
+    if wrong_on_ragged:
+        (tmp_path / "mods").mkdir()
+        (tmp_path / "mods" / "kvtune_ragged_wrong.py").write_text(RAGGED_WRONG_MODULE)
+        monkeypatch.syspath_prepend(str(tmp_path / "mods"))
+        register_backend("triton", "kvtune_ragged_wrong:RaggedWrongTriton")
+    try:
+        path = tmp_path / "r.yaml"
+        path.write_text(yaml.safe_dump(_dep(batches=[4], ragged_spread=4, timing="eager")))
+        dep = load_deployment(str(path))
+        probe = Runner(dep, "cpu", compile_workers=0)
+        probe.setup([])
+        here = probe.info["device_name"]
+        spec = probe.spec(8, 4, 64)
+        params = probe.default_params("triton", spec)
+        probe.close()
+        table = tmp_path / "trials.csv"
+        check = ServingCheck(dep, table, here, "cpu", None)
+        try:
+            equal = check("triton", params, None, 8, 4, [64], "k")
+            ragged = check.ragged("triton", params, None, 8, 4, [64], "k ragged x4")
+        finally:
+            check.close()
+    finally:
+        register_backend("triton", "kvtune.kernels.triton_kernel:TritonBackend")
+    ceil = Ceilings(dep.device.read_gbps, dep.device.bf16_tflops)
+    want = dataclasses.replace(spec, prefixes=ragged_prefixes(4, 64, 4.0))
+    assert [r["floor_us"] for r in ragged] == pytest.approx([ceil.floor_us(want)], rel=1e-5)
+    assert [r["floor_us"] for r in equal] == pytest.approx([ceil.floor_us(spec)], rel=1e-5)
+    assert [r["outcome"] for r in equal] == ["ok"]
+    assert [r["outcome"] for r in ragged] == (["wrong"] if wrong_on_ragged else ["ok"])
+    rows = read_trials(table)
+    assert list(rows["round"].astype(str)) == ["k", "k ragged x4"] and set(rows["phase"]) == {"serve"}
