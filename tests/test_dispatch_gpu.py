@@ -13,7 +13,8 @@ from kvtune.kernels import SplitTable, get_backend, make_inputs, reference_atten
 from kvtune.kernels.cuda.backend import work_items
 from kvtune.kernels.runtime import VerifyAttention
 from kvtune.kernels.shapes import VerifyProblem
-from test_runtime_gpu import DK, DV, H, MAX_CONTEXT, T, TOL, TP, Requests, _backend_or_skip, _capture, tuned_for
+from test_runtime_gpu import (DK, DV, H, MAX_CONTEXT, NUM_HEADS, T, TOL, TP, Requests, _backend_or_skip, _capture,
+                              tuned_for)
 
 pytestmark = pytest.mark.gpu
 
@@ -89,3 +90,50 @@ def test_a_dispatch_in_one_graph_follows_the_batch_between_configs(backend):
         counts = meta[1::2].tolist()   # requests 0 and 1: (first item, item count) pairs
         assert (counts == [-1, -1]) is (not alt_serves) and all(c >= 1 for c in counts) is alt_serves, \
             (prefixes, counts)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "wgmma"])
+def test_the_exports_check_of_a_dispatch_runs_it_on_the_moved_buckets_ragged_batch(tmp_path, backend):
+    """What the export measures before a bucket moves to another config (`tuner.dispatch`: the
+    dispatch's launches, `ServingCheck` and its `ragged` method): on this GPU, equal requests at
+    every bucket and the moved bucket's ragged batch, each served by both launches in turn, pass
+    the oracle gate; the ragged row has that batch's floor and its own round."""
+    import yaml
+
+    from kvtune.tuner.config import load_deployment
+    from kvtune.tuner.dispatch import dispatch_tables
+    from kvtune.tuner.export import Bucket
+    from kvtune.tuner.measure import Ceilings, ProblemSpec, ragged_prefixes
+    from kvtune.tuner.runner import Runner
+    from kvtune.tuner.serve_check import ServingCheck
+    from kvtune.tuner.table import read_trials
+    _backend_or_skip(backend)
+    p, q = _two_configs(backend)
+    contexts, bs, spread = [2048, 16384], 4, 4.0
+    path = tmp_path / "d.yaml"
+    path.write_text(yaml.safe_dump({"name": "d", "model": {"name": "m", "num_heads": NUM_HEADS, "draft_tokens": T},
+                                    "device": "h200", "tp": [TP], "contexts": contexts, "batches": [bs],
+                                    "backends": [backend], "trials": 1, "ragged_spread": spread}))
+    dep = load_deployment(str(path))
+    own = {k: v for k, v in p.items() if k != "NSPLIT"}
+    alt = {k: v for k, v in q.items() if k != "NSPLIT"}
+    buckets = {2048: Bucket(8, 1.0, 1.0, 1.0), 16384: Bucket(16, 1.0, 1.0, 1.0)}
+    params, table, others = dispatch_tables(backend, own, buckets, {16384: Bucket(32, 1.0, 1.0, 1.0)}, alt,
+                                            contexts, T, bs)
+    probe = Runner(dep, "cuda", compile_workers=0)
+    probe.setup([])
+    here, arch = probe.info["device_name"], probe.info["arch"]
+    probe.close()
+    check = ServingCheck(dep, tmp_path / "trials.csv", here, arch, "graph")
+    try:
+        equal = check(backend, params, table, TP, bs, contexts, "k", dispatch=others)
+        ragged = check.ragged(backend, params, table, TP, bs, [16384], "k ragged x4", dispatch=others)
+    finally:
+        check.close()
+    assert [(r["ctx"], r["outcome"]) for r in equal + ragged] == [(2048, "ok"), (16384, "ok"), (16384, "ok")], \
+        [r["reason"] for r in equal + ragged]
+    want = ProblemSpec(heads=H, batch=bs, context=16384, draft_tokens=T, prefixes=ragged_prefixes(bs, 16384, spread))
+    assert ragged[0]["floor_us"] == pytest.approx(Ceilings(dep.device.read_gbps, dep.device.bf16_tflops)
+                                                  .floor_us(want), rel=1e-5)
+    rows = read_trials(tmp_path / "trials.csv")
+    assert list(rows["round"].astype(str)) == ["k", "k", "k ragged x4"] and set(rows["role"]) == {"dispatch"}
