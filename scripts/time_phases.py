@@ -12,8 +12,9 @@ no_tiles, no_q, no_o_store, exit_early, no_gather, no_qk_mma and no_pv_mma (the 
 wgmma left out, barriers kept), no_handoff (the warpgroups stop waiting for each other's
 publication of a tile), for ROWS 72 the tail warpgroup's: tail_idle, its handshakes only;
 tail_no_s_mma, its S^T MMAs left out; tail_no_ldsm, its S^T on register values, not the keys;
-tail_no_pv, its O^T MMAs left out; with outputs right: tail_early_release, the tail's key
-buffers handed back a softmax earlier; tail_chains2 / 3, its S^T in 2 / 3 accumulator chains;
+tail_no_pv, its O^T MMAs left out; tail_s_wgmma, its S^T on a wgmma chain per tile pair; with
+outputs right: tail_early_release, the tail's key buffers handed back a softmax earlier;
+tail_chains2 / 3, its S^T in 2 / 3 accumulator chains;
 gather_after_publish / gather_if_free, tile t + 2's gather issued after tile t is published
 (always / when the tail has not handed its buffer back yet); and the schedule forced: items,
 ranges) patch verify_wgmma.cu at its own anchors (the gather's
@@ -92,6 +93,20 @@ _GATHER = ("    if (t + 2 < n_tiles) {\n      // its buffer's last reader beside
            "on tile t - 2\n      if (XR && t >= 2) mbar_wait(" + _EMPTY + ");\n      issue_tile(t + 2, slot_next);\n"
            "    }\n    slot_next = slot_of(t + 4);\n")
 _PV_END = "    for (int kk = 0; kk < 2; ++kk) mma_rs_n256(o, pa[kk], v_desc(t, kk));\n    commit();\n  }\n"
+# the tail's S^T: both 16-key blocks of the tile, nine mma.sync each, over its column quarter
+_TAIL_S = ("#pragma unroll\n    for (int i = 0; i < 9; ++i)\n#pragma unroll\n      for (int h = 0; h < 2; ++h) {\n"
+           "        u32 af[4];\n        ldmatrix_x4(kbuf + sw_off(16 * h + (lane & 7) + 8 * ((lane >> 3) & 1), "
+           "2 * (9 * w + i) + (lane >> 4), BN),\n                    af[0], af[1], af[2], af[3]);\n"
+           "        mma_bf16(cq[h], af, qf[i][0], qf[i][1]);\n      }\n")
+_TAIL_S_WGMMA = (
+    "    if (t & 1) {\n      fence();\n#pragma unroll\n      for (int kk = 0; kk < 36; ++kk)\n"
+    "        asm volatile(\"{\\n.reg .pred p;\\nsetp.ne.b32 p, %6, 0;\\n\"\n"
+    "            \"wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 \"\n"
+    "            \"{%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, 0;\\n}\\n\"\n"
+    "            : \"+f\"(cq[0][0]), \"+f\"(cq[0][1]), \"+f\"(cq[0][2]), \"+f\"(cq[0][3])\n"
+    "            : \"l\"(desc_sw(kbuf + (kk >> 2) * BN * 128 + (kk & 3) * 32, 16, 1024)),\n"
+    "              \"l\"(desc_sw(smem_u32(smem) + (kk >> 2) * ROWS * 128 + (kk & 3) * 32, 16, 1024)), \"r\"(kk));\n"
+    "      commit();\n      wait0();\n    }\n")
 _MBAR_WAIT = "__device__ __forceinline__ void mbar_wait(u32 addr, int parity) {"
 _MBAR_TEST = ("__device__ __forceinline__ bool mbar_test(u32 addr, int parity) {\n  u32 done;\n"
               "  asm volatile(\"{\\n.reg .pred p;\\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\\n"
@@ -138,6 +153,12 @@ WGMMA_VARIANTS = {
     "tail_no_ldsm": [("        ldmatrix_x4(kbuf + sw_off(16 * h + (lane & 7) + 8 * ((lane >> 3) & 1), 2 * (9 * w + i)"
                       " + (lane >> 4), BN),\n                    af[0], af[1], af[2], af[3]);",
                       "        af[0] = af[1] = af[2] = af[3] = qf[i][h];")],
+    # ROWS 72, outputs wrong (timing only): the tail's S^T as one wgmma m64n8k16 chain per pair of
+    # tiles (on odd tiles: A 64 key rows from the tile's buffer, B 8 rows of Q's shared memory),
+    # the same MMA work as its 72 mma.sync per tile: whether an N = 8 wgmma stream shares the
+    # tensor pipe with the 64-row warpgroups better (the wgmma tail needs Q8 in shared memory, 9 KB
+    # the layout does not have)
+    "tail_s_wgmma": [(_TAIL_S, _TAIL_S_WGMMA)],
     "tail_no_pv": [("        mma_ss_n8_vt(o[j], desc_sw(", "        if (a.H < 0) mma_ss_n8_vt(o[j], desc_sw(")],
     # ROWS 72, outputs right: the tail waits for its O^T MMAs of tile t - 1 right after its S^T of
     # tile t (not after the softmax) and hands that key buffer back at the S^T exchange, a softmax
