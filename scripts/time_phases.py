@@ -9,7 +9,8 @@ partials: timing only). The launch of the other kernel is filtered out at `cuLau
 says; `--merge warp|block` forces one of its two merge kernels, `--batch` times B requests of the
 prefix each, `--ragged` bench_serving.py's ragged batches); its variants (WGMMA_VARIANTS: full,
 no_tiles, no_q, no_o_store, exit_early, no_gather, no_qk_mma and no_pv_mma (the 64-row warpgroups'
-wgmma left out, barriers kept), no_handoff (the warpgroups stop waiting for each other's
+wgmma left out, barriers kept), no_copy (their key tiles never copied), no_softmax_wg (their softmax
+left out), no_handoff (the warpgroups stop waiting for each other's
 publication of a tile), for ROWS 72 the tail warpgroup's: tail_idle, its handshakes only;
 tail_no_s_mma, its S^T MMAs left out; tail_no_ldsm, its S^T on register values, not the keys;
 tail_no_pv, its O^T MMAs left out; tail_s_wgmma, its S^T on a wgmma chain per tile pair; with
@@ -140,6 +141,13 @@ WGMMA_VARIANTS = {
     # them): what that chain costs, at most
     "no_handoff": [("    bar_sync(3 + (tile & 1), 256);  // one barrier per publishing warpgroup", "    //"),
                    ("    bar_arrive(3 + (t & 1), 256);\n", "")],
+    # the 64-row warpgroups' key tiles never copied (no cp.async issued; the indices still
+    # loaded), and their softmax left out (P, the maxima and l untouched): with the skeleton
+    # variant, where its time per tile goes. Outputs wrong
+    "no_copy": [("        cp_async<16>(dst + sw_off(crow + RPP * h, c, BN), src + c * 8, bytes);",
+                 "        if (a.H < 0) cp_async<16>(dst + sw_off(crow + RPP * h, c, BN), src + c * 8, bytes);")],
+    "no_softmax_wg": [("    const int grew = softmax_tile<NPB == 1>(",
+                       "    const int grew = a.H > 0 ? 0 : softmax_tile<NPB == 1>(")],
     # ROWS 72: the tail warpgroup only keeps its handshakes (the tiles' buffers and the scrub)
     "tail_idle": [("    mbar_wait(smem_u32(smem + L::FULL_OFF + 8 * buf), par);\n",
                    "    mbar_wait(smem_u32(smem + L::FULL_OFF + 8 * buf), par);\n"
