@@ -318,3 +318,21 @@ def test_a_forced_schedule_changes_only_the_restart_weight():
         forced_schedule(src, "both")
     with pytest.raises(ValueError, match="0 times"):
         forced_schedule("no declaration here", "items")
+
+
+def test_fp8_accuracy_emulation_against_the_oracle():
+    """fp8_accuracy.py's emulated attention: with nothing quantized but P's bf16 rounding it is the
+    fp32 oracle to within that rounding; e4m3 rounds to 3 mantissa bits; quantizing Q or P moves it
+    further off the oracle than bf16 P does."""
+    import fp8_accuracy as f8
+    from kvtune.kernels import make_inputs, reference_attention, rel_error
+    x = torch.tensor([1.0, 1.0625, 1.1875, 300.0, -17.3])
+    assert f8.fake_e4m3(x, 1.0).tolist() == [1.0, 1.0, 1.25, 288.0, -18.0]   # ties to even; 3 mantissa bits
+    inp = make_inputs(2, 5, 4, [40, 7], tree="random", seed=3)
+    kv = f8.fp8_cache(inp.kv_cache)
+    ref, _ = reference_attention(inp.q, kv, inp.kv_indptr, inp.kv_indices, inp.tree_mask, inp.sm_scale)
+    errs = {(fq, fp): rel_error(f8.emulated(inp.q, kv, inp.kv_indptr, inp.kv_indices, inp.tree_mask, inp.sm_scale,
+                                            fq, fp), ref)
+            for fq in (False, True) for fp in (False, True)}
+    assert errs[False, False] < 4e-3
+    assert min(errs[True, False], errs[False, True], errs[True, True]) > 2 * errs[False, False]
