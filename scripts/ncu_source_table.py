@@ -7,6 +7,7 @@ stall samples summed per code region. Regions are named by their first instructi
 from the kernel's start (read them off the SASS, e.g. the first HGMMA of the tile loop).
 
     python scripts/ncu_source_table.py sass_131072.csv.gz --regions "prologue:0,main loop:b990,tail:17750"
+    python scripts/ncu_source_table.py sass_131072.csv.gz --regions "main loop:b990,after:12250" --mix 4092
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ def main(argv=None) -> int:
     ap.add_argument("csv")
     ap.add_argument("--regions", default="all:0", help="name:hex_offset,... in ascending offsets")
     ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--mix", type=float, default=0, help="also print each region's executed instructions by "
+                    "opcode, divided by this (e.g. CTAs x tiles per CTA: per tile)")
     args = ap.parse_args(argv)
     data = load(args.csv)
     regions = [(name, int(off, 16)) for name, off in (r.rsplit(":", 1) for r in args.regions.split(","))]
@@ -68,7 +71,23 @@ def main(argv=None) -> int:
         if s:
             top = ", ".join(f"{k} {100 * v / s:.0f}%" for k, v in c.most_common(5))
             print(f"{name:28s} {s:6.0f} {100 * s / total:5.1f}%  {top}")
+    if args.mix:
+        _print_mix(data, regions, args.mix, args.top)
     return 0
+
+
+def _print_mix(data: list[dict], regions: list, per: float, top: int) -> None:
+    """Executed warp instructions per region and opcode (the predicate and operands left out), / per."""
+    mix = collections.defaultdict(collections.Counter)
+    for d in data:
+        name = [n for n, off in regions if d["offset"] >= off][-1] if d["offset"] >= regions[0][1] else "before"
+        words = d["Source"].split()
+        op = words[1] if words and words[0].startswith("@") and len(words) > 1 else (words or ["?"])[0]
+        mix[name][op] += _num(d["Instructions Executed"])
+    for name, c in mix.items():
+        print(f"\n== executed instructions in {name}: {sum(c.values()) / per:.0f} per unit; the top {top} opcodes")
+        for op, n in c.most_common(top):
+            print(f"  {op:32s} {n / per:9.1f}")
 
 
 if __name__ == "__main__":

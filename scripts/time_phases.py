@@ -148,6 +148,18 @@ WGMMA_VARIANTS = {
                  "        if (a.H < 0) cp_async<16>(dst + sw_off(crow + RPP * h, c, BN), src + c * 8, bytes);")],
     "no_softmax_wg": [("    const int grew = softmax_tile<NPB == 1>(",
                        "    const int grew = a.H > 0 ? 0 : softmax_tile<NPB == 1>(")],
+    # outputs right: the 36 S = Q K^T descriptors as the tile's first one plus a constant (the
+    # start address field, addresses under 256 KB, never carries), not each built from its address
+    "desc_increment": [
+        ("""#pragma unroll
+    for (int kk = 0; kk < 36; ++kk)
+      mma_ss_n32(s, desc_sw(qs + (kk >> 2) * ROWS * 128 + (kk & 3) * 32, 16, 1024),
+                 desc_sw(kb + (kk >> 2) * BN * 128 + (kk & 3) * 32, 16, 1024), kk);""",
+         """const u64 dq0 = desc_sw(qs, 16, 1024), dk0 = desc_sw(kb, 16, 1024);
+#pragma unroll
+    for (int kk = 0; kk < 36; ++kk)
+      mma_ss_n32(s, dq0 + (u64)(((kk >> 2) * ROWS * 128 + (kk & 3) * 32) >> 4),
+                 dk0 + (u64)(((kk >> 2) * BN * 128 + (kk & 3) * 32) >> 4), kk);""")],
     # ROWS 72: the tail warpgroup only keeps its handshakes (the tiles' buffers and the scrub)
     "tail_idle": [("    mbar_wait(smem_u32(smem + L::FULL_OFF + 8 * buf), par);\n",
                    "    mbar_wait(smem_u32(smem + L::FULL_OFF + 8 * buf), par);\n"
@@ -218,7 +230,8 @@ WGMMA_VARIANTS = {
 UNSAFE = {"no_stage_barriers"}
 #: variants whose outputs are right (a schedule forced, a different copy mapping): --oracle checks them
 OUTPUTS_RIGHT = {"full", "items", "ranges", "tail_early_release", "tail_chains2", "tail_chains3",
-                 "gather_after_publish", "gather_if_free"}
+                 "gather_after_publish", "gather_if_free",
+                 "desc_increment"}
 
 
 def oracle_check(source: str, names: list[str], backend: str, over: dict, tol: float = 1e-2) -> None:

@@ -252,10 +252,12 @@ def test_ncu_source_table_sums_per_region(tmp_path, capsys):
 
     import ncu_source_table
     hdr = ["Address", "Source", "# Samples", "L1 Wavefronts Shared Excessive",
-           "L2 Theoretical Sectors Global Excessive", "stall_barrier", "stall_long_sb", "stall_barrier (Not Issued)"]
-    rows = [["0x1000", "LDS R1, [R2]", "10", "0", "0", "10", "0", "9"],
-            ["0x1010", "LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64]", "4", "512", "0", "1", "3", "0"],
-            ["0x1040", "STG.E desc[UR4][R6.64], R7", "6", "0", "64", "0", "6", "0"]]
+           "L2 Theoretical Sectors Global Excessive", "stall_barrier", "stall_long_sb", "stall_barrier (Not Issued)",
+           "Instructions Executed"]
+    rows = [["0x1000", "LDS R1, [R2]", "10", "0", "0", "10", "0", "9", "300"],
+            ["0x1010", "LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64]", "4", "512", "0", "1", "3", "0", "100"],
+            ["0x1020", "@!P0 LDS R5, [R2+0x10]", "0", "0", "0", "0", "0", "0", "60"],
+            ["0x1040", "STG.E desc[UR4][R6.64], R7", "6", "0", "64", "0", "6", "0", "40"]]
     path = tmp_path / "sass.csv.gz"
     with gzip.open(path, "wt", newline="") as f:
         w = csv.writer(f)
@@ -272,6 +274,13 @@ def test_ncu_source_table_sums_per_region(tmp_path, capsys):
     tail = next(line for line in out.splitlines() if line.startswith("tail"))
     assert head.split()[1] == "14" and "barrier 79%" in head and "long_sb 21%" in head
     assert tail.split()[1] == "6" and "long_sb 100%" in tail
+    # --mix: executed instructions per region and opcode (a predicated LDS counted as LDS), / 20
+    assert ncu_source_table.main([str(path), "--regions", "head:0,tail:30", "--mix", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "executed instructions in head: 23 per unit" in out and "executed instructions in tail: 2 per unit" in out
+    mix = {line.split()[0]: float(line.split()[1]) for line in out.split("executed instructions in head")[1]
+           .split("==")[0].splitlines()[1:] if line.strip()}
+    assert mix == {"LDS": 18.0, "LDGSTS.E.BYPASS.128": 5.0}
 
 
 def test_bench_kernel_times_the_config_the_packaged_defaults_serve():
