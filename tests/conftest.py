@@ -44,3 +44,30 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 @pytest.fixture
 def device():
     return DEVICE
+
+
+@pytest.fixture
+def replace_backend(tmp_path, monkeypatch):
+    """`replace_backend(name, factory, source=None)`: `get_backend(name)` gives `factory`'s backend
+    (a constructor, or "module:Class") until the test ends, then the one registered before. With
+    `source` (the module's text), the module is written where this process and the trial worker
+    processes it spawns both import it."""
+    from kvtune.kernels import backends
+    saved = {}
+
+    def replace(name, factory, source=None):
+        saved.setdefault(name, (backends._REGISTRY.get(name), backends._INSTANCES.get(name)))
+        if source is not None:
+            mods = tmp_path / "mods"
+            mods.mkdir(exist_ok=True)
+            (mods / f"{factory.split(':')[0]}.py").write_text(source)
+            monkeypatch.syspath_prepend(str(mods))
+        backends.register_backend(name, factory)
+
+    yield replace
+    for name, (factory, instance) in saved.items():
+        backends.unregister_backend(name)
+        if factory is not None:
+            backends._REGISTRY[name] = factory
+        if instance is not None:
+            backends._INSTANCES[name] = instance

@@ -104,7 +104,7 @@ def test_the_exports_check_of_a_dispatch_runs_it_on_the_moved_buckets_ragged_bat
     from kvtune.tuner.dispatch import dispatch_tables
     from kvtune.tuner.export import Bucket
     from kvtune.tuner.measure import Ceilings, ProblemSpec, ragged_prefixes
-    from kvtune.tuner.runner import Runner
+    from kvtune.tuner.executor import device_info
     from kvtune.tuner.serve_check import ServingCheck
     from kvtune.tuner.table import read_trials
     _backend_or_skip(backend)
@@ -120,11 +120,8 @@ def test_the_exports_check_of_a_dispatch_runs_it_on_the_moved_buckets_ragged_bat
     buckets = {2048: Bucket(8, 1.0, 1.0, 1.0), 16384: Bucket(16, 1.0, 1.0, 1.0)}
     params, table, others = dispatch_tables(backend, own, buckets, {16384: Bucket(32, 1.0, 1.0, 1.0)}, alt,
                                             contexts, T, bs)
-    probe = Runner(dep, "cuda", compile_workers=0)
-    probe.setup([])
-    here, arch = probe.info["device_name"], probe.info["arch"]
-    probe.close()
-    check = ServingCheck(dep, tmp_path / "trials.csv", here, arch, "graph")
+    here = device_info("cuda")
+    check = ServingCheck(dep, tmp_path / "trials.csv", here["device_name"], here["arch"], "graph")
     try:
         equal = check(backend, params, table, TP, bs, contexts, "k", dispatch=others)
         ragged = check.ragged(backend, params, table, TP, bs, [16384], "k ragged x4", dispatch=others)

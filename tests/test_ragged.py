@@ -282,39 +282,29 @@ class RaggedWrongTriton(TritonBackend):
 
 
 @pytest.mark.parametrize("wrong_on_ragged", [False, True])
-def test_the_serving_check_runs_the_buckets_ragged_batch_through_the_oracle_gate(tmp_path, monkeypatch,
+def test_the_serving_check_runs_the_buckets_ragged_batch_through_the_oracle_gate(tmp_path, replace_backend,
                                                                                  wrong_on_ragged):
     """`ServingCheck.ragged` (what the export measures before moving a bucket to another launch)
     runs the same launches on the bucket's ragged batch: the floor of that batch's keys, rows
     under its own round, and the oracle's verdict on that batch, not on equal requests."""
-    from kvtune.kernels.backends import register_backend
     from kvtune.tuner.config import load_deployment
+    from kvtune.tuner.executor import backend_info, device_info
     from kvtune.tuner.runner import Runner
     from kvtune.tuner.serve_check import ServingCheck
     if wrong_on_ragged:
-        (tmp_path / "mods").mkdir()
-        (tmp_path / "mods" / "kvtune_ragged_wrong.py").write_text(RAGGED_WRONG_MODULE)
-        monkeypatch.syspath_prepend(str(tmp_path / "mods"))
-        register_backend("triton", "kvtune_ragged_wrong:RaggedWrongTriton")
+        replace_backend("triton", "kvtune_ragged_wrong:RaggedWrongTriton", RAGGED_WRONG_MODULE)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(_dep(batches=[4], ragged_spread=4, timing="eager")))
+    dep = load_deployment(str(path))
+    spec = Runner(dep, "cpu").spec(8, 4, 64)   # the bucket's problem (no worker process started)
+    params = backend_info("triton", dataclasses.asdict(spec), "cpu")["default"]
+    table = tmp_path / "trials.csv"
+    check = ServingCheck(dep, table, device_info("cpu")["device_name"], "cpu", None)
     try:
-        path = tmp_path / "r.yaml"
-        path.write_text(yaml.safe_dump(_dep(batches=[4], ragged_spread=4, timing="eager")))
-        dep = load_deployment(str(path))
-        probe = Runner(dep, "cpu", compile_workers=0)
-        probe.setup([])
-        here = probe.info["device_name"]
-        spec = probe.spec(8, 4, 64)
-        params = probe.default_params("triton", spec)
-        probe.close()
-        table = tmp_path / "trials.csv"
-        check = ServingCheck(dep, table, here, "cpu", None)
-        try:
-            equal = check("triton", params, None, 8, 4, [64], "k")
-            ragged = check.ragged("triton", params, None, 8, 4, [64], "k ragged x4")
-        finally:
-            check.close()
+        equal = check("triton", params, None, 8, 4, [64], "k")
+        ragged = check.ragged("triton", params, None, 8, 4, [64], "k ragged x4")
     finally:
-        register_backend("triton", "kvtune.kernels.triton_kernel:TritonBackend")
+        check.close()
     ceil = Ceilings(dep.device.read_gbps, dep.device.bf16_tflops)
     want = dataclasses.replace(spec, prefixes=ragged_prefixes(4, 64, 4.0))
     assert [r["floor_us"] for r in ragged] == pytest.approx([ceil.floor_us(want)], rel=1e-5)

@@ -13,7 +13,6 @@ import yaml
 from kvtune.kernels import make_inputs, reference_attention, rel_error
 from kvtune.kernels import lookup
 from kvtune.kernels import runtime as rt
-from kvtune.kernels.backends import register_backend
 from kvtune.kernels.runtime import ProvenanceError, VerifyAttention, load_defaults
 from kvtune.kernels.triton_kernel import TritonBackend, TritonParams, kernel_source_hash, partials
 from kvtune.kernels.tuned import SchemaError, dump_tuned, load_tuned, parse_tuned
@@ -383,14 +382,11 @@ class _ScaleBugTriton(TritonBackend):
         super().launch(args, params)
 
 
-def test_startup_self_check_rejects_a_wrong_kernel(device):
-    register_backend("triton", _ScaleBugTriton)
-    try:
-        with pytest.raises(RuntimeError, match="self-check failed"):
-            VerifyAttention.from_defaults(parse_tuned(tuned_dict(device), "mem"), tp=TP, max_batch=1,
-                                          max_context=128, device=device)
-    finally:
-        register_backend("triton", "kvtune.kernels.triton_kernel:TritonBackend")
+def test_startup_self_check_rejects_a_wrong_kernel(device, replace_backend):
+    replace_backend("triton", _ScaleBugTriton)
+    with pytest.raises(RuntimeError, match="self-check failed"):
+        VerifyAttention.from_defaults(parse_tuned(tuned_dict(device), "mem"), tp=TP, max_batch=1,
+                                      max_context=128, device=device)
 
 
 @pytest.mark.parametrize("batch", [2, 3])

@@ -13,14 +13,12 @@ import pytest
 import yaml
 from export_oracle import check_export  # the export's choice worked out from the trials table by brute force
 
-from kvtune.kernels.backends import register_backend
 from kvtune.kernels.tuned import load_tuned
 from kvtune.tuner.cli import main
 from kvtune.tuner.export import export_deployment
 from kvtune.tuner.sweep import SweepOptions, run_sweep
 from kvtune.tuner.table import read_trials
 
-TRITON_DEFAULT = "kvtune.kernels.triton_kernel:TritonBackend"
 
 
 def _deployment(tmp_path, **over):
@@ -117,15 +115,9 @@ class FastWrongTriton(TritonBackend):
 
 
 @pytest.fixture
-def fast_wrong_triton(tmp_path, monkeypatch):
+def fast_wrong_triton(replace_backend):
     """Registers the broken variant as "triton" (a module the worker processes can import)."""
-    mod = tmp_path / "mods"
-    mod.mkdir()
-    (mod / "kvtune_fast_wrong.py").write_text(textwrap.dedent(WRONG_MODULE))
-    monkeypatch.syspath_prepend(str(mod))
-    register_backend("triton", "kvtune_fast_wrong:FastWrongTriton")
-    yield
-    register_backend("triton", TRITON_DEFAULT)
+    replace_backend("triton", "kvtune_fast_wrong:FastWrongTriton", textwrap.dedent(WRONG_MODULE))
 
 
 def test_wrong_variant_rejected_crash_isolated_constraint_pruned(tmp_path, fast_wrong_triton):
@@ -314,7 +306,7 @@ def test_journal_storage_resumes(tmp_path):
     assert again.measured_now == 0
 
 
-def test_gate_catches_a_tree_mask_bug_invisible_at_long_prefixes():
+def test_gate_catches_a_tree_mask_bug_invisible_at_long_prefixes(replace_backend):
     """A kernel that lets every draft see every draft is off by < 1e-2 at a 16k prefix (the
     drafts hardly weigh there), so the bucket-shaped check alone would pass it; the short-
     prefix check of the gate rejects it."""
@@ -323,7 +315,6 @@ def test_gate_catches_a_tree_mask_bug_invisible_at_long_prefixes():
     import torch
 
     from kvtune.kernels import make_inputs, reference_attention, rel_error, verify_attention
-    from kvtune.kernels.backends import unregister_backend
     from kvtune.kernels.triton_kernel import TritonBackend, TritonParams
     from kvtune.tuner.measure import Measurer, MeasureOptions, ProblemSpec
 
@@ -334,20 +325,17 @@ def test_gate_catches_a_tree_mask_bug_invisible_at_long_prefixes():
             # every bit set: the tree mask is ignored (a copy: the caller's mask stays intact)
             super().launch(dataclasses.replace(a, tree_mask=torch.full_like(a.tree_mask, -1)), params)
 
-    register_backend("triton-all-drafts-visible", AllDraftsVisible)
-    try:
-        spec = ProblemSpec(heads=1, batch=1, context=16384, draft_tokens=8, tree="chain")
-        x = make_inputs(1, 8, 1, [16384], tree="chain", seed=3)
-        ref = reference_attention(*x.args)[0]
-        o = verify_attention(*x.args, backend="triton-all-drafts-visible",
-                             params=TritonParams(NSPLIT=4, BLOCK_N=64, HEADS_PER_BLOCK=1))
-        assert rel_error(o, ref) < 1e-2              # the long-prefix check alone is blind to it
-        base = dataclasses.asdict(TritonParams(NSPLIT=4, BLOCK_N=64, HEADS_PER_BLOCK=1))
-        r = Measurer("cpu").measure("triton-all-drafts-visible", base, spec,
-                                    MeasureOptions(timing="eager", cpu_reps=1, warmup=False), None)
-        assert r.outcome == "wrong" and "short prefixes" in r.reason, r
-    finally:
-        unregister_backend("triton-all-drafts-visible")
+    replace_backend("triton-all-drafts-visible", AllDraftsVisible)
+    spec = ProblemSpec(heads=1, batch=1, context=16384, draft_tokens=8, tree="chain")
+    x = make_inputs(1, 8, 1, [16384], tree="chain", seed=3)
+    ref = reference_attention(*x.args)[0]
+    o = verify_attention(*x.args, backend="triton-all-drafts-visible",
+                         params=TritonParams(NSPLIT=4, BLOCK_N=64, HEADS_PER_BLOCK=1))
+    assert rel_error(o, ref) < 1e-2              # the long-prefix check alone is blind to it
+    base = dataclasses.asdict(TritonParams(NSPLIT=4, BLOCK_N=64, HEADS_PER_BLOCK=1))
+    r = Measurer("cpu").measure("triton-all-drafts-visible", base, spec,
+                                MeasureOptions(timing="eager", cpu_reps=1, warmup=False), None)
+    assert r.outcome == "wrong" and "short prefixes" in r.reason, r
 
 
 def test_export_after_a_stopped_sweep_names_what_is_missing(tmp_path, capsys):
