@@ -48,6 +48,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     data = load(args.csv)
     regions = [(name, int(off, 16)) for name, off in (r.rsplit(":", 1) for r in args.regions.split(","))]
+    for d in data:   # the region an instruction falls in: the last that starts at or before it
+        d["region"] = ([n for n, off in regions if d["offset"] >= off] or ["before"])[-1]
     stalls = [k for k in data[0] if k.startswith("stall_") and "Not Issued" not in k]
     src = lambda d: " ".join(d["Source"].split())[:70]  # noqa: E731
     for metric in ("L1 Wavefronts Shared Excessive", "L2 Theoretical Sectors Global Excessive"):
@@ -62,9 +64,8 @@ def main(argv=None) -> int:
         print(f"{d['offset']:6x} {_num(d['# Samples']):6.0f}  {src(d):70s} {', '.join(f'{k} {v:.0f}' for k, v in why)}")
     agg = collections.defaultdict(collections.Counter)
     for d in data:
-        name = [n for n, off in regions if d["offset"] >= off][-1] if d["offset"] >= regions[0][1] else "before"
         for k in stalls:
-            agg[name][k[6:]] += _num(d[k])
+            agg[d["region"]][k[6:]] += _num(d[k])
     print("\n== stall samples per region")
     for name, c in sorted(agg.items(), key=lambda kv: -sum(kv[1].values())):
         s = sum(c.values())
@@ -72,18 +73,17 @@ def main(argv=None) -> int:
             top = ", ".join(f"{k} {100 * v / s:.0f}%" for k, v in c.most_common(5))
             print(f"{name:28s} {s:6.0f} {100 * s / total:5.1f}%  {top}")
     if args.mix:
-        _print_mix(data, regions, args.mix, args.top)
+        _print_mix(data, args.mix, args.top)
     return 0
 
 
-def _print_mix(data: list[dict], regions: list, per: float, top: int) -> None:
+def _print_mix(data: list[dict], per: float, top: int) -> None:
     """Executed warp instructions per region and opcode (the predicate and operands left out), / per."""
     mix = collections.defaultdict(collections.Counter)
     for d in data:
-        name = [n for n, off in regions if d["offset"] >= off][-1] if d["offset"] >= regions[0][1] else "before"
         words = d["Source"].split()
         op = words[1] if words and words[0].startswith("@") and len(words) > 1 else (words or ["?"])[0]
-        mix[name][op] += _num(d["Instructions Executed"])
+        mix[d["region"]][op] += _num(d["Instructions Executed"])
     for name, c in mix.items():
         print(f"\n== executed instructions in {name}: {sum(c.values()) / per:.0f} per unit; the top {top} opcodes")
         for op, n in c.most_common(top):
