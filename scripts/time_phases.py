@@ -160,6 +160,31 @@ WGMMA_VARIANTS = {
     for (int kk = 0; kk < 36; ++kk)
       mma_ss_n32(s, dq0 + (u64)(((kk >> 2) * ROWS * 128 + (kk & 3) * 32) >> 4),
                  dk0 + (u64)(((kk >> 2) * BN * 128 + (kk & 3) * 32) >> 4), kk);""")],
+    # ROWS 72, outputs right: the tail's 16 V^T / P^T descriptor pairs per tile as the tile's first
+    # plus a constant, as desc_increment does for S
+    "desc_increment_tail": [
+        ("        mma_ss_n8_vt(o[j], desc_sw(kbuf + j * (BN * 128) + (2 * kk) * 1024, 4096, 1024), "
+         "desc(tp + kk * 256, 128, 512));",
+         "        mma_ss_n8_vt(o[j], dv0 + (u64)((j * (BN * 128) + (2 * kk) * 1024) >> 4), dp0 + (u64)((kk * 256) >> 4));"),
+        ("    fence();\n#pragma unroll\n    for (int j = 0; j < 8; ++j)\n#pragma unroll\n      for (int kk = 0; kk < 2; ++kk)",
+         "    const u64 dv0 = desc_sw(kbuf, 4096, 1024), dp0 = desc(tp, 128, 512);\n"
+         "    fence();\n#pragma unroll\n    for (int j = 0; j < 8; ++j)\n#pragma unroll\n      for (int kk = 0; kk < 2; ++kk)")],
+    # outputs right: the gather's shared-memory addresses as one of 8 / CL per-thread swizzled row
+    # offsets plus a compile-time panel offset (c = csub + CL k, csub < CL: c & 7 = csub + (CL k & 7),
+    # c >> 3 = CL k >> 3), so each cp.async takes [register + immediate]
+    "gather_addr": [
+        ("""#pragma unroll
+      for (int k = 0; k < CHUNKS / CL; ++k) {
+        const int c = csub + CL * k;
+        cp_async<16>(dst + sw_off(crow + RPP * h, c, BN), src + c * 8, bytes);
+      }""",
+         """const int r = crow + RPP * h;
+      u32 sx[8 / CL];
+#pragma unroll
+      for (int j = 0; j < 8 / CL; ++j) sx[j] = dst + r * 128 + (((csub + CL * j) ^ (r & 7)) * 16);
+#pragma unroll
+      for (int k = 0; k < CHUNKS / CL; ++k)
+        cp_async<16>(sx[k % (8 / CL)] + ((CL * k) >> 3) * (BN * 128), src + (csub + CL * k) * 8, bytes);""")],
     # ROWS 72: the tail warpgroup only keeps its handshakes (the tiles' buffers and the scrub)
     "tail_idle": [("    mbar_wait(smem_u32(smem + L::FULL_OFF + 8 * buf), par);\n",
                    "    mbar_wait(smem_u32(smem + L::FULL_OFF + 8 * buf), par);\n"
@@ -231,7 +256,7 @@ UNSAFE = {"no_stage_barriers"}
 #: variants whose outputs are right (a schedule forced, a different copy mapping): --oracle checks them
 OUTPUTS_RIGHT = {"full", "items", "ranges", "tail_early_release", "tail_chains2", "tail_chains3",
                  "gather_after_publish", "gather_if_free",
-                 "desc_increment"}
+                 "desc_increment", "desc_increment_tail", "gather_addr"}
 
 
 def oracle_check(source: str, names: list[str], backend: str, over: dict, tol: float = 1e-2) -> None:
