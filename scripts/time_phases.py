@@ -129,8 +129,7 @@ WGMMA_VARIANTS = {
     "exit_early": [("  if (work_s[0] < 0) return;  // no work", "  if (work_s[0] < 0 || a.H > 0) return;  // no work")],
     "no_gather": [("    const int bytes = ok ? 16 : 0;", "    const int bytes = 0 * ok;")],
     # the 64-row warpgroups' MMAs left out (their barriers and handoffs kept): QK^T, or both P V
-    "no_qk_mma": [("      mma_ss_n32(s, desc_sw(qs + (kk >> 2) * ROWS * 128",
-                   "      if (a.H < 0) mma_ss_n32(s, desc_sw(qs + (kk >> 2) * ROWS * 128")],
+    "no_qk_mma": [("      mma_ss_n32(s, desc_add(dq, ", "      if (a.H < 0) mma_ss_n32(s, desc_add(dq, ")],
     "no_pv_mma": [("      mma_ss_pv_n256(o, desc(ps + (tile % NPB) * PBUF",
                    "      if (a.H < 0) mma_ss_pv_n256(o, desc(ps + (tile % NPB) * PBUF"),
                   ("for (int kk = 0; kk < 2; ++kk) mma_rs_n256(o, pa[kk], v_desc(t, kk));",
@@ -144,47 +143,9 @@ WGMMA_VARIANTS = {
     # the 64-row warpgroups' key tiles never copied (no cp.async issued; the indices still
     # loaded), and their softmax left out (P, the maxima and l untouched): with the skeleton
     # variant, where its time per tile goes. Outputs wrong
-    "no_copy": [("        cp_async<16>(dst + sw_off(crow + RPP * h, c, BN), src + c * 8, bytes);",
-                 "        if (a.H < 0) cp_async<16>(dst + sw_off(crow + RPP * h, c, BN), src + c * 8, bytes);")],
+    "no_copy": [("        cp_async<16>(sx[", "        if (a.H < 0) cp_async<16>(sx[")],
     "no_softmax_wg": [("    const int grew = softmax_tile<NPB == 1>(",
                        "    const int grew = a.H > 0 ? 0 : softmax_tile<NPB == 1>(")],
-    # outputs right: the 36 S = Q K^T descriptors as the tile's first one plus a constant (the
-    # start address field, addresses under 256 KB, never carries), not each built from its address
-    "desc_increment": [
-        ("""#pragma unroll
-    for (int kk = 0; kk < 36; ++kk)
-      mma_ss_n32(s, desc_sw(qs + (kk >> 2) * ROWS * 128 + (kk & 3) * 32, 16, 1024),
-                 desc_sw(kb + (kk >> 2) * BN * 128 + (kk & 3) * 32, 16, 1024), kk);""",
-         """const u64 dq0 = desc_sw(qs, 16, 1024), dk0 = desc_sw(kb, 16, 1024);
-#pragma unroll
-    for (int kk = 0; kk < 36; ++kk)
-      mma_ss_n32(s, dq0 + (u64)(((kk >> 2) * ROWS * 128 + (kk & 3) * 32) >> 4),
-                 dk0 + (u64)(((kk >> 2) * BN * 128 + (kk & 3) * 32) >> 4), kk);""")],
-    # ROWS 72, outputs right: the tail's 16 V^T / P^T descriptor pairs per tile as the tile's first
-    # plus a constant, as desc_increment does for S
-    "desc_increment_tail": [
-        ("        mma_ss_n8_vt(o[j], desc_sw(kbuf + j * (BN * 128) + (2 * kk) * 1024, 4096, 1024), "
-         "desc(tp + kk * 256, 128, 512));",
-         "        mma_ss_n8_vt(o[j], dv0 + (u64)((j * (BN * 128) + (2 * kk) * 1024) >> 4), dp0 + (u64)((kk * 256) >> 4));"),
-        ("    fence();\n#pragma unroll\n    for (int j = 0; j < 8; ++j)\n#pragma unroll\n      for (int kk = 0; kk < 2; ++kk)",
-         "    const u64 dv0 = desc_sw(kbuf, 4096, 1024), dp0 = desc(tp, 128, 512);\n"
-         "    fence();\n#pragma unroll\n    for (int j = 0; j < 8; ++j)\n#pragma unroll\n      for (int kk = 0; kk < 2; ++kk)")],
-    # outputs right: the gather's shared-memory addresses as one of 8 / CL per-thread swizzled row
-    # offsets plus a compile-time panel offset (c = csub + CL k, csub < CL: c & 7 = csub + (CL k & 7),
-    # c >> 3 = CL k >> 3), so each cp.async takes [register + immediate]
-    "gather_addr": [
-        ("""#pragma unroll
-      for (int k = 0; k < CHUNKS / CL; ++k) {
-        const int c = csub + CL * k;
-        cp_async<16>(dst + sw_off(crow + RPP * h, c, BN), src + c * 8, bytes);
-      }""",
-         """const int r = crow + RPP * h;
-      u32 sx[8 / CL];
-#pragma unroll
-      for (int j = 0; j < 8 / CL; ++j) sx[j] = dst + r * 128 + (((csub + CL * j) ^ (r & 7)) * 16);
-#pragma unroll
-      for (int k = 0; k < CHUNKS / CL; ++k)
-        cp_async<16>(sx[k % (8 / CL)] + ((CL * k) >> 3) * (BN * 128), src + (csub + CL * k) * 8, bytes);""")],
     # ROWS 72: the tail warpgroup only keeps its handshakes (the tiles' buffers and the scrub)
     "tail_idle": [("    mbar_wait(smem_u32(smem + L::FULL_OFF + 8 * buf), par);\n",
                    "    mbar_wait(smem_u32(smem + L::FULL_OFF + 8 * buf), par);\n"
@@ -204,7 +165,7 @@ WGMMA_VARIANTS = {
     # tensor pipe with the 64-row warpgroups better (the wgmma tail needs Q8 in shared memory, 9 KB
     # the layout does not have)
     "tail_s_wgmma": [(_TAIL_S, _TAIL_S_WGMMA)],
-    "tail_no_pv": [("        mma_ss_n8_vt(o[j], desc_sw(", "        if (a.H < 0) mma_ss_n8_vt(o[j], desc_sw(")],
+    "tail_no_pv": [("        mma_ss_n8_vt(o[j], desc_add(", "        if (a.H < 0) mma_ss_n8_vt(o[j], desc_add(")],
     # ROWS 72, outputs right: the tail waits for its O^T MMAs of tile t - 1 right after its S^T of
     # tile t (not after the softmax) and hands that key buffer back at the S^T exchange, a softmax
     # earlier (the 64-row warpgroups wait for it before each gather: 10% of their loop's stalls)
@@ -255,8 +216,7 @@ WGMMA_VARIANTS = {
 UNSAFE = {"no_stage_barriers"}
 #: variants whose outputs are right (a schedule forced, a different copy mapping): --oracle checks them
 OUTPUTS_RIGHT = {"full", "items", "ranges", "tail_early_release", "tail_chains2", "tail_chains3",
-                 "gather_after_publish", "gather_if_free",
-                 "desc_increment", "desc_increment_tail", "gather_addr"}
+                 "gather_after_publish", "gather_if_free"}
 
 
 def oracle_check(source: str, names: list[str], backend: str, over: dict, tol: float = 1e-2) -> None:

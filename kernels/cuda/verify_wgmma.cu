@@ -73,6 +73,13 @@ __device__ __forceinline__ u64 desc_sw(u32 addr, u32 lbo, u32 sbo) {  // 128-byt
 __device__ __forceinline__ u32 sw_off(int r, int c, int rows) {
   return (c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) * 16);
 }
+// Descriptor d moved `bytes` further (a multiple of 16, a compile-time constant at every use):
+// the start-address field (bits 0-13, address / 16) never carries, since shared memory ends below
+// 256 KB. The loops build each tile's descriptors as its first plus such offsets: built from
+// their addresses, the S descriptors alone were about 1,100 of the loop's 4,038 warp instructions
+// per tile (ncu, results/kernel/wgmma/phases/tile-loop/), and both 64-row warpgroups and the tail
+// issue their MMAs on the critical path (results/kernel/wgmma/phases/descriptor-arithmetic/).
+__device__ __forceinline__ u64 desc_add(u64 d, u32 bytes) { return d + (bytes >> 4); }
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
@@ -394,12 +401,13 @@ __device__ __forceinline__ void tail_loop(const SplitArgs& a, unsigned char* sme
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int i = 0; i < 4; ++i) o[j][i] *= (i & 1) ? a1 : a0;
+    const u64 dv = desc_sw(kbuf, 4096, 1024), dp = desc(tp, 128, 512);
     fence();
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk)
-        mma_ss_n8_vt(o[j], desc_sw(kbuf + j * (BN * 128) + (2 * kk) * 1024, 4096, 1024), desc(tp + kk * 256, 128, 512));
+        mma_ss_n8_vt(o[j], desc_add(dv, j * (BN * 128) + (2 * kk) * 1024), desc_add(dp, kk * 256));
     commit();
   }
   wait0();  // the last tile's (no owner waits for its buffer)
@@ -741,11 +749,15 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
       const bool ok = slot != ~0u;
       const u16* src = ok ? a.kv + (i64)slot * a.kv_stride : a.kv;
       const int bytes = ok ? 16 : 0;
+      // sw_off of chunk c = csub + CL k (csub < CL): c & 7 = csub + (CL k & 7), c >> 3 = CL k >> 3, so
+      // each copy's address is one of 8 / CL swizzled row offsets plus a compile-time panel offset
+      const int r = crow + RPP * h;
+      u32 sx[8 / CL];
 #pragma unroll
-      for (int k = 0; k < CHUNKS / CL; ++k) {
-        const int c = csub + CL * k;
-        cp_async<16>(dst + sw_off(crow + RPP * h, c, BN), src + c * 8, bytes);
-      }
+      for (int j = 0; j < 8 / CL; ++j) sx[j] = dst + r * 128 + (((csub + CL * j) ^ (r & 7)) * 16);
+#pragma unroll
+      for (int k = 0; k < CHUNKS / CL; ++k)
+        cp_async<16>(sx[k % (8 / CL)] + ((CL * k) >> 3) * (BN * 128), src + (csub + CL * k) * 8, bytes);
     }
     cp_async_commit();
   };
@@ -791,11 +803,11 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
     bar_sync(1 + wgi, 128);
     if (XR && wt == 0) mbar_arrive(smem_u32(smem + Lay::FULL_OFF + 8 * (t % NBUF)));
     fence();
-    const u32 kb = ks + (t % NBUF) * KBUF;
+    const u64 dq = desc_sw(qs, 16, 1024), dk = desc_sw(ks + (t % NBUF) * KBUF, 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < 36; ++kk)
-      mma_ss_n32(s, desc_sw(qs + (kk >> 2) * ROWS * 128 + (kk & 3) * 32, 16, 1024),
-                 desc_sw(kb + (kk >> 2) * BN * 128 + (kk & 3) * 32, 16, 1024), kk);
+      mma_ss_n32(s, desc_add(dq, (kk >> 2) * ROWS * 128 + (kk & 3) * 32), desc_add(dk, (kk >> 2) * BN * 128 + (kk & 3) * 32),
+                 kk);
     commit();
     if (t >= 1) {
       other_tile(t - 1);
