@@ -149,8 +149,9 @@ WGMMA_VARIANTS = {
     # outputs right: the 64-row warpgroups' segment loop as a generic lambda instantiated once per
     # warpgroup (wgi a compile-time constant), so the tile index t, its key buffer and the K
     # descriptors are warp-uniform to the compiler and live in uniform registers: no R2UR per wgmma
-    # (compiled, NVRTC 13.5, T 9, ROWS 72: the S issue 273 -> 124 / 189 instructions per warp in the
-    # two copies, 8 bytes spilled; ROWS 64: 109 / 421, the second copy's K descriptors vector again)
+    # (compiled, NVRTC 13.5, T 9, ROWS 72: the S issue 273 -> 111 / 177 instructions per warp in the
+    # two copies; ROWS 64: 110 / 418, one copy's K descriptors vector again). The branch is on a vote
+    # (__all_sync), which the compiler knows is warp-uniform: on tid_x() < 128 the copies spilled 8 bytes
     "uniform_wg": [
         ("    if constexpr (XR != 0) regs_inc<REGS_MAIN>();\n  for (;;) {\n"
          "  const int tid = tid_x(), mb = ctaid_x(), wgi = tid >> 7, wt = tid & 127, warp = wt >> 5, "
@@ -160,7 +161,7 @@ WGMMA_VARIANTS = {
          "  const int tid = tid_x(), mb = ctaid_x(), wt = tid & 127, warp = wt >> 5, lane = tid & 31;\n"),
         ("  if (work_s[0] < 0) break;\n  }  // segments\n",
          "  if (work_s[0] < 0) break;\n  }  // segments\n  };\n"
-         "  if (tid_x() < 128) main_wg(wg::WgC<0>{}); else main_wg(wg::WgC<1>{});\n"),
+         "  if (__all_sync(0xffffffffu, tid_x() < 128)) main_wg(wg::WgC<0>{}); else main_wg(wg::WgC<1>{});\n"),
         ("constexpr int RANGE_RESTART_TILES = 3;\n",
          "constexpr int RANGE_RESTART_TILES = 3;\ntemplate <int V> struct WgC { static constexpr int value = V; };\n")],
     # ROWS 72: the tail warpgroup only keeps its handshakes (the tiles' buffers and the scrub)
