@@ -17,9 +17,11 @@ tail_no_pv, its O^T MMAs left out; tail_s_wgmma, its S^T on a wgmma chain per ti
 outputs right: tail_early_release, the tail's key buffers handed back a softmax earlier;
 tail_chains2 / 3, its S^T in 2 / 3 accumulator chains;
 gather_after_publish / gather_if_free, tile t + 2's gather issued after tile t is published
-(always / when the tail has not handed its buffer back yet); and the schedule forced: items,
+(always / when the tail has not handed its buffer back yet); uniform_wg, the 64-row warpgroups'
+loop compiled once per warpgroup (warp-uniform K descriptors); and the schedule forced: items,
 ranges) patch verify_wgmma.cu at its own anchors (the gather's
-lane-mapping variants measured on source 1ec2426d7d93fe07 are in git history; eight lanes per row is
+lane-mapping variants measured on source 1ec2426d7d93fe07 and the descriptor variants now shipped
+(desc_increment, desc_increment_tail, gather_addr) are in git history; eight lanes per row is
 now the COPY_LANES parameter).
 
 --variants also times copies of the source with one stage left out (METHOD.md: place time
