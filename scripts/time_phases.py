@@ -18,7 +18,9 @@ outputs right: tail_early_release, the tail's key buffers handed back a softmax 
 tail_chains2 / 3, its S^T in 2 / 3 accumulator chains;
 gather_after_publish / gather_if_free, tile t + 2's gather issued after tile t is published
 (always / when the tail has not handed its buffer back yet); uniform_wg, the 64-row warpgroups'
-loop compiled once per warpgroup (warp-uniform K descriptors); and the schedule forced: items,
+loop compiled once per warpgroup (warp-uniform K descriptors), redux_wgi, the same through a warp
+reduction with one copy of the loop; pv_before_s, a warpgroup's S of tile t issued only after the
+other's P V of t - 2; and the schedule forced: items,
 ranges) patch verify_wgmma.cu at its own anchors (the gather's
 lane-mapping variants measured on source 1ec2426d7d93fe07 and the descriptor variants now shipped
 (desc_increment, desc_increment_tail, gather_addr) are in git history; eight lanes per row is
@@ -153,7 +155,9 @@ WGMMA_VARIANTS = {
     # descriptors are warp-uniform to the compiler and live in uniform registers: no R2UR per wgmma
     # (compiled, NVRTC 13.5, T 9, ROWS 72: the S issue 273 -> 111 / 177 instructions per warp in the
     # two copies; ROWS 64: 110 / 418, one copy's K descriptors vector again). The branch is on a vote
-    # (__all_sync), which the compiler knows is warp-uniform: on tid_x() < 128 the copies spilled 8 bytes
+    # (__all_sync), which the compiler knows is warp-uniform: on tid_x() < 128 the copies spilled 8 bytes.
+    # Measured 7.7-17.6% slower at H 8: the second copy's instruction fetch
+    # (results/kernel/wgmma/phases/uniform-tile-index/)
     "uniform_wg": [
         ("    if constexpr (XR != 0) regs_inc<REGS_MAIN>();\n  for (;;) {\n"
          "  const int tid = tid_x(), mb = ctaid_x(), wgi = tid >> 7, wt = tid & 127, warp = wt >> 5, "
@@ -166,6 +170,25 @@ WGMMA_VARIANTS = {
          "  if (__all_sync(0xffffffffu, tid_x() < 128)) main_wg(wg::WgC<0>{}); else main_wg(wg::WgC<1>{});\n"),
         ("constexpr int RANGE_RESTART_TILES = 3;\n",
          "constexpr int RANGE_RESTART_TILES = 3;\ntemplate <int V> struct WgC { static constexpr int value = V; };\n")],
+    # outputs right: the warpgroup index taken through a warp reduction (redux.sync writes a uniform
+    # register), so the tile index and the K descriptors derived from it are warp-uniform to the
+    # compiler without a second copy of the loop (NVRTC 13.5, T 9, ROWS 72: the S issue 273 -> 106
+    # instructions per warp, R2UR 106 -> 27, the module 10,256 -> 10,088 instructions); measured no
+    # faster at H 8 (results/kernel/wgmma/phases/uniform-tile-index/)
+    "redux_wgi": [("wgi = tid >> 7, wt = tid & 127, warp = wt >> 5, lane = tid & 31;\n  const int t4",
+                   "wgi = (int)__reduce_max_sync(0xffffffffu, (unsigned)tid >> 7), wt = tid & 127, warp = wt >> 5, "
+                   "lane = tid & 31;\n  const int t4")],
+    # outputs right: a warpgroup issues its S of tile t only once the other has issued its P V of
+    # tile t - 2 (named barriers 11 / 12), so that P V, which the other waits for before it publishes
+    # t - 1, is not queued on the tensor pipe behind the 36 S wgmmas of t
+    "pv_before_s": [
+        ("      mma_ss_pv_n256(o, desc(ps + (tile % NPB) * PBUF + kk * 256, 128, 512), v_desc(tile, kk));\n"
+         "    commit();\n",
+         "      mma_ss_pv_n256(o, desc(ps + (tile % NPB) * PBUF + kk * 256, 128, 512), v_desc(tile, kk));\n"
+         "    commit();\n    if (tile + 2 < n_tiles) bar_arrive(11 + (tile & 1), 256);\n"),
+        ("    if (XR && wt == 0) mbar_arrive(smem_u32(smem + Lay::FULL_OFF + 8 * (t % NBUF)));\n    fence();\n",
+         "    if (XR && wt == 0) mbar_arrive(smem_u32(smem + Lay::FULL_OFF + 8 * (t % NBUF)));\n"
+         "    if (t >= 2) bar_sync(11 + (t & 1), 256);\n    fence();\n")],
     # ROWS 72: the tail warpgroup only keeps its handshakes (the tiles' buffers and the scrub)
     "tail_idle": [("    mbar_wait(smem_u32(smem + L::FULL_OFF + 8 * buf), par);\n",
                    "    mbar_wait(smem_u32(smem + L::FULL_OFF + 8 * buf), par);\n"
@@ -236,7 +259,7 @@ WGMMA_VARIANTS = {
 UNSAFE = {"no_stage_barriers"}
 #: variants whose outputs are right (a schedule forced, a different copy mapping): --oracle checks them
 OUTPUTS_RIGHT = {"full", "items", "ranges", "tail_early_release", "tail_chains2", "tail_chains3",
-                 "gather_after_publish", "gather_if_free", "uniform_wg"}
+                 "gather_after_publish", "gather_if_free", "uniform_wg", "redux_wgi", "pv_before_s"}
 
 
 def oracle_check(source: str, names: list[str], backend: str, over: dict, tol: float = 1e-2) -> None:
