@@ -330,9 +330,12 @@ class VerifyAttention:
         do_check = self.check_values if check_values is None else check_values
         if do_check is not False and not _is_capturing(dev):
             # the one host sync of a step, outside graphs (the api's checks: one definition)
-            api_check_values(problem, _Pool(num_slots), kv_indptr, kv_indices)
+            api_check_values(problem, _Pool(num_slots), kv_indptr, kv_indices, tree_mask)
+            slots_used = _slots_used(kv_indptr, kv_indices) if num_slots is None else None
+        else:
+            slots_used = None
         p, params, table = self._launch[B]
-        step = StepPlan(B, rows, kv_indptr, kv_indices, tree_mask, num_slots, p, params, table, problem)
+        step = StepPlan(B, rows, kv_indptr, kv_indices, tree_mask, num_slots, p, params, table, problem, slots_used)
         self._step = step
         return step
 
@@ -370,6 +373,9 @@ class VerifyAttention:
         if kv_cache.dtype != torch.bfloat16 or kv_cache.device != dev or kv_cache.stride(-1) != 1:
             raise ValueError(f"kv_cache: expected bf16 rows, contiguous, on {dev}, got {kv_cache.dtype} on "
                              f"{kv_cache.device}")
+        if step.slots_used is not None and kv_cache.shape[0] < step.slots_used:
+            raise ValueError(f"kv_cache: {kv_cache.shape[0]} slots, but the planned kv_indices use slot "
+                             f"{step.slots_used - 1}")
         if step.num_slots is not None and kv_cache.shape[0] < step.num_slots:
             raise ValueError(f"kv_cache: {kv_cache.shape[0]} slots, fewer than the num_slots={step.num_slots} "
                              "its plan checked the indices against")
@@ -424,7 +430,9 @@ class StepPlan:
     B requests, rows = B*T query rows; kv_indptr/kv_indices/tree_mask: the planned tensors
     (referenced); num_slots: the pool size the slots were checked against (None: unchecked);
     plan/params/split_table: the batch entry, its launch parameters (NSPLIT scaled to the
-    batch) and device-side NSPLIT table; problem: the launch's `VerifyProblem`.
+    batch) and device-side NSPLIT table; problem: the launch's `VerifyProblem`; slots_used: with
+    the values checked and no num_slots, the highest slot kv_indices use + 1 (`run` refuses a
+    smaller pool).
     """
 
     B: int
@@ -437,6 +445,15 @@ class StepPlan:
     params: Any
     split_table: SplitTable | None
     problem: VerifyProblem
+    #: without num_slots, the highest slot the checked kv_indices use + 1 (None: not read)
+    slots_used: int | None = None
+
+
+def _slots_used(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> int:
+    """The highest slot the requests' kv_indices use, + 1 (0: none); one host sync."""
+    lo, hi = (int(v) for v in kv_indptr[[0, -1]].tolist())
+    used = kv_indices[lo:hi]
+    return int(used.max()) + 1 if used.numel() else 0
 
 
 class _Pool:

@@ -154,6 +154,8 @@ class AdapterPlan:
     slots: torch.Tensor
     write: bool
     num_slots: int | None
+    #: without num_slots, the highest slot the checked kv_indices and draft slots use + 1 (None: not read)
+    slots_used: int | None = None
 
 
 class SGLangVerifyAdapter:
@@ -247,12 +249,7 @@ class SGLangVerifyAdapter:
             raise ValueError(f"kv_indptr: expected {B + 1} entries (B+1), got {kv_indptr.numel()}")
         kv_indices = _index_tensor(kv_indices, "kv_indices", dev, 0)
         if custom_mask is not None:
-            if not isinstance(custom_mask, torch.Tensor) or custom_mask.dim() != 1 or custom_mask.device != dev \
-                    or custom_mask.dtype not in (torch.bool, torch.uint8, torch.int8):
-                raise ValueError("custom_mask: expected a flat bool (or uint8) tensor on the device")
-            mask_indptr = _index_tensor(mask_indptr, "mask_indptr", dev, B + 1)
-            mode = MASK_CUSTOM
-            mask = custom_mask.view(torch.uint8) if custom_mask.dtype == torch.bool else custom_mask
+            mode, mask, mask_indptr = MASK_CUSTOM, *_custom_mask_args(custom_mask, mask_indptr, B, T, dev)
         else:
             mode = MASK_CAUSAL if is_causal else MASK_FULL
             mask, mask_indptr = kv_indptr, kv_indptr     # unused pointers
@@ -268,7 +265,11 @@ class SGLangVerifyAdapter:
             raise ValueError(f"num_slots: expected an int >= 1 or None, got {num_slots!r}")
         do_check = v.check_values if check_values is None else check_values
         if do_check is not False and not _is_capturing(dev):
-            self._check_values(B, T, qo_indptr, kv_indptr, kv_indices, slots, num_slots)
+            slots_used = self._check_values(B, T, qo_indptr, kv_indptr, kv_indices, slots, num_slots)
+            if mode == MASK_CUSTOM:
+                _check_mask_blocks(T, kv_indptr, custom_mask, mask_indptr)
+        else:
+            slots_used = None
 
         _pack_verify_kernel[(B, self.num_chunks)](
             kv_indptr, kv_indices, slots, mask, mask_indptr,
@@ -279,7 +280,7 @@ class SGLangVerifyAdapter:
         )
         # the packed buffers are right by construction (and clamped on overflow): no re-check
         vstep = v.plan(self.indptr[:B + 1], self.indices, self.tree[:B * T], check_values=False)
-        step = AdapterPlan(B, vstep, slots, write, num_slots)
+        step = AdapterPlan(B, vstep, slots, write, num_slots, slots_used)
         self._step = step
         return step
 
@@ -314,6 +315,9 @@ class SGLangVerifyAdapter:
         kv = self._pool(k_buffer, v_buffer, v.Dk, v.Dv, dev)
         if kv.shape[0] >= 2**31:
             raise ValueError(f"k_buffer: {kv.shape[0]} slots exceed int32 indexing")
+        if step.slots_used is not None and kv.shape[0] < step.slots_used:
+            raise ValueError(f"k_buffer: {kv.shape[0]} slots, but the planned kv_indices / draft slots use slot "
+                             f"{step.slots_used - 1}")
         if step.num_slots is not None and kv.shape[0] < step.num_slots:
             raise ValueError(f"k_buffer: {kv.shape[0]} slots, fewer than the num_slots={step.num_slots} planned")
         if step.write:
@@ -415,8 +419,9 @@ class SGLangVerifyAdapter:
                                  f"{list(v_buffer.shape)} at another address or stride")
         return kv
 
-    def _check_values(self, B, T, qo_indptr, kv_indptr, kv_indices, slots, num_slots) -> None:
-        """Host-syncing checks of the SGLang metadata (once per step, outside graph capture)."""
+    def _check_values(self, B, T, qo_indptr, kv_indptr, kv_indices, slots, num_slots) -> int | None:
+        """Host-syncing checks of the SGLang metadata (once per step, outside graph capture). Returns,
+        without num_slots, the highest slot used + 1 (for `run`'s k_buffer check), else None."""
         want = torch.arange(B + 1, device=qo_indptr.device, dtype=torch.int64) * T
         if not torch.equal(qo_indptr.to(torch.int64), want):
             raise ValueError(f"qo_indptr: expected arange(B+1)*T (every request verifies T={T} drafts), "
@@ -428,13 +433,52 @@ class SGLangVerifyAdapter:
         if int(ip[-1]) + B * T > self.capacity:
             raise ValueError(f"kv_indptr: {int(ip[-1])} prefix keys + {B * T} drafts exceed the adapter's "
                              f"capacity {self.capacity} (max_batch * (max_context + T)); build it larger")
-        if num_slots is not None:
-            for name, used in (("kv_indices", kv_indices[int(ip[0]):int(ip[-1])]),
-                               ("out_cache_loc" if slots is not self.scratch_slots else "scratch_slots",
-                                slots[:B * T])):
-                if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_slots):
-                    bad = int(used.min()) if int(used.min()) < 0 else int(used.max())
-                    raise ValueError(f"{name}: slot {bad} out of range [0, {num_slots}) (num_slots)")
+        top = 0
+        for name, used in (("kv_indices", kv_indices[int(ip[0]):int(ip[-1])]),
+                           ("out_cache_loc" if slots is not self.scratch_slots else "scratch_slots", slots[:B * T])):
+            if not used.numel():
+                continue
+            lo, hi = int(used.min()), int(used.max())
+            if lo < 0 or (num_slots is not None and hi >= num_slots):
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"{name}: slot {bad} out of range [0, {num_slots if num_slots is not None else 'inf'})"
+                                 " (num_slots)")
+            top = max(top, hi + 1)
+        # without num_slots, run refuses a k_buffer these slots would read or write past
+        return top if num_slots is None else None
+
+
+def _custom_mask_args(custom_mask, mask_indptr, B: int, T: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """custom_mask as the pack kernel reads it (uint8 view) and mask_indptr, after the checks
+    that need no value read."""
+    if not isinstance(custom_mask, torch.Tensor) or custom_mask.dim() != 1 or custom_mask.device != dev \
+            or custom_mask.dtype not in (torch.bool, torch.uint8, torch.int8):
+        raise ValueError("custom_mask: expected a flat bool (or uint8) tensor on the device")
+    mask_indptr = _index_tensor(mask_indptr, "mask_indptr", dev, B + 1)
+    if mask_indptr.numel() != B + 1:
+        raise ValueError(f"mask_indptr: expected {B + 1} entries (B+1), got {mask_indptr.numel()}")
+    if custom_mask.numel() < B * T * T:  # each request's block holds T x (P_b + T) >= T x T entries
+        raise ValueError(f"custom_mask: {custom_mask.numel()} entries, fewer than the B*T*T = {B * T * T} "
+                         f"that {B} requests' T x (P_b+T) blocks need at least")
+    return (custom_mask.view(torch.uint8) if custom_mask.dtype == torch.bool else custom_mask), mask_indptr
+
+
+def _check_mask_blocks(T: int, kv_indptr: torch.Tensor, custom_mask: torch.Tensor,
+                       mask_indptr: torch.Tensor) -> None:
+    """Host-syncing check of SGLang's mask layout: request b's `T x (P_b+T)` block starts at
+    mask_indptr[b], the blocks back to back (mask_indptr[b+1] - mask_indptr[b] = T (P_b + T)) and
+    inside custom_mask. The pack kernel reads the mask at those offsets without bounds."""
+    ip = kv_indptr.to("cpu", torch.int64)
+    mi = mask_indptr.to("cpu", torch.int64)
+    want = T * ((ip[1:] - ip[:-1]) + T)
+    got = mi[1:] - mi[:-1]
+    if int(mi[0]) < 0 or not torch.equal(got, want):
+        bad = int((got != want).nonzero()[0]) if not torch.equal(got, want) else 0
+        raise ValueError(f"mask_indptr: request {bad}'s block must hold T x (P_b+T) = {int(want[bad])} entries "
+                         f"(T={T}, P_b={int(ip[bad + 1] - ip[bad])}) from a start >= 0, got mask_indptr "
+                         f"{int(mi[bad])}..{int(mi[bad + 1])}")
+    if int(mi[-1]) > custom_mask.numel():
+        raise ValueError(f"custom_mask: {custom_mask.numel()} entries, but mask_indptr ends at {int(mi[-1])}")
 
 
 def sglang_verify_args(inp, *, mask_dtype: torch.dtype = torch.bool, indices_dtype: torch.dtype = torch.int32,

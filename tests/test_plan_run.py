@@ -104,6 +104,8 @@ def _plan_errors(device):
                                                 x.kv_indices, x.tree_mask), "kv_indptr: request 0 holds 4 keys"),
         ("slot range", lambda va, x: va.plan(*x.args[2:5], num_slots=int(x.kv_indices.max())),
          "kv_indices: slot .* out of range"),
+        ("tree bits past T", lambda va, x: va.plan(x.kv_indptr, x.kv_indices, x.tree_mask | (1 << 40)),
+         "tree_mask: row 0 .* at or beyond T"),
     ]
 
 
@@ -144,6 +146,18 @@ def test_run_names_shapes_that_do_not_match_the_plan(device, va, change, match):
                  "wrong": torch.empty(3, dtype=torch.float32, device=device)}.get(v, v)
     with pytest.raises(ValueError, match=match):
         va.run(kw.pop("q"), kw.pop("kv_cache"), **kw)
+
+
+def test_run_refuses_a_pool_the_planned_slots_pass(device, va):
+    """Without num_slots, plan's value checks still record the highest slot used: run refuses a
+    kv_cache that slot would read past (it would read other memory silently)."""
+    inp = make_inputs(2, T, H, [20, 30], tree="random", seed=3, device=device)
+    step = va.plan(*inp.args[2:5])
+    top = int(inp.kv_indices.max())
+    assert step.slots_used == top + 1
+    with pytest.raises(ValueError, match=f"kv_cache: {top} slots, but the planned kv_indices use slot {top}"):
+        va.run(inp.q, inp.kv_cache[:top])
+    assert va.plan(*inp.args[2:5], check_values=False).slots_used is None
 
 
 def test_run_before_any_plan_is_an_error(device):
@@ -223,6 +237,14 @@ def test_adapter_writes_each_layers_draft_keys(device):
     ("kv_indices range", "kv_indices: slot .* out of range"),
     ("out_cache_loc range", "out_cache_loc: slot .* out of range"),
     ("num_slots", "num_slots"),
+    # the pack kernel reads the mask at mask_indptr without bounds: its layout is checked first
+    ("mask short", r"custom_mask: 10 entries, fewer than the B\*T\*T"),
+    ("mask empty", r"custom_mask: 0 entries"),
+    ("mask_indptr zeros", r"mask_indptr: request 0's block must hold T x \(P_b\+T\)"),
+    ("mask_indptr T x T blocks", r"mask_indptr: request 0's block must hold"),
+    ("mask_indptr past the mask", r"custom_mask: \d+ entries, but mask_indptr ends at"),
+    ("mask_indptr short", r"mask_indptr: needs at least 3 entries"),
+    ("mask_indptr long", r"mask_indptr: expected 3 entries"),
 ])
 def test_adapter_plan_names_bad_metadata(device, ad, what, match):
     inp = make_inputs(2, T, H, [20, 30], tree="random", seed=5, device=device)
@@ -238,6 +260,20 @@ def test_adapter_plan_names_bad_metadata(device, ad, what, match):
     elif what == "out_cache_loc range":
         kw["out_cache_loc"] = loc.clone()
         kw["out_cache_loc"][-1] = inp.kv_cache.shape[0]           # one past the pool
+    elif what == "mask short":
+        args[3] = args[3][:10].clone()
+    elif what == "mask empty":
+        args[3] = args[3][:0].clone()
+    elif what == "mask_indptr zeros":
+        args[4] = torch.zeros_like(args[4])
+    elif what == "mask_indptr T x T blocks":
+        args[4] = torch.arange(3, dtype=args[4].dtype, device=device) * T * T
+    elif what == "mask_indptr past the mask":
+        args[4] = args[4] + 10**6
+    elif what == "mask_indptr short":
+        args[4] = args[4][:-1]
+    elif what == "mask_indptr long":
+        args[4] = torch.cat([args[4], args[4][-1:]])
     else:
         kw["num_slots"] = -1
     with pytest.raises(ValueError, match=match):
@@ -258,5 +294,12 @@ def test_adapter_run_names_shapes_that_do_not_match_the_plan(device, ad):
         ad.run(inp.q, kb[:-1], o)
     with pytest.raises(ValueError, match="v_buffer"):
         ad.run(inp.q, kb, o, v_buffer=kb[..., :DV].clone())
+    # without num_slots: the highest slot the plan read (prefix or draft) bounds k_buffer
+    step = ad.plan(a["qo_indptr"], a["kv_indptr"], a["kv_indices"], a["custom_mask"], a["mask_indptr"],
+                   out_cache_loc=loc)
+    top = max(int(a["kv_indices"].max()), int(loc.max()))
+    assert step.slots_used == top + 1
+    with pytest.raises(ValueError, match=f"k_buffer: {top} slots, but the planned kv_indices / draft slots"):
+        ad.run(inp.q, kb[:top], o)
     with pytest.raises(ValueError, match="plan: expected an AdapterPlan"):
         ad.run(inp.q, kb, o, plan=ad.verify.last_plan)
