@@ -11,6 +11,7 @@ Never imports the tuner, Optuna or pandas.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,6 +142,14 @@ def model_on_rank(tuned: TunedDefaults | None, tp: int, allow_mismatch: bool, **
     allow_mismatch). Without a YAML every value must be given."""
     m = tuned.model if tuned is not None else {}
     src = tuned.source if tuned is not None else "<no tuned defaults>"
+
+    for name in ("draft_tokens", "heads", "kv_lora_rank", "rope_dim"):
+        v = given[name]
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name}: expected an int >= 1 (or None: the YAML's), got {v!r}")
+    v = given["sm_scale"]
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
+        raise ValueError(f"sm_scale: expected a positive finite float (or None: the YAML's), got {v!r}")
 
     def pick(name, from_yaml, default=None):
         v = given[name]

@@ -293,6 +293,26 @@ def test_workspace_budget(device):
                                   workspace_budget_bytes=va.allocated_bytes)
 
 
+@pytest.mark.parametrize("given,match", [
+    (dict(heads=0), r"heads: expected an int >= 1"),
+    (dict(heads=2.0), r"heads: expected an int >= 1"),
+    (dict(draft_tokens=2.5), r"draft_tokens: expected an int >= 1"),
+    (dict(kv_lora_rank=-512), r"kv_lora_rank: expected an int >= 1"),
+    (dict(sm_scale="x"), r"sm_scale: expected a positive finite float"),
+    (dict(sm_scale=float("nan")), r"sm_scale: expected a positive finite float"),
+    (dict(sm_scale=float("inf")), r"sm_scale: expected a positive finite float"),
+    (dict(sm_scale=-0.1), r"sm_scale: expected a positive finite float"),
+])
+def test_model_kwargs_are_checked_and_named(device, given, match):
+    """The model on this rank, given without a YAML: a bad value is refused at construction,
+    naming the keyword (a NaN sm_scale used to make every later call return NaN)."""
+    model = dict(draft_tokens=T, heads=H, sm_scale=0.1)
+    model.update(given)
+    with pytest.raises(ValueError, match=match):
+        VerifyAttention.from_defaults(None, deployment="none", tp=1, max_batch=1, max_context=64, device=device,
+                                      warmup=False, **model)
+
+
 def test_model_mismatch_and_bad_calls(device):
     tuned = parse_tuned(tuned_dict(device), "mem")
     with pytest.raises(ProvenanceError, match="draft_tokens: tuned for 9"):
