@@ -3,7 +3,8 @@
 Written by `kvtune export`, read at serving time by the runtime. Lives with the kernels
 (not the tuner) because serving reads it; it needs only PyYAML.
 
-Schema (version 1)::
+Schema (version 1); `dump_tuned` adds a first and a last comment line (EXPORT_HEADER,
+EXPORT_TRAILER), and `load_tuned` refuses a file with the first but not the last (cut short)::
 
     schema_version: 1
     deployment: kimi-k2-h200            # name of the deployment config it came from
@@ -57,6 +58,8 @@ from typing import Any
 
 import yaml
 
+from .shapes import MAX_DRAFT_TOKENS
+
 SCHEMA_VERSION = 1
 BACKEND_NAMES = ("reference", "triton", "cuda", "wgmma")
 PROVENANCE_KEYS = ("device_name", "arch", "sm_count", "driver", "cuda", "nvrtc", "torch", "triton",
@@ -70,6 +73,37 @@ _BUCKET_TIMES = ("latency_us", "default_latency_us", "floor_us", "ragged_us", "d
 
 class SchemaError(ValueError):
     """A tuned-defaults file does not follow the schema; the message names file and key."""
+
+
+#: the first and the last line `dump_tuned` writes: a file that starts with the first and does not
+#: end with the last was cut short (a copy or transfer that stopped), which YAML alone often
+#: cannot tell (a list cut between entries, a number cut between digits)
+EXPORT_HEADER = "# kvtune tuned defaults (written by `kvtune export`); the last line marks the end of the file"
+EXPORT_TRAILER = "# end of kvtune tuned defaults"
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last)."""
+
+
+def _unique_mapping(loader, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice in one mapping",
+                                                    key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def yaml_load(text: str) -> Any:
+    """yaml.safe_load, but a key given twice in one mapping is a yaml.YAMLError (shared with the
+    tuner's config files)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 @dataclass(frozen=True)
@@ -167,11 +201,11 @@ def _int(src, key, v, lo=1) -> int:
     return v
 
 
-def _opt_float(src, key, v):
+def _opt_float(src, key, v, unit=" (microseconds)"):
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
-        raise _err(src, key, f"expected a finite number >= 0 (microseconds), got {v!r}")
+        raise _err(src, key, f"expected a finite number >= 0{unit}, got {v!r}")
     return float(v)
 
 
@@ -216,7 +250,10 @@ def parse_tuned(data: Any, source: str = "<memory>", check_params: bool = True,
     model = check_keys(src, "model", d["model"], MODEL_KEYS, MODEL_KEYS[1:])
     for k in ("num_heads", "kv_lora_rank", "qk_rope_head_dim", "draft_tokens"):
         _int(src, f"model.{k}", model[k])
-    if _opt_float(src, "model.sm_scale", model["sm_scale"]) is None or model["sm_scale"] <= 0:
+    if model["draft_tokens"] > MAX_DRAFT_TOKENS:
+        raise _err(src, "model.draft_tokens", f"{model['draft_tokens']} exceeds {MAX_DRAFT_TOKENS} (one int64 "
+                                              "tree-mask word per query row)")
+    if _opt_float(src, "model.sm_scale", model["sm_scale"], "") is None or model["sm_scale"] <= 0:
         raise _err(src, "model.sm_scale", f"expected a positive number, got {model['sm_scale']!r}")
     prov = check_keys(src, "provenance", d["provenance"], PROVENANCE_KEYS,
                       ("device_name", "arch", "kernel_hash", "date"))
@@ -325,8 +362,11 @@ def load_tuned(path: str | os.PathLike, check_params: bool = True, legacy_names:
     except UnicodeDecodeError as e:
         raise SchemaError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
                           "save the file as UTF-8") from None
+    if text.startswith(EXPORT_HEADER) and text.rstrip().rsplit("\n", 1)[-1] != EXPORT_TRAILER:
+        raise SchemaError(f"{path}: cut short: an exported file ends with the line {EXPORT_TRAILER!r}, and "
+                          "this one does not (copy it again, or export again)")
     try:
-        data = yaml.safe_load(text)
+        data = yaml_load(text)
     except yaml.YAMLError as e:
         raise SchemaError(f"{path}: not valid YAML: {e}") from None
     return parse_tuned(data, str(path), check_params, legacy_names)
@@ -338,6 +378,7 @@ def dump_tuned(tuned: TunedDefaults, path: str | os.PathLike) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(tuned.to_dict(), sort_keys=False, default_flow_style=None, width=110))
+    body = yaml.safe_dump(tuned.to_dict(), sort_keys=False, default_flow_style=None, width=110)
+    tmp.write_text(f"{EXPORT_HEADER}\n{body}{EXPORT_TRAILER}\n")
     os.replace(tmp, path)
     return path

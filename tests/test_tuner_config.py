@@ -84,6 +84,14 @@ def test_bad_deployment_names_file_and_key(tmp_path, mutate, key):
     assert str(p) in str(e.value) and key in str(e.value)
 
 
+def test_a_deployment_key_given_twice_is_refused(tmp_path):
+    """A hand edit that adds `trials:` again must not silently take the last one."""
+    p = _write(tmp_path, GOOD)
+    p.write_text(p.read_text() + f"trials: {GOOD['trials']}\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML: key 'trials' given twice"):
+        load_deployment(p)
+
+
 def test_good_tmp_deployment_loads(tmp_path):
     dep = load_deployment(_write(tmp_path, GOOD))
     assert dep.tp == (4, 8) and dep.heads(8) == 1 and dep.device.arch == "cpu"

@@ -67,7 +67,7 @@ def read_yaml(path: Path) -> Any:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
                           "save the file as UTF-8") from None
     try:
-        return yaml.safe_load(text)
+        return tuned.yaml_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
 
