@@ -207,5 +207,8 @@ def plans(tuned: TunedDefaults | None, kw: dict, mode: str, backend: str | None,
         plans.append(Plan(max_batch, be, params, None, None, f"untuned default of {fallback}"))
     for p in plans:
         for params in (p.params, *(o[0] for o in p.others)):   # a dispatch's every config
-            p.backend.check_params(params, problem_of(kw, min(p.max_batch, max_batch)))
+            try:
+                p.backend.check_params(params, problem_of(kw, min(p.max_batch, max_batch)))
+            except ValueError as exc:  # the YAML's params (or the model) do not fit this rank's problem
+                raise type(exc)(f"{p.source}: params {params}: {exc}") from None
     return plans

@@ -350,6 +350,16 @@ def test_model_kwargs_are_checked_and_named(device, given, match):
                                       warmup=False, **model)
 
 
+def test_params_that_do_not_fit_the_rank_name_the_file(tmp_path, device):
+    """A YAML whose params fit the schema but not this rank's problem (Triton's HEADS_PER_BLOCK x T
+    rows over 256): the runtime's error names the file and the entry, not only the dataclass."""
+    doc = tuned_dict(device)
+    doc["entries"][0]["params"]["HEADS_PER_BLOCK"] = 64
+    path = write(tmp_path, doc)
+    with pytest.raises(ValueError, match=r"tiny-test.yaml \(tp=\d+, max_batch=1\): params .*HEADS_PER_BLOCK"):
+        VerifyAttention.from_defaults(path, tp=TP, max_batch=1, max_context=64, device=device, warmup=False)
+
+
 def test_model_mismatch_and_bad_calls(device):
     tuned = parse_tuned(tuned_dict(device), "mem")
     with pytest.raises(ProvenanceError, match="draft_tokens: tuned for 9"):
