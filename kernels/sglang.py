@@ -143,6 +143,10 @@ def _index_tensor(x, name: str, device, min_numel: int) -> torch.Tensor:
     return x
 
 
+#: the runtime's argument names in its errors, as SGLang's call names them
+_RUNTIME_NAMES = {"q": "q_extend", "kv_cache": "k_buffer", "out": "o_extend", "lse": "lse_extend"}
+
+
 @dataclass(frozen=True)
 class AdapterPlan:
     """One step's packed SGLang metadata (`SGLangVerifyAdapter.plan`): B requests, the
@@ -313,6 +317,8 @@ class SGLangVerifyAdapter:
                 got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"{name}: expected {list(shape)} for the planned B={step.B}, T={v.T}, got {got}")
         kv = self._pool(k_buffer, v_buffer, v.Dk, v.Dv, dev)
+        if kv.dtype != torch.bfloat16:  # before k_extend, which must match it
+            raise ValueError(f"k_buffer: expected bf16, got {kv.dtype}")
         if kv.shape[0] >= 2**31:
             raise ValueError(f"k_buffer: {kv.shape[0]} slots exceed int32 indexing")
         if step.slots_used is not None and kv.shape[0] < step.slots_used:
@@ -326,7 +332,13 @@ class SGLangVerifyAdapter:
                                             BLOCK_T=max(16, next_pow2(v.T)), DK=v.Dk, BLOCK_DK=next_pow2(v.Dk),
                                             num_warps=4)
         scale = sm_scale if sm_scale else 1.0 / math.sqrt(v.Dk)   # SGLang's default
-        return v.run(q_extend, kv, o_extend, lse=lse_extend, sm_scale=scale, plan=step.verify_plan)
+        try:
+            return v.run(q_extend, kv, o_extend, lse=lse_extend, sm_scale=scale, plan=step.verify_plan)
+        except ValueError as exc:  # the runtime's checks, in the caller's argument names
+            head, sep, rest = str(exc).partition(":")
+            if sep and head in _RUNTIME_NAMES:
+                raise ValueError(f"{_RUNTIME_NAMES[head]}:{rest}") from None
+            raise
 
     @staticmethod
     def _k_extend(k_extend, rows: int, Dk: int, dtype) -> torch.Tensor:

@@ -303,3 +303,10 @@ def test_adapter_run_names_shapes_that_do_not_match_the_plan(device, ad):
         ad.run(inp.q, kb[:top], o)
     with pytest.raises(ValueError, match="plan: expected an AdapterPlan"):
         ad.run(inp.q, kb, o, plan=ad.verify.last_plan)
+    # the runtime's checks speak SGLang's names; a fp16 pool is named as the pool
+    with pytest.raises(ValueError, match="q_extend: expected bf16"):
+        ad.run(inp.q.half(), kb, o)
+    with pytest.raises(ValueError, match="lse_extend: expected fp32"):
+        ad.run(inp.q, kb, o, lse_extend=torch.empty(3, device=device))
+    with pytest.raises(ValueError, match="k_buffer: expected bf16, got torch.float16"):
+        ad.run(inp.q, kb.half(), o)
