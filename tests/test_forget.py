@@ -135,3 +135,42 @@ def test_forget_sets_a_torn_row_aside_and_a_rerun_adds_no_duplicate(out, capsys)
     assert _rows(table) == [r for r in rows if r["backend"] != "wgmma"]
     assert _rows(out / "kimi-k2-h200" / "trials.forgotten.csv") == wg
     assert "torn-row-cut-mid" in (out / "kimi-k2-h200" / "trials.csv.torn").read_text()
+
+
+def test_export_refuses_trials_of_another_model(out, tmp_path):
+    """The deployment edited in place (T 9 -> 8): its study names do not hold the model's shape,
+    so the old rows would be exported as the new model's. Export refuses, naming what changed."""
+    doc = yaml.safe_load(DEP.read_text())
+    doc["model"]["draft_tokens"] = 8
+    edited = tmp_path / "kimi-k2-h200.yaml"
+    edited.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ValueError, match=r"measured for another model .*T 9 \(now 8\): \d+ row"):
+        export_deployment(str(edited), out=str(out), path=str(tmp_path / "x.yaml"), quiet=True)
+    assert not (tmp_path / "x.yaml").exists()
+
+
+def test_a_sweep_over_trials_of_another_model_refuses_or_retunes(tmp_path):
+    """A resumed sweep whose deployment now says other heads: refused, naming the change and
+    `kvtune forget`; with --retune-stale every backend's rows are set aside and tuned again."""
+    from kvtune.tuner.config import ConfigError
+    from kvtune.tuner.sweep import SweepOptions, run_sweep
+
+    doc = {"name": "shape", "model": {"name": "tiny-mla", "num_heads": 8, "draft_tokens": 4, "tree": "random"},
+           "device": "cpu", "tp": [8], "contexts": [64], "batches": [1], "backends": ["triton"], "trials": 2,
+           "timing": "eager"}
+    dep = tmp_path / "shape.yaml"
+    dep.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "results"
+    kw = dict(device="cpu", out=str(out), rounds=0, progress=False)
+    assert run_sweep(dep, SweepOptions(**kw)).status == "complete"
+    doc["model"]["num_heads"] = 16
+    dep.write_text(yaml.safe_dump(doc))
+    table = out / "shape" / "trials.csv"
+    before = table.read_text()
+    with pytest.raises(ConfigError, match=r"another model .*tp 8: heads 1 \(now 2\).*kvtune forget"):
+        run_sweep(dep, SweepOptions(**kw))
+    assert table.read_text() == before   # the refusal changed nothing
+    again = run_sweep(dep, SweepOptions(retune_stale=True, **kw))
+    assert again.status == "complete" and again.measured_now >= 2
+    assert {r["heads"] for r in _rows(table)} == {"2"}
+    assert {r["heads"] for r in _rows(out / "shape" / "trials.forgotten.csv")} == {"1"}

@@ -333,10 +333,17 @@ def export_deployment(dep: Deployment | str, out: str = "runs", trials_csv: str 
 
 
 def _deployment_trials(table_path: Path, dep: Deployment):
+    from .forget import model_changes
     df = read_trials(table_path)
     df = df[df["deployment"] == dep.name]
     if df.empty:
         raise ValueError(f"{table_path}: no trials of deployment {dep.name!r}")
+    cols = [c for c in ("deployment", "tp", "heads", "T", "tree") if c in df]
+    changed = model_changes(df[cols].astype(str).replace("nan", "").to_dict("records"), dep)
+    if changed:
+        raise ValueError(f"{table_path}: trials of {dep.name} were measured for another model than {dep.source} "
+                         f"says now ({'; '.join(changed)}); exporting them would ship the old shape's configs as "
+                         f"this model's (sweep again into another --out, or `kvtune forget` the backends first)")
     return df
 
 

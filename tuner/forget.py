@@ -42,6 +42,33 @@ def forget_backend(deployment: str, backends: list[str], out: str = "runs", stor
     return {"rows": len(gone), "studies": studies, "dir": out_dir}
 
 
+def model_changes(rows, dep) -> list[str]:
+    """How `rows` (trials-table rows as dicts; the deployment's own) were measured for another model
+    than `dep` says now: "tp 8: heads 2 (now 8)", "T 4 (now 6)", "tree chain (now random)", each
+    with its row count. The studies are named by deployment, backend and bucket only, so a
+    deployment edited in place would resume (and export) trials of the old shape as the new one's.
+    Rows without the column (older tables) are not judged."""
+    T, tree = dep.model.draft_tokens, dep.tree
+    seen: dict[str, int] = {}
+    for r in rows:
+        if r.get("deployment") not in (None, "", dep.name):
+            continue
+        found = []
+        try:
+            tp = int(float(r["tp"])) if str(r.get("tp", "")).strip() else None
+            if tp and str(r.get("heads", "")).strip() and int(float(r["heads"])) != dep.heads(tp):
+                found.append(f"tp {tp}: heads {int(float(r['heads']))} (now {dep.heads(tp)})")
+            if str(r.get("T", "")).strip() and int(float(r["T"])) != T:
+                found.append(f"T {int(float(r['T']))} (now {T})")
+        except (TypeError, ValueError, ZeroDivisionError):
+            continue   # a malformed number is the table's readers' to report
+        if str(r.get("tree", "")).strip() and str(r["tree"]) != tree:
+            found.append(f"tree {r['tree']} (now {tree})")
+        for f in found:
+            seen[f] = seen.get(f, 0) + 1
+    return [f"{k}: {n} row(s)" for k, n in seen.items()]
+
+
 def stale_sources(table: Path, current: dict[str, str | None]) -> dict[str, tuple[int, list[str], str]]:
     """Per backend of `current` (name -> its kernel source hash now): (rows, [their other hashes],
     the current hash) when rows of `table` were measured on another source. Backends without a

@@ -36,7 +36,7 @@ from .runner import Runner
 from .space import load_space, problem_env
 from .strategy import params_key
 from .study import StudyLoop, compile_key
-from .table import TrialsTable, append_jsonl
+from .table import TrialsTable, append_jsonl, scan_table
 
 log = get_logger(__name__)
 
@@ -123,10 +123,27 @@ class Sweep(StudyLoop):
         """A backend whose trials here were measured on another kernel source: resuming would skip
         its finished studies, so the current source would never be tuned (and export counts only a
         backend's latest source). With --retune-stale its rows and studies are set aside
-        (`kvtune forget`) and it is tuned from scratch; otherwise the sweep stops and says so."""
-        from .forget import forget_backend, stale_sources
-        stale = stale_sources(self.out_dir / "trials.csv", {be: bi.get("kernel_hash") for be, bi in binfo.items()})
+        (`kvtune forget`) and it is tuned from scratch; otherwise the sweep stops and says so. The
+        same for every backend when the trials were measured for another model (heads, T, tree) than
+        the deployment says now (its studies' names do not hold the model's shape)."""
+        from .forget import forget_backend, model_changes, stale_sources
+        table = self.out_dir / "trials.csv"
+        rows = scan_table(table)[1] if table.is_file() else []
+        changed = model_changes(rows, self.dep)
         dep = self.dep.source if Path(str(self.dep.source)).is_file() else self.dep.name
+        if changed and self.o.retune_stale and not self.shared:
+            bes = sorted({r["backend"] for r in rows if r.get("backend")})
+            got = forget_backend(str(dep), bes, out=self.o.out, storage=self.storage_url)
+            log.warning("trials of %s were measured for another model than %s says now (%s): %d row(s) moved to "
+                        "trials.forgotten.csv with %d of their studies; tuning from scratch", self.dep.name,
+                        self.dep.source, "; ".join(changed), got["rows"], got["studies"])
+        elif changed:
+            raise ConfigError(
+                f"{table}: trials of {self.dep.name} were measured for another model than {self.dep.source} "
+                f"says now ({'; '.join(changed)}); resuming would skip their finished studies and export them as "
+                f"this model's. Sweep into another --out, or set them aside with `kvtune forget {dep} "
+                f"--backend <each backend> --out {self.o.out}`" + (" or --retune-stale" if not self.shared else ""))
+        stale = stale_sources(self.out_dir / "trials.csv", {be: bi.get("kernel_hash") for be, bi in binfo.items()})
         for be, (n, old, cur) in stale.items():
             if self.o.retune_stale and not self.shared:
                 got = forget_backend(str(dep), [be], out=self.o.out, storage=self.storage_url)
