@@ -374,7 +374,7 @@ def load_tuned(path: str | os.PathLike, check_params: bool = True, legacy_names:
 
 def dump_tuned(tuned: TunedDefaults, path: str | os.PathLike) -> Path:
     """Validate and write `tuned` to `path` (atomically: write then rename)."""
-    parse_tuned(tuned.to_dict(), str(path), check_params=False)
+    parse_tuned(tuned.to_dict(), str(path), check_params=True)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")

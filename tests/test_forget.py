@@ -174,3 +174,19 @@ def test_a_sweep_over_trials_of_another_model_refuses_or_retunes(tmp_path):
     assert again.status == "complete" and again.measured_now >= 2
     assert {r["heads"] for r in _rows(table)} == {"2"}
     assert {r["heads"] for r in _rows(out / "shape" / "trials.forgotten.csv")} == {"1"}
+
+
+def test_export_writes_no_yaml_the_runtime_would_refuse(out, tmp_path):
+    """Rows whose params the backend does not declare (a hand edit, an older kvtune): the pick
+    is validated as the serving loader validates it, and nothing is written."""
+    table = out / "kimi-k2-h200" / "trials.csv"
+    rows = _rows(table)
+    with table.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(dict(r, params=r["params"].replace("{", '{"BOGUS": 7, ', 1)) if r["backend"] == "wgmma" else r
+                    for r in rows)
+    dest = tmp_path / "x.yaml"
+    with pytest.raises(ValueError, match=r"trials.csv: a picked config would not load .*unknown parameter.*BOGUS"):
+        export_deployment(str(DEP), out=str(out), path=str(dest), quiet=True)
+    assert not dest.exists()

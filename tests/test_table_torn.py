@@ -60,6 +60,25 @@ def test_reader_skips_a_torn_last_row_naming_file_and_line(tmp_path, capsys, cut
     assert p.read_bytes() == head + cut(COMMITTED.read_bytes()[len(head):]), "a reader changes nothing"
 
 
+@pytest.mark.parametrize("column,value", [("median_us", "abc"), ("tp", "8x")])
+def test_a_row_with_a_word_for_a_number_is_skipped_naming_file_line_and_column(tmp_path, capsys, column, value):
+    """A hand edit that puts a word where a number goes: the readers skip that row with a
+    warning naming file, line and column (export failed with a bare float() error)."""
+    import csv
+    import io
+    p, head, line = _table(tmp_path)
+    rows = list(csv.DictReader(io.StringIO(p.read_text(), newline="")))
+    cols = list(rows[0])
+    rows[-1][column] = value
+    with p.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=cols, lineterminator="\r\n")
+        w.writeheader()
+        w.writerows(rows)
+    df = read_trials(p)
+    assert f"{p}: line {line}: malformed row ({column} {value!r} is not a number)" in capsys.readouterr().err
+    assert len(df) == 87
+
+
 @pytest.mark.parametrize("cut", [_cut_inside_params, _cut_after_params], ids=["inside-params", "after-params"])
 def test_export_of_a_torn_table_is_the_export_without_that_row(tmp_path, cut):
     p, head, _ = _table(tmp_path, cut)

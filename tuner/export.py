@@ -41,7 +41,7 @@ from pathlib import Path
 from statistics import median
 from typing import NamedTuple
 
-from kvtune.kernels.tuned import BACKEND_NAMES, ContextBucket, TunedDefaults, TunedEntry, dump_tuned
+from kvtune.kernels.tuned import BACKEND_NAMES, ContextBucket, SchemaError, TunedDefaults, TunedEntry, dump_tuned
 
 from .config import Deployment, load_deployment
 from .log import get_logger
@@ -322,7 +322,11 @@ def export_deployment(dep: Deployment | str, out: str = "runs", trials_csv: str 
     tuned = TunedDefaults(deployment=dep.name, model=_model(dep), provenance=_provenance(df, entries),
                           entries=tuple(entries))
     dest = Path(path) if path else out_dir / f"{dep.name}.yaml"
-    dump_tuned(tuned, dest)
+    try:
+        dump_tuned(tuned, dest)   # validates every picked config as the serving loader will
+    except SchemaError as exc:
+        raise ValueError(f"{table_path}: a picked config would not load at serving time, nothing written: "
+                         f"{exc}") from None
     if not quiet:
         import pandas as pd
         table = pd.DataFrame(report)

@@ -137,12 +137,28 @@ def _warn_bad(path, bad, action):
         log.warning("%s: line %s: %s; %s", path, line, why, action)
 
 
+#: columns whose values, where given, are numbers (a row with another value there is malformed)
+NUMERIC_COLUMNS = ("tp", "heads", "bs", "ctx", "T", "trial", "NSPLIT", "VEC", "BLOCK_N", "NUM_WARPS",
+                   "HEADS_PER_BLOCK", "STAGES", "CTAS_PER_SM", "ROWS", "COPY_LANES", "median_us", "p10_us",
+                   "p90_us", "rel_err", "gbps", "tflops", "floor_us", "pct_floor", "launches", "pools", "wall_s",
+                   "sm_count")
+
+
+def _is_number(v: str) -> bool:
+    try:
+        float(v)
+        return True
+    except ValueError:
+        return False
+
+
 def scan_table(path: str | os.PathLike):
     """Parse a trials table, checking every row. Returns (columns, rows as dicts, bad rows as
     (first line number, text, why), the text of the header and the good rows).
 
     A row is bad when its last line has no end of line (torn by a crash), when its field
-    count differs from the header's, or when its `params` is not a JSON object."""
+    count differs from the header's, when a NUMERIC_COLUMNS value is not a number, or when its
+    `params` is not a JSON object."""
     text = Path(path).read_bytes().decode("utf-8", errors="surrogateescape")
     lines = _lines(text)
     consumed = [0]          # lines the csv reader has pulled so far
@@ -181,7 +197,10 @@ def scan_table(path: str | os.PathLike):
             else:
                 r = dict(zip(cols, rec))
                 p = r.get("params", "")
-                if p:
+                nan = next((c for c in NUMERIC_COLUMNS if r.get(c, "") and not _is_number(r[c])), None)
+                if nan:
+                    why = f"malformed row ({nan} {r[nan]!r} is not a number)"
+                elif p:
                     try:
                         ok = isinstance(json.loads(p), dict)
                     except json.JSONDecodeError:
