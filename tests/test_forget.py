@@ -190,3 +190,46 @@ def test_export_writes_no_yaml_the_runtime_would_refuse(out, tmp_path):
     with pytest.raises(ValueError, match=r"trials.csv: a picked config would not load .*unknown parameter.*BOGUS"):
         export_deployment(str(DEP), out=str(out), path=str(dest), quiet=True)
     assert not dest.exists()
+
+
+def _cpu_tiny(tmp_path):
+    d = tmp_path / "cpu-tiny"
+    d.mkdir()
+    shutil.copy(ROOT / "results" / "cpu-tiny" / "trials.csv", d / "trials.csv")
+    return d
+
+
+def test_forget_finds_the_workers_journal(tmp_path):
+    """A --workers sweep keeps its studies in studies.journal: forget deletes them there (it
+    looked in studies.db only, so the next sweep resumed the finished studies)."""
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    from kvtune.tuner.forget import forget_backend
+    d = _cpu_tiny(tmp_path)
+    st = JournalStorage(JournalFileBackend(str(d / "studies.journal")))
+    for name in ("cpu-tiny|triton|tp8|bs1|ctx64", "cpu-tiny|cuda|tp8|bs1|ctx64", "other|triton|tp8|bs1|ctx64"):
+        optuna.create_study(study_name=name, storage=st)
+    got = forget_backend("cpu-tiny", ["triton"], out=str(tmp_path))
+    assert got["studies"] == 1 and got["rows"] > 0
+    left = {s.study_name for s in optuna.get_all_study_summaries(st)}
+    assert left == {"cpu-tiny|cuda|tp8|bs1|ctx64", "other|triton|tp8|bs1|ctx64"}
+
+
+def test_forget_refuses_a_storage_file_that_is_not_there(tmp_path):
+    """A mistyped --storage path would delete no study: refused before any row moves."""
+    from kvtune.tuner.forget import forget_backend
+    d = _cpu_tiny(tmp_path)
+    before = (d / "trials.csv").read_text()
+    for url in (f"sqlite:///{d / 'typo.db'}", f"journal:{d / 'typo.journal'}"):
+        with pytest.raises(FileNotFoundError, match=r"--storage .*typo.*: no such file"):
+            forget_backend("cpu-tiny", ["triton"], out=str(tmp_path), storage=url)
+    assert (d / "trials.csv").read_text() == before and not (d / "trials.forgotten.csv").exists()
+
+
+@pytest.mark.parametrize("url", ["bogus://x", "/a/plain/path.db", "sqlite:////nonexistent-dir/x/studies.db"])
+def test_a_storage_url_that_cannot_be_opened_is_named(url):
+    from kvtune.tuner.config import ConfigError
+    from kvtune.tuner.storage import open_storage
+    with pytest.raises(ConfigError, match=r"--storage .*: cannot open it as a study storage .*expected sqlite:///PATH"):
+        open_storage(url)

@@ -26,6 +26,7 @@ def forget_backend(deployment: str, backends: list[str], out: str = "runs", stor
     table = out_dir / "trials.csv"
     if not table.is_file():
         raise FileNotFoundError(f"{table}: no trials table (is --out the folder the sweep wrote into?)")
+    urls = _study_storages(out_dir, storage)   # checked before any row moves
     cols, rows, bad, keep_text = scan_table(table)
     if bad:   # as a sweep would: kept in trials.csv.torn, out of the way of the rewrite below
         _warn_bad(table, bad, f"set aside in {table}.torn")
@@ -37,8 +38,7 @@ def forget_backend(deployment: str, backends: list[str], out: str = "runs", stor
     if gone:
         _append_rows(out_dir / "trials.forgotten.csv", cols, gone)
         write_table(table, cols, keep)
-    studies = _delete_studies(storage or f"sqlite:///{out_dir / 'studies.db'}", dep.name, backends,
-                              must_exist=storage is None and (out_dir / "studies.db").is_file())
+    studies = sum(_delete_studies(url, dep.name, backends) for url in urls)
     return {"rows": len(gone), "studies": studies, "dir": out_dir}
 
 
@@ -99,9 +99,22 @@ def _append_rows(path: Path, cols: list[str], rows: list[dict]) -> None:
     write_table(path, cols, rows)
 
 
-def _delete_studies(url: str, dep: str, backends: list[str], must_exist: bool) -> int:
-    if url.startswith("sqlite:///") and not Path(url[len("sqlite:///"):]).is_file() and not must_exist:
-        return 0   # no study storage yet: only the table held the backend
+def _study_storages(out_dir: Path, storage: str | None) -> list[str]:
+    """The study storages a sweep into `out_dir` used: `storage` (which must exist when it is a
+    file: a mistyped path would delete nothing and the next sweep would resume), else those of the
+    defaults present, the single process's studies.db and the workers' studies.journal."""
+    if storage:
+        for prefix in ("sqlite:///", "journal:"):
+            if storage.startswith(prefix) and not Path(storage[len(prefix):]).is_file():
+                raise FileNotFoundError(f"--storage {storage}: no such file; name the storage the sweep used "
+                                        f"(default {out_dir / 'studies.db'}, or {out_dir / 'studies.journal'} "
+                                        "with --workers)")
+        return [storage]
+    return [url for url, f in ((f"sqlite:///{out_dir / 'studies.db'}", out_dir / "studies.db"),
+                               (f"journal:{out_dir / 'studies.journal'}", out_dir / "studies.journal")) if f.is_file()]
+
+
+def _delete_studies(url: str, dep: str, backends: list[str]) -> int:
     import optuna
     from .storage import open_storage
     st, _ = open_storage(url)

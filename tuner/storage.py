@@ -33,7 +33,14 @@ def open_storage(url: str):
     if url.startswith("journal:"):
         return JournalStorage(journal_backend(url[len("journal:"):])), url
     kw = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
-    return optuna.storages.RDBStorage(url, engine_kwargs=kw), url
+    try:
+        return optuna.storages.RDBStorage(url, engine_kwargs=kw), url
+    except Exception as exc:  # SQLAlchemy's URL parse, dialect and connection errors
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ConfigError(f"--storage {redact_url(url)}: cannot open it as a study storage ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}); expected sqlite:///PATH, "
+                          "postgresql://USER@HOST/DB or journal:PATH") from None
 
 
 def journal_backend(path) -> JournalFileBackend:
@@ -114,9 +121,11 @@ def open_shared_storage(url: str, heartbeat_s: int, grace_s: int, max_retry: int
         for attempt in range(5):   # workers starting together may race to create the schema
             try:
                 return optuna.storages.RDBStorage(url, **kw), url
-            except Exception:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001
                 if attempt == 4:
-                    raise
+                    raise ConfigError(f"--storage {redact_url(url)}: cannot open it as a study storage "
+                                      f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                                      "expected postgresql://USER@HOST/DB or journal:PATH") from None
                 time.sleep(1 + attempt)
 
 
