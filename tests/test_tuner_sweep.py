@@ -220,9 +220,11 @@ def test_interrupted_sweep_resumes_without_repeating(tmp_path):
     assert third.measured_now == 0, "a finished sweep re-ran trials"
 
 
-def test_ctrl_c_loses_no_finished_trial(tmp_path):
-    """A real SIGINT to `kvtune sweep` mid-run: it exits 130, every finished trial is in the
-    table, and the re-run finishes the budget without measuring any of them again."""
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_loses_no_finished_trial(tmp_path, sig):
+    """A real SIGINT (or SIGTERM: a scheduler's stop, `timeout`) to `kvtune sweep` mid-run: it
+    exits 130 saying 'interrupted', every finished trial is in the table, and the re-run
+    finishes the budget without measuring any of them again."""
     import os
     import signal
     import subprocess
@@ -243,10 +245,11 @@ def test_ctrl_c_loses_no_finished_trial(tmp_path):
             break
         time.sleep(0.2)
     assert proc.poll() is None, "the sweep ended before it could be interrupted:\n" + proc.communicate()[0]
-    os.kill(proc.pid, signal.SIGINT)
+    os.kill(proc.pid, getattr(signal, sig))
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 130, out
     assert "interrupted" in out
+    assert json.loads((path.parent / "runs.jsonl").read_text().splitlines()[-1])["status"] == "interrupted"
     before = read_trials(path)
     assert len(before) >= 2
     rc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

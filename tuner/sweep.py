@@ -21,7 +21,9 @@ then run once, here. See `tuner/workers.py` (and `kvtune worker` to join from ot
 """
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import time
 import warnings
 from dataclasses import asdict
@@ -39,6 +41,18 @@ from .study import StudyLoop, compile_key
 from .table import TrialsTable, append_jsonl, scan_table
 
 log = get_logger(__name__)
+
+
+def _term_as_interrupt():
+    """SIGTERM (a scheduler's stop, `timeout`, `kill`) handled as Ctrl-C: the sweep records
+    'interrupted' and closes its studies instead of dying mid-trial. Returns the previous
+    handler to restore (None outside the main thread, where signals cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+    return signal.signal(signal.SIGTERM, handler)
 
 
 class SweepStopped(Exception):
@@ -314,12 +328,15 @@ class Sweep(StudyLoop):
     def run(self) -> list:
         t0 = self.t0 = time.time()
         status = "complete"
+        term = _term_as_interrupt()
         try:
             status = self._work()
         except (KeyboardInterrupt, SweepStopped) as e:
             status = "interrupted" if isinstance(e, KeyboardInterrupt) else f"stopped ({e})"
             log.warning("sweep %s: every finished trial is saved; re-run the same command to resume", status)
         finally:
+            if term is not None:
+                signal.signal(signal.SIGTERM, term)
             self._close(status)
         self.status = status
         self.wall_s = time.time() - t0
