@@ -376,6 +376,8 @@ def dump_tuned(tuned: TunedDefaults, path: str | os.PathLike) -> Path:
     """Validate and write `tuned` to `path` (atomically: write then rename)."""
     parse_tuned(tuned.to_dict(), str(path), check_params=True)
     path = Path(path)
+    if path.is_dir():
+        raise SchemaError(f"{path}: is a folder; name the YAML file to write")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     body = yaml.safe_dump(tuned.to_dict(), sort_keys=False, default_flow_style=None, width=110)

@@ -50,6 +50,9 @@ def test_backend_typo_in_the_deployment_is_an_error_naming_the_file(tmp_path, ca
     (["--trials", "-3"], "--trials: expected a positive integer, got -3"),
     (["--max-minutes", "-1"], "--max-minutes: expected a finite number of minutes >= 0, got -1"),
     (["--max-minutes", "nan"], "--max-minutes: expected a finite number of minutes >= 0, got nan"),
+    (["--trial-timeout", "nan"], "--trial-timeout: expected a finite number of seconds > 0, got nan"),
+    (["--trial-timeout", "-5"], "--trial-timeout: expected a finite number of seconds > 0, got -5"),
+    (["--compile-workers", "-3"], "--compile-workers: expected an integer >= 0, got -3"),
 ])
 @pytest.mark.parametrize("cmd", ["sweep", "worker"])
 def test_bad_numbers_are_errors(tmp_path, capsys, argv, msg, cmd):
@@ -59,6 +62,39 @@ def test_bad_numbers_are_errors(tmp_path, capsys, argv, msg, cmd):
     assert e.value.code == 2
     assert msg in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["sweep", "DEP", "--rounds", "-1"], "--rounds: expected an integer >= 0, got -1"),
+    (["sweep", "DEP", "--remeasure-top", "-1"], "--remeasure-top: expected an integer >= 0, got -1"),
+    (["compile-check", "--arch", "sm_120", "--T", "0"], "--T: expected draft tokens in 1..64, got 0"),
+    (["compile-check", "--arch", "sm_120", "--T", "100"], "--T: expected draft tokens in 1..64, got 100"),
+    (["compile-check", "--arch", "sm_120", "--heads", "0"], "--heads: expected a positive integer, got 0"),
+    (["compile-check", "--arch", "sm_120", "--jobs", "0"], "--jobs: expected a positive integer, got 0"),
+    (["calibrate", "--device", "cpu", "--reps", "0"], "--reps: expected a positive integer, got 0"),
+])
+def test_other_commands_check_their_numbers(tmp_path, capsys, argv, msg):
+    """A value that would divide by zero, do nothing or fail later is refused by argparse."""
+    argv = [str(_dep(tmp_path)) if a == "DEP" else a for a in argv]
+    dest = {"sweep": ["--out", str(tmp_path / "out")], "calibrate": ["--path", str(tmp_path / "out")]}
+    with pytest.raises(SystemExit) as e:
+        main(argv + dest.get(argv[0], []))
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_paths_that_are_the_wrong_kind_are_named(tmp_path, capsys):
+    """--out a file, export --path a folder: errors naming the flag (were NotADirectoryError /
+    IsADirectoryError tracebacks, the latter leaving a stray <path>.tmp file behind)."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert main(["sweep", str(_dep(tmp_path)), "--device", "cpu", "--out", str(afile), "--no-progress"]) != 0
+    assert f"--out {afile}: {afile} is a file, not a folder" in capsys.readouterr().err
+    committed = REPO / "results" / "cpu-tiny"
+    assert main(["export", "cpu-tiny", "--out", str(committed.parent), "--path", str(tmp_path), "--no-check"]) != 0
+    assert f"--path {tmp_path}: is a folder" in capsys.readouterr().err
+    assert not (tmp_path.parent / (tmp_path.name + ".tmp")).exists()
 
 
 @pytest.mark.parametrize("opts, msg", [

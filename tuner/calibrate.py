@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from .config import CONFIG_DIR, DeviceProfile
+from .options import positive_int
 
 
 def _time(fn, reps: int, cuda: bool) -> list[float]:
@@ -83,6 +84,9 @@ def calibrate(device: str = "cuda", name: str | None = None, reps: int = 10) -> 
 def _cmd_calibrate(args) -> int:
     import torch
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA GPU is visible to torch here (calibrate this machine with "
+                         "--device cpu, or run on the GPU's machine)")
     prof = calibrate(device, args.name, args.reps)
     dest = Path(args.path) if args.path else CONFIG_DIR / "devices" / f"{prof.name}-calibrated.yaml"
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -98,5 +102,5 @@ def register(subparsers) -> None:
     p.add_argument("--device", choices=("cuda", "cpu"))
     p.add_argument("--name", help="profile name (default: from the device name)")
     p.add_argument("--path", help="output file (default configs/devices/<name>-calibrated.yaml)")
-    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--reps", type=positive_int("--reps"), default=10)
     p.set_defaults(func=_cmd_calibrate)

@@ -10,6 +10,10 @@ import argparse
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
+from kvtune.kernels.shapes import MAX_DRAFT_TOKENS
+
+from .options import int_in, positive_int
+
 # used without --space: every VEC, tile sizes, warp counts, head groups and pipeline depths
 BUILTIN_SPREAD = [
     dict(VEC=8, BLOCK_N=32, NUM_WARPS=16, HEADS_PER_BLOCK=8, STAGES=2),
@@ -119,7 +123,9 @@ def register(subparsers) -> None:
     p.add_argument("--arch", required=True, help="target, e.g. sm_80, sm_86, sm_89, sm_90, sm_120")
     p.add_argument("--space", default=None, help="a CUDA search-space YAML file, e.g. search_spaces/sm_120/cuda.yaml "
                    "(default: a built-in spread of configs)")
-    p.add_argument("--T", type=int, default=9, help="draft tokens per request (a template value)")
-    p.add_argument("--heads", type=int, default=8, help="query heads per rank (bounds HEADS_PER_BLOCK)")
-    p.add_argument("--jobs", type=int, default=1, help="parallel compiler processes")
+    p.add_argument("--T", type=int_in("--T", 1, MAX_DRAFT_TOKENS, "draft tokens"), default=9,
+                   help="draft tokens per request (a template value)")
+    p.add_argument("--heads", type=positive_int("--heads"), default=8,
+                   help="query heads per rank (bounds HEADS_PER_BLOCK)")
+    p.add_argument("--jobs", type=positive_int("--jobs"), default=1, help="parallel compiler processes")
     p.set_defaults(func=_run)

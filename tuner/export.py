@@ -322,6 +322,8 @@ def export_deployment(dep: Deployment | str, out: str = "runs", trials_csv: str 
     tuned = TunedDefaults(deployment=dep.name, model=_model(dep), provenance=_provenance(df, entries),
                           entries=tuple(entries))
     dest = Path(path) if path else out_dir / f"{dep.name}.yaml"
+    if dest.is_dir():
+        raise ValueError(f"--path {dest}: is a folder; name the YAML file to write")
     try:
         dump_tuned(tuned, dest)   # validates every picked config as the serving loader will
     except SchemaError as exc:

@@ -84,6 +84,18 @@ def positive_int(flag):
     return _checked(flag, int, lambda v: v >= 1, "a positive integer")
 
 
+def int_in(flag, lo: int, hi: int, what: str):
+    return _checked(flag, int, lambda v: lo <= v <= hi, f"{what} in {lo}..{hi}")
+
+
+def non_negative_int(flag):
+    return _checked(flag, int, lambda v: v >= 0, "an integer >= 0")
+
+
+def positive_seconds(flag):
+    return _checked(flag, float, lambda v: 0 < v < float("inf"), "a finite number of seconds > 0")
+
+
 def non_negative_minutes(flag):
     return _checked(flag, float, lambda v: 0 <= v < float("inf"), "a finite number of minutes >= 0")
 
@@ -107,9 +119,9 @@ def add_sweep_arguments(p, worker: bool = False) -> None:
                    "output root (default ./runs; the committed evidence under results/ is written only when named)")
     p.add_argument("--space-dir", help=None if worker else
                    "search-space folder (default: the repository's search_spaces/)")
-    p.add_argument("--trial-timeout", type=float, default=600.0,
+    p.add_argument("--trial-timeout", type=positive_seconds("--trial-timeout"), default=600.0,
                    help=None if worker else "seconds before a trial's worker is killed")
-    p.add_argument("--compile-workers", type=int, help=None if worker else
+    p.add_argument("--compile-workers", type=non_negative_int("--compile-workers"), help=None if worker else
                    "processes compiling configs ahead of the measurement (default 0 on CPU, ~cores/2 on GPU)")
     p.add_argument("--grid", action="store_true", help=None if worker else
                    "measure every feasible config (exhaustive grid; to check TPE against, use another --out)")

@@ -81,6 +81,9 @@ class Sweep(StudyLoop):
         self.runner = Runner(dep, opts.device, opts.timing, opts.isolate, opts.trial_timeout_s,
                              opts.compile_workers, opts.measure_overrides)
         self.out_dir = Path(opts.out) / dep.name
+        for p in (Path(opts.out), self.out_dir):
+            if p.exists() and not p.is_dir():
+                raise ConfigError(f"--out {opts.out}: {p} is a file, not a folder")
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.storage_url = opts.storage or self._default_storage()
         self.tps = subset(opts.tps, dep.tp, "--tp", dep.source)

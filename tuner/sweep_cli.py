@@ -16,7 +16,7 @@ from . import sweep, workers
 from .config import ConfigError, Deployment, load_deployment, redact_url
 from .executor import WorkerError
 from .log import get_logger
-from .options import SweepOptions, add_sweep_arguments, options_from_args
+from .options import SweepOptions, add_sweep_arguments, non_negative_int, options_from_args
 
 log = get_logger(__name__)
 
@@ -127,11 +127,13 @@ def register(subparsers) -> None:
     add_sweep_arguments(p)
     p.add_argument("--storage", help="Optuna storage: an SQLAlchemy URL (default sqlite:///<out>/<deployment>/"
                    "studies.db) or journal:PATH; keep passwords out of it (PGPASSWORD or ~/.pgpass)")
-    p.add_argument("--remeasure-top", type=int, default=3, help="configs per bucket re-measured against the baseline")
+    p.add_argument("--remeasure-top", type=non_negative_int("--remeasure-top"), default=3,
+                   help="configs per bucket re-measured against the baseline (0: none)")
     p.add_argument("--retune-stale", action="store_true",
                    help="a backend whose trials in --out were measured on another kernel source: move them to "
                         "trials.forgotten.csv, delete its studies and tune it from scratch (default: stop and say so)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved re-measurement rounds")
+    p.add_argument("--rounds", type=non_negative_int("--rounds"), default=3,
+                   help="interleaved re-measurement rounds (0: none; the search's medians pick the winners)")
     p.add_argument("--in-process", action="store_true", help="measure in this process (no fault isolation)")
     p.add_argument("--export", action="store_true",
                    help="export the YAML when the sweep completes (running the serving check, as `kvtune export`)")

@@ -107,6 +107,8 @@ def load_results(target: str | os.PathLike, storage: str | None = None) -> Resul
     folder = resolve_results_dir(target)
     trials_path = folder / "trials.csv"
     df = read_trials(trials_path)
+    if df.empty:
+        raise ValueError(f"{trials_path}: no trial rows yet (only the header): nothing to review")
     known = set(LEAD) | set(RESULT) | set(PROVENANCE)
     params = [c for c in df.columns if c not in known]
     for c in ("tp", "heads", "bs", "ctx", "T", "trial", *params):
