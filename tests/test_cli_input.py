@@ -84,6 +84,16 @@ def test_other_commands_check_their_numbers(tmp_path, capsys, argv, msg):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_worker_pointed_at_no_journal_does_not_start_a_sweep(tmp_path, capsys):
+    """`kvtune worker --storage journal:<a mistyped path>` used to start a sweep of its own and
+    report it complete; the journal of the sweep it joins exists (its parent opened it)."""
+    rc = main(["worker", str(_dep(tmp_path)), "--device", "cpu", "--out", str(tmp_path / "out"),
+               "--storage", f"journal:{tmp_path / 'typo.journal'}"])
+    assert rc != 0
+    assert "typo.journal: no such journal file; a worker joins" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "typo.journal").exists()
+
+
 def test_paths_that_are_the_wrong_kind_are_named(tmp_path, capsys):
     """--out a file, export --path a folder: errors naming the flag (were NotADirectoryError /
     IsADirectoryError tracebacks, the latter leaving a stray <path>.tmp file behind)."""

@@ -49,6 +49,12 @@ def _cmd_sweep(args) -> int:
 
 def _cmd_worker(args) -> int:
     opts = replace(options_from_args(args), progress=False)
+    journal = args.storage[len("journal:"):] if args.storage.startswith("journal:") else None
+    if journal is not None and not args.workers and not Path(journal).is_file():
+        # `kvtune sweep --workers N` opens the journal before it starts its workers: a worker that
+        # finds none was pointed at the wrong path, and would otherwise start a sweep of its own
+        raise ConfigError(f"--storage {args.storage}: no such journal file; a worker joins the sweep whose "
+                          "journal that is (`kvtune sweep --workers N` starts one), it does not start one")
     if args.workers:
         sw = launch(args, opts, args.workers, post=False)
     else:
