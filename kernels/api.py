@@ -100,8 +100,9 @@ def describe_problem(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale,
     return VerifyProblem(B=B, T=T, H=H, Dk=Dk, Dv=kv_lora_rank, device=device)
 
 
-def check_values(problem: VerifyProblem, kv_cache, kv_indptr, kv_indices, tree_mask=None) -> None:
-    """Checks that read tensor values (one host sync). Not callable under graph capture."""
+def check_values(problem: VerifyProblem, kv_cache, kv_indptr, kv_indices, tree_mask=None) -> int:
+    """Checks that read tensor values (one host sync). Not callable under graph capture.
+    Returns the highest slot the requests use + 1 (0: none), the pool size they need."""
     if tree_mask is not None and problem.T < 64:
         # a bit at or past T names a draft key that does not exist; the kernels would ignore
         # it (or, in another backend, read past the request), so it is a caller's bug
@@ -130,6 +131,8 @@ def check_values(problem: VerifyProblem, kv_cache, kv_indptr, kv_indices, tree_m
         lo, hi = int(used.min()), int(used.max())
         if lo < 0 or hi >= kv_cache.shape[0]:
             raise ValueError(f"kv_indices: slot {lo if lo < 0 else hi} out of range [0, {kv_cache.shape[0]})")
+        return hi + 1
+    return 0
 
 
 def workspace_bytes(problem: VerifyProblem, backend: str | Backend = "triton", params: Any = None) -> int:

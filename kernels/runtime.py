@@ -330,8 +330,8 @@ class VerifyAttention:
         do_check = self.check_values if check_values is None else check_values
         if do_check is not False and not _is_capturing(dev):
             # the one host sync of a step, outside graphs (the api's checks: one definition)
-            api_check_values(problem, _Pool(num_slots), kv_indptr, kv_indices, tree_mask)
-            slots_used = _slots_used(kv_indptr, kv_indices) if num_slots is None else None
+            top = api_check_values(problem, _Pool(num_slots), kv_indptr, kv_indices, tree_mask)
+            slots_used = top if num_slots is None else None
         else:
             slots_used = None
         p, params, table = self._launch[B]
@@ -447,13 +447,6 @@ class StepPlan:
     problem: VerifyProblem
     #: without num_slots, the highest slot the checked kv_indices use + 1 (None: not read)
     slots_used: int | None = None
-
-
-def _slots_used(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> int:
-    """The highest slot the requests' kv_indices use, + 1 (0: none); one host sync."""
-    lo, hi = (int(v) for v in kv_indptr[[0, -1]].tolist())
-    used = kv_indices[lo:hi]
-    return int(used.max()) + 1 if used.numel() else 0
 
 
 class _Pool:
