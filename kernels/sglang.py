@@ -269,9 +269,8 @@ class SGLangVerifyAdapter:
             raise ValueError(f"num_slots: expected an int >= 1 or None, got {num_slots!r}")
         do_check = v.check_values if check_values is None else check_values
         if do_check is not False and not _is_capturing(dev):
-            slots_used = self._check_values(B, T, qo_indptr, kv_indptr, kv_indices, slots, num_slots)
-            if mode == MASK_CUSTOM:
-                _check_mask_blocks(T, kv_indptr, custom_mask, mask_indptr)
+            slots_used = self._check_values(B, T, qo_indptr, kv_indptr, kv_indices, slots, num_slots, custom_mask,
+                                            mask_indptr)
         else:
             slots_used = None
 
@@ -431,9 +430,11 @@ class SGLangVerifyAdapter:
                                  f"{list(v_buffer.shape)} at another address or stride")
         return kv
 
-    def _check_values(self, B, T, qo_indptr, kv_indptr, kv_indices, slots, num_slots) -> int | None:
-        """Host-syncing checks of the SGLang metadata (once per step, outside graph capture). Returns,
-        without num_slots, the highest slot used + 1 (for `run`'s k_buffer check), else None."""
+    def _check_values(self, B, T, qo_indptr, kv_indptr, kv_indices, slots, num_slots, custom_mask=None,
+                      mask_indptr=None) -> int | None:
+        """Host-syncing checks of the SGLang metadata (once per step, outside graph capture), the
+        mask's layout included when there is a custom_mask. Returns, without num_slots, the highest
+        slot used + 1 (for `run`'s k_buffer check), else None."""
         want = torch.arange(B + 1, device=qo_indptr.device, dtype=torch.int64) * T
         if not torch.equal(qo_indptr.to(torch.int64), want):
             raise ValueError(f"qo_indptr: expected arange(B+1)*T (every request verifies T={T} drafts), "
@@ -445,6 +446,8 @@ class SGLangVerifyAdapter:
         if int(ip[-1]) + B * T > self.capacity:
             raise ValueError(f"kv_indptr: {int(ip[-1])} prefix keys + {B * T} drafts exceed the adapter's "
                              f"capacity {self.capacity} (max_batch * (max_context + T)); build it larger")
+        if custom_mask is not None:
+            _check_mask_blocks(T, ip, custom_mask, mask_indptr)
         top = 0
         for name, used in (("kv_indices", kv_indices[int(ip[0]):int(ip[-1])]),
                            ("out_cache_loc" if slots is not self.scratch_slots else "scratch_slots", slots[:B * T])):
@@ -475,12 +478,11 @@ def _custom_mask_args(custom_mask, mask_indptr, B: int, T: int, dev) -> tuple[to
     return (custom_mask.view(torch.uint8) if custom_mask.dtype == torch.bool else custom_mask), mask_indptr
 
 
-def _check_mask_blocks(T: int, kv_indptr: torch.Tensor, custom_mask: torch.Tensor,
-                       mask_indptr: torch.Tensor) -> None:
+def _check_mask_blocks(T: int, ip: torch.Tensor, custom_mask: torch.Tensor, mask_indptr: torch.Tensor) -> None:
     """Host-syncing check of SGLang's mask layout: request b's `T x (P_b+T)` block starts at
     mask_indptr[b], the blocks back to back (mask_indptr[b+1] - mask_indptr[b] = T (P_b + T)) and
-    inside custom_mask. The pack kernel reads the mask at those offsets without bounds."""
-    ip = kv_indptr.to("cpu", torch.int64)
+    inside custom_mask. The pack kernel reads the mask at those offsets without bounds. ip:
+    kv_indptr on the host, int64."""
     mi = mask_indptr.to("cpu", torch.int64)
     want = T * ((ip[1:] - ip[:-1]) + T)
     got = mi[1:] - mi[:-1]
