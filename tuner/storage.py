@@ -36,11 +36,15 @@ def open_storage(url: str):
     try:
         return optuna.storages.RDBStorage(url, engine_kwargs=kw), url
     except Exception as exc:  # SQLAlchemy's URL parse, dialect and connection errors
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise ConfigError(f"--storage {redact_url(url)}: cannot open it as a study storage ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''}); expected sqlite:///PATH, "
-                          "postgresql://USER@HOST/DB or journal:PATH") from None
+        raise _unopenable(url, exc, "sqlite:///PATH, postgresql://USER@HOST/DB or journal:PATH") from None
+
+
+def _unopenable(url: str, exc: Exception, forms: str) -> ConfigError:
+    """The error for a --storage that cannot be opened: the URL (password hidden), what failed
+    (its first line), and the accepted forms."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return ConfigError(f"--storage {redact_url(url)}: cannot open it as a study storage ({type(exc).__name__}: "
+                       f"{first}); expected {forms}")
 
 
 def journal_backend(path) -> JournalFileBackend:
@@ -123,9 +127,7 @@ def open_shared_storage(url: str, heartbeat_s: int, grace_s: int, max_retry: int
                 return optuna.storages.RDBStorage(url, **kw), url
             except Exception as exc:  # noqa: BLE001
                 if attempt == 4:
-                    raise ConfigError(f"--storage {redact_url(url)}: cannot open it as a study storage "
-                                      f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                                      "expected postgresql://USER@HOST/DB or journal:PATH") from None
+                    raise _unopenable(url, exc, "postgresql://USER@HOST/DB or journal:PATH") from None
                 time.sleep(1 + attempt)
 
 
