@@ -160,7 +160,7 @@ class Sweep(StudyLoop):
                 f"says now ({'; '.join(changed)}); resuming would skip their finished studies and export them as "
                 f"this model's. Sweep into another --out, or set them aside with `kvtune forget {dep} "
                 f"--backend <each backend> --out {self.o.out}`" + (" or --retune-stale" if not self.shared else ""))
-        stale = stale_sources(self.out_dir / "trials.csv", {be: bi.get("kernel_hash") for be, bi in binfo.items()})
+        stale = stale_sources(table, {be: bi.get("kernel_hash") for be, bi in binfo.items()})
         for be, (n, old, cur) in stale.items():
             if self.o.retune_stale and not self.shared:
                 got = forget_backend(str(dep), [be], out=self.o.out, storage=self.storage_url)
@@ -169,7 +169,7 @@ class Sweep(StudyLoop):
                             old, cur, got["studies"])
                 continue
             raise ConfigError(
-                f"{self.out_dir / 'trials.csv'}: {n} trial row(s) of {be} were measured on kernel source {old}, "
+                f"{table}: {n} trial row(s) of {be} were measured on kernel source {old}, "
                 f"this {be} source is {cur}; resuming would skip its finished studies. Re-tune it from scratch "
                 f"with `kvtune forget {dep} --backend {be} --out {self.o.out}` (its rows move to "
                 f"trials.forgotten.csv) before the sweep"
