@@ -187,6 +187,7 @@ _REGISTRY: dict[str, str] = {
     "triton": "kvtune.kernels.triton_kernel:TritonBackend",
     "cuda": "kvtune.kernels.cuda.backend:CudaBackend",
     "wgmma": "kvtune.kernels.cuda.wgmma:WgmmaBackend",
+    "wgmma_km": "kvtune.kernels.cuda.wgmma_km:WgmmaKmBackend",
 }
 _INSTANCES: dict[str, Backend] = {}
 

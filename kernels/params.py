@@ -206,6 +206,7 @@ _PARAM_TYPES: dict[str, str] = {
     "triton": "kvtune.kernels.triton_params:TritonParams",
     "cuda": "kvtune.kernels.cuda.params:CudaParams",
     "wgmma": "kvtune.kernels.cuda.params:WgmmaParams",
+    "wgmma_km": "kvtune.kernels.cuda.params:WgmmaKmParams",
 }
 
 

@@ -61,7 +61,7 @@ import yaml
 from .shapes import MAX_DRAFT_TOKENS
 
 SCHEMA_VERSION = 1
-BACKEND_NAMES = ("reference", "triton", "cuda", "wgmma")
+BACKEND_NAMES = ("reference", "triton", "cuda", "wgmma", "wgmma_km")
 PROVENANCE_KEYS = ("device_name", "arch", "sm_count", "driver", "cuda", "nvrtc", "torch", "triton",
                    "kernel_hash", "date", "timing", "kvtune")
 MODEL_KEYS = ("name", "num_heads", "kv_lora_rank", "qk_rope_head_dim", "draft_tokens", "sm_scale")

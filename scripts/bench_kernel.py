@@ -2,9 +2,10 @@
 """Kernel benchmark (not a test): CUDA vs Triton vs the floor vs a gather-read speed of light.
 
 Per shape (H heads, B requests of `prefix` keys + T=9 drafts each): the CUDA backend's default,
-the Triton backend's default, the wgmma backend's default where the GPU has wgmma (and other
-NSPLIT values of it: --wgmma-nsplit; other configs: --wgmma "ROWS=64", whose NSPLIT, unless
-given, is one wave of its row blocks), optional other CUDA configs (--extra), each through the tuner's
+the Triton backend's default, the wgmma and wgmma_km backends' defaults where the GPU has wgmma
+(and other NSPLIT values of wgmma: --wgmma-nsplit; other configs: --wgmma "ROWS=64", whose NSPLIT,
+unless given, is one wave of its row blocks; --km "DV_SPLIT=128,NSPLIT=66"), optional other CUDA
+configs (--extra), each through the tuner's
 measurement helper (`kvtune.tuner.measure.Measurer`: static pruning, a correctness gate against
 the fp32 oracle on fresh inputs with poisoned outputs, then cold-L2 CUDA-graph replays timed
 with CUDA events, median of 15), and:
@@ -123,14 +124,15 @@ def sol_us(n_keys: int, l2_bytes: int, sms: int) -> tuple[float, str]:
 
 def _print_table(rows: list, shapes) -> None:
     print(f"\n{'H':>3} {'B':>3} {'prefix':>7} {'floor':>7} {'SOL':>7} {'SOL%fl':>6} {'cuda':>8} {'%floor':>6} "
-          f"{'%SOL':>5} {'triton':>8} {'cu/tr':>6} {'wgmma':>8} {'%floor':>6} {'%SOL':>5} {'best':>9} {'%floor':>6} "
-          "best config")
+          f"{'%SOL':>5} {'triton':>8} {'cu/tr':>6} {'wgmma':>8} {'%floor':>6} {'%SOL':>5} {'km':>8} {'%floor':>6} "
+          f"{'%SOL':>5} {'best':>9} {'%floor':>6} best config")
     for H, B, prefix in shapes:
         sel = [r for r in rows if (r["H"], r["batch"], r["prefix"]) == (H, B, prefix)]
         cu = next(r for r in sel if r["backend"] == "cuda" and r["config"] == "default")
         tr = next((r for r in sel if r["backend"] == "triton"), None)
         wg = next((r for r in sel if r["backend"] == "wgmma" and r["config"] == "default"), None)
-        ok = [r for r in sel if r["backend"] in ("cuda", "wgmma") and r["outcome"] == "ok"]
+        km = next((r for r in sel if r["backend"] == "wgmma_km" and r["config"] == "default"), None)
+        ok = [r for r in sel if r["backend"] in ("cuda", "wgmma", "wgmma_km") and r["outcome"] == "ok"]
         best = min(ok, key=lambda r: r["median_us"]) if ok else None
 
         def us(r):
@@ -139,7 +141,8 @@ def _print_table(rows: list, shapes) -> None:
         sp = (f"{tr['median_us'] / cu['median_us']:.2f}x" if tr and cu["outcome"] == tr["outcome"] == "ok" else "-")
         print(f"{H:>3} {B:>3} {prefix:>7} {fl:>7.2f} {cu['sol_us']:>7.2f} {cu['pct_floor_sol']:>6.1f} {us(cu):>8} "
               f"{cu['pct_floor'] or 0:>6.1f} {cu['pct_sol'] or 0:>5.1f} {us(tr):>8} {sp:>6} {us(wg):>8} "
-              f"{(wg or {}).get('pct_floor') or 0:>6.1f} {(wg or {}).get('pct_sol') or 0:>5.1f} {us(best):>9} "
+              f"{(wg or {}).get('pct_floor') or 0:>6.1f} {(wg or {}).get('pct_sol') or 0:>5.1f} {us(km):>8} "
+              f"{(km or {}).get('pct_floor') or 0:>6.1f} {(km or {}).get('pct_sol') or 0:>5.1f} {us(best):>9} "
               f"{(best or {}).get('pct_floor') or 0:>6.1f} {best['backend'] + ' ' + best['config'] if best else '-'}")
 
 
@@ -179,9 +182,14 @@ def _runs(args, spec, H: int, sms: int) -> list[tuple[str, str, dict | None]]:
             if "NSPLIT" not in over:
                 p["NSPLIT"] = one_wave(H, args.T, p["ROWS"], sms)
             runs.append(("wgmma", ex, p))
+        km = get_backend("wgmma_km")
+        kdef = km.default_params(spec.problem("cuda")).__dict__
+        runs.append(("wgmma_km", "default", kdef))
+        for ex in args.km:
+            runs.append(("wgmma_km", ex, {**kdef, **parse_kv(ex)}))
     if args.tuned is not None:
         run = tuned_run(args.tuned, H, spec.batch, spec.context)
-        if run is not None and (run[0] != "wgmma" or wgmma.supports(torch.device("cuda")) is None):
+        if run is not None and (run[0] not in ("wgmma", "wgmma_km") or wgmma.supports(torch.device("cuda")) is None):
             runs.append(run)
     if H == 8:
         for ex in args.extra:
@@ -200,6 +208,8 @@ def main(argv=None) -> int:
                     help="other NSPLIT values of the wgmma backend (comma-separated) beside its default, where it runs")
     ap.add_argument("--wgmma", action="append", default=[],
                     help="other wgmma configs (k=v,k=v); NSPLIT, unless given, is one wave of ROWS-row blocks")
+    ap.add_argument("--km", action="append", default=[],
+                    help="other wgmma_km configs (k=v,k=v) beside its default, where it runs")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="also time the CUDA default with KVTUNE_CUDA_PDL=1 (PDL launch of the merge)")
     ap.add_argument("--tuned", default=None, metavar="YAML_OR_DEPLOYMENT",
@@ -258,7 +268,8 @@ def main(argv=None) -> int:
             "triton": triton.__version__, "timing": "graph, cold L2, median of 15", "argv": sys.argv}
     from kvtune.kernels.cuda.nvrtc import kernel_source_hash, nvrtc_version
     meta.update(nvrtc=nvrtc_version(), cuda_source_hash=kernel_source_hash(),
-                wgmma_source_hash=get_backend("wgmma").kernel_hash())
+                wgmma_source_hash=get_backend("wgmma").kernel_hash(),
+                wgmma_km_source_hash=get_backend("wgmma_km").kernel_hash())
     write_csv(out_dir / "bench.csv", rows)  # every row has the same keys
     (out_dir / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 

@@ -4,7 +4,8 @@ Odd shapes on purpose: prefixes of 1, 7, 54, 97, 300 and 4k keys, ragged batches
 {1, 2, 9, 16}, H in {1, 8, 16, 64}, chain and random trees, more splits than tiles,
 non-contiguous q, padded KV rows, int64 indices, lse, per-request split tables, and a CUDA
 graph captured once and replayed on new prefix lengths and tree masks. The cases that do not
-depend on the CUDA backend's block shape run on the wgmma backend too (`BACKENDS`, sm_90 only).
+depend on the CUDA backend's block shape run on the wgmma and wgmma_km backends too (`BACKENDS`,
+sm_90 only).
 """
 import pytest
 import torch
@@ -17,10 +18,11 @@ pytestmark = pytest.mark.gpu
 
 TOL = 1e-2
 #: the kernels on verify.cu's arguments, schedule and merge: the cases below that do not depend
-#: on the cuda backend's block shape run on both (the wgmma backend's own: test_wgmma_gpu.py)
-BACKENDS = ["cuda", pytest.param("wgmma", marks=pytest.mark.skipif(
-    not torch.cuda.is_available() or get_backend("wgmma").supports(torch.device("cuda")) is not None,
-    reason="needs a GPU with wgmma (sm_90)"))]
+#: on the cuda backend's block shape run on all three (the wgmma backends' own: test_wgmma_gpu.py,
+#: test_wgmma_km_gpu.py)
+BACKENDS = ["cuda"] + [pytest.param(name, marks=pytest.mark.skipif(
+    not torch.cuda.is_available() or get_backend(name).supports(torch.device("cuda")) is not None,
+    reason="needs a GPU with wgmma (sm_90)")) for name in ("wgmma", "wgmma_km")]
 
 
 def _cuda_params(x, **over):
@@ -125,7 +127,7 @@ def test_split_table():
 
 
 def _items_per_request(x, p, table=None, backend="cuda"):
-    """Run `backend` (cuda, or wgmma: the same workspace layout) against the oracle and read back
+    """Run `backend` (cuda, wgmma or wgmma_km: the same workspace layout) against the oracle and read back
     how many work items (splits) each request got: the per-request (first item, count) table the
     split kernel leaves at the end of the workspace."""
     from kvtune.kernels.cuda.backend import work_items

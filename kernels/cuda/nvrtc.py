@@ -24,7 +24,7 @@ from pathlib import Path
 SOURCE_PATH = Path(__file__).with_name("verify.cu")
 #: sources a module may be built from, compiled as one text in this order (verify_wgmma.cu uses
 #: verify.cu's arguments, schedule and merge kernel, so it always comes after it)
-SOURCE_PARTS = ("verify.cu", "verify_wgmma.cu")
+SOURCE_PARTS = ("verify.cu", "verify_wgmma.cu", "verify_km.cu")
 NAMESPACE = "kvtune"
 
 

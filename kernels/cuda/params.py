@@ -67,6 +67,30 @@ class WgmmaParams:
     defaults and meanings: `WGMMA_PARAMS`."""
 
 
+WGMMA_KM_PARAMS = Declaration("WgmmaKmParams", [
+    Param("NSPLIT", range(1, 1025), 132,
+          "key-range splits per row block across the batch (a launch-time value), cut as the cuda backend's "
+          "NSPLIT is, in pieces of SPLIT_ALIGN keys; one CTA per SM, so NSPLIT x ceil(H x T / 72) near the SM "
+          "count is one wave", launch=True),
+    Param("DV_SPLIT", (128, 192), 192,
+          "value columns (of 512) whose O^T the S warpgroup accumulates beside S^T and the softmax (a template "
+          "value); the PV warpgroup takes the rest: 128 puts less PV on the S warpgroup's path per tile and "
+          "more on the other's (256 would leave the PV warpgroup too few registers: it spills)"),
+    Param("SPLIT_ALIGN", (32, 64), 32,
+          "keys a split's length is a multiple of (a template value): 64, whole 64-key tiles; 32, twice the "
+          "splits at short contexts, with an odd piece's last tile half empty"),
+], rules=[
+    ("draft_tokens", "T", "1 <= T <= 64", "the wgmma_km kernel supports 1..64 draft tokens (one int64 mask per row)"),
+], nsplit_per_batch=True)
+
+
+@declared(WGMMA_KM_PARAMS)
+class WgmmaKmParams:
+    """Parameters of the keys-in-M wgmma kernel (`verify_km.cu`, sm_90a): 64-key tiles in wgmma's M,
+    72 query rows per CTA in N, a producer warpgroup, one CTA per SM; fields, legal values,
+    defaults and meanings: `WGMMA_KM_PARAMS`."""
+
+
 @dataclass(frozen=True)
 class ArchLimits:
     """Per-SM and per-block resources of one compute capability (bytes, threads, registers)."""
