@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Profile the CUDA kernel with Nsight Compute (device tool, repository root; ncu on the machine).
 # Per prefix (default 4096 and 131072), H = 8 (or $H), T = 9, bs = 1, the default config of backend
-# $BACKEND (cuda, default, or wgmma) with the overrides in PARAMS (e.g. PARAMS="HEADS_PER_BLOCK=4,NSPLIT=264"),
+# $BACKEND (cuda, default, wgmma or wgmma_km) with the overrides in PARAMS (e.g. PARAMS="HEADS_PER_BLOCK=4,NSPLIT=264"),
 # driven by scripts/profile_split.py ($WGMMA_SOURCE: another verify_wgmma.cu to profile, e.g. from git history):
 #
 #   $OUT/ncu_<prefix>.txt      split and merge durations, cycles, instructions, DRAM and L2 bytes; the
@@ -18,8 +18,8 @@ for k in barrier long_scoreboard short_scoreboard wait math_pipe_throttle mio_th
          lg_throttle selected no_instruction branch_resolving; do M=$M,${S}_${k}_per_issue_active.ratio; done
 D=gpu__time_duration.sum,sm__cycles_elapsed.avg,smsp__inst_executed.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum
 run="python3 scripts/profile_split.py"
-# the split kernel's name: verify_split_kernel (cuda) or verify_wgmma_kernel (wgmma)
-K=verify_split; [ "${BACKEND:-cuda}" = wgmma ] && K=verify_wgmma
+# the split kernel's name: verify_split_kernel (cuda), verify_wgmma_kernel (wgmma), verify_km_kernel (wgmma_km)
+K=verify_split; [ "${BACKEND:-cuda}" = wgmma ] && K=verify_wgmma; [ "${BACKEND:-cuda}" = wgmma_km ] && K=verify_km
 for P in ${@:-4096 131072}; do
   f=$OUT/ncu_$P.txt
   # the driver launches split + merge three times; the third pair is measured (warm caches, compiled)

@@ -5,7 +5,7 @@ Graph replay over rotating inputs (cold L2, as the Measurer times; `sol_read.gra
 of 15, of: both kernels, the split kernel alone, the merge kernel alone (it then merges stale
 partials: timing only). The launch of the other kernel is filtered out at `cuLaunchKernel`
 (and `cuLaunchKernelEx`, the merge's launch with programmatic dependent launch).
-`--backend wgmma` times the wgmma kernel the same way (its default NSPLIT and ROWS unless --params
+`--backend wgmma` (or wgmma_km: KM_VARIANTS) times the wgmma kernel the same way (its default NSPLIT and ROWS unless --params
 says; `--merge warp|block` forces one of its two merge kernels, `--batch` times B requests of the
 prefix each, `--ragged` bench_serving.py's ragged batches); its variants (WGMMA_VARIANTS: full,
 no_tiles, no_q, no_o_store, exit_early, no_gather, no_qk_mma and no_pv_mma (the 64-row warpgroups'
@@ -255,6 +255,26 @@ WGMMA_VARIANTS = {
     "ranges": [],
 }
 
+# verify_km.cu (--backend wgmma_km): its stages left out, as above (a.H > 0 and kb != 0 at run time)
+KM_VARIANTS = {
+    "full": [],
+    "no_tiles": [("const int n_tiles = (hi - lo + BN - 1) / BN;", "const int n_tiles = 0 * ((hi - lo + BN - 1) / BN);")],
+    "exit_early": [("if (b < 0) return;  // no work", "if (b < 0 || a.H > 0) return;  // no work")],
+    "no_q": [("  if (a.q_vec16) {  // 8 lanes per row", "  if (a.H > 0) {\n  } else if (a.q_vec16) {  //")],
+    "no_o_store": [("    if (rg < HT)\n      *reinterpret_cast<uint4*>(a.part_o",
+                    "    if (rg < HT && a.H < 0)\n      *reinterpret_cast<uint4*>(a.part_o")],
+    "no_gather": [("      bytes[i] = ok ? 16 : 0;", "      bytes[i] = 0 * ok;")],
+    "no_copy": [("++p) cp_async<16>(kb + p * PANEL", "++p) if (a.H < 0) cp_async<16>(kb + p * PANEL"),
+                ("++i) cp_async<16>(rs + sx", "++i) if (a.H < 0) cp_async<16>(rs + sx")],
+    "no_s_mma": [("        mma_n72<0>(s, wg::desc_add(dk,", "        if (a.H < 0) mma_n72<0>(s, wg::desc_add(dk,"),
+                 ("        mma_n72<0>(s, wg::desc_add(dr, kk * 32)", "        if (a.H < 0) mma_n72<0>(s, wg::desc_add(dr, kk * 32)")],
+    "no_pv_mma": [("      mma_n72<1>(o[m], wg::desc_add(dv,", "      if (kb == 0u) mma_n72<1>(o[m], wg::desc_add(dv,")],
+    "no_exp": [("const float p = fast_exp2(s[4 * j + e] - ((e & 1) ? z1 : z0));",
+                "const float p = s[4 * j + e] - ((e & 1) ? z1 : z0);")],
+    "no_p_store": [("          *reinterpret_cast<u16*>(pt + (n >> 3) * 1024",
+                    "          if (a.H < 0) *reinterpret_cast<u16*>(pt + (n >> 3) * 1024")],
+}
+
 #: variants that may fault (see the docstring): only when named
 UNSAFE = {"no_stage_barriers"}
 #: variants whose outputs are right (a schedule forced, a different copy mapping): --oracle checks them
@@ -303,7 +323,8 @@ def cold_pools(heads: int, prefix, batch: int = 1) -> list:
 
 def variants_of(backend: str) -> tuple[dict, str]:
     """(the variant table, the source part it patches) of `backend`."""
-    return (WGMMA_VARIANTS, "verify_wgmma.cu") if backend == "wgmma" else (VARIANTS, "verify.cu")
+    return {"wgmma": (WGMMA_VARIANTS, "verify_wgmma.cu"), "wgmma_km": (KM_VARIANTS, "verify_km.cu")}.get(
+        backend, (VARIANTS, "verify.cu"))
 
 
 def patched_source(src: str, variant: str, backend: str = "cuda") -> str:
@@ -346,6 +367,9 @@ class Phases:
         if self.name == "wgmma":
             k = self.be._get(9, p.ROWS, torch.device("cuda"), p.COPY_LANES)
             return k.split, k.merge_for(p.NSPLIT, B, 9, self.heads)[0]
+        if self.name == "wgmma_km":
+            k = self.be._get(9, torch.device("cuda"), p.DV_SPLIT, p.SPLIT_ALIGN)
+            return k.split, k.merge_for(p.NSPLIT, B, 9, self.heads)[0]
         return self.be._get(p, 9, torch.device("cuda"))[:2]
 
     def time(self, pools, over: dict) -> dict:
@@ -378,16 +402,16 @@ def main(argv=None) -> int:
                     "(ragged16, ragged64)")
     ap.add_argument("--merge", choices=("auto", "warp", "block"), default="auto",
                     help="wgmma: the merge kernel (auto: wgmma.uses_warp_merge's choice)")
-    ap.add_argument("--backend", default="cuda", choices=["cuda", "wgmma"])
+    ap.add_argument("--backend", default="cuda", choices=["cuda", "wgmma", "wgmma_km"])
     ap.add_argument("--params", default="", help="NAME=VALUE,... over the backend's default (e.g. NUM_WARPS=4)")
     ap.add_argument("--variants", default="", help="'all', or a comma-separated list of the variants above to time")
     ap.add_argument("--oracle", action="store_true", help="first check the variants whose outputs should be right "
                     "(OUTPUTS_RIGHT) against the fp32 oracle on small batches")
     args = ap.parse_args(argv)
     from kvtune.kernels.cuda import nvrtc
-    from kvtune.kernels.cuda.params import CUDA_PARAMS, WGMMA_PARAMS
+    from kvtune.kernels.params import declaration
 
-    known = (WGMMA_PARAMS if args.backend == "wgmma" else CUDA_PARAMS).params
+    known = declaration(args.backend).params
     over = {k: int(v) for k, v in (kv.split("=") for kv in args.params.split(",") if kv)}
     if set(over) - set(known):
         raise SystemExit(f"--params: unknown {sorted(set(over) - set(known))}; known: {sorted(known)}")

@@ -22,10 +22,13 @@
 //      and the rope slot; completion lands on mbarriers (cp.async.mbarrier.arrive.noinc).
 //   1, S: S^T, the softmax, P^T, and PV for value columns [0, 64 CA).
 //   2, PV: PV for value columns [64 CA, 512).
-// Operands use the no-swizzle core-matrix layout, panel-major: element (row r, column c) of an
-// operand of R rows at (c / 64) * (R * 128) + (r / 8) * 1024 + ((c / 8) % 8) * 128 + (r % 8) * 16 +
-// (c % 8) * 2 bytes, so 64 columns of a 64-key tile are one 8 KB panel, and the gather's 16-byte
-// copies of 8 rows x 4 chunks per warp fill all 32 banks (no conflicts).
+// Q and the key tiles use the 128-byte swizzle, panel-major: element (row r, column c) of an operand
+// of R rows at (c / 64) * (R * 128) + r * 128 + (((c / 8) % 8) ^ (r % 8)) * 16 + (c % 8) * 2 bytes, so
+// 64 columns of a 64-key tile are one 8 KB panel, and the gather's 8 lanes per key row copy a whole
+// 128-byte line of it into 8 different bank groups. (Without the swizzle a row's 8 chunks sit 128
+// bytes apart: 8 lanes per row conflict 8-way, and 8 rows per 8 lanes read 8 lines per quarter
+// warp; the latter measured 2x the L2 sectors and 7x the shared-memory wavefronts of the copies,
+// Nsight Compute, H 8 batch 1 x 128k.) P^T is unswizzled: 8 query rows x 8 keys per core matrix.
 
 namespace kvtune {
 namespace km {
@@ -47,6 +50,7 @@ constexpr int WORK_OFF = FLAG_OFF + 16;      // int [4]: the item (b, lo, hi, it
 constexpr int BAR_OFF = WORK_OFF + 16;       // u64 mbarrier [3]: key buffer 0, 1 and the rope slot landed
 constexpr int SMEM_BYTES = BAR_OFF + 3 * 8;
 static_assert(BAR_OFF % 8 == 0, "mbarriers are 8-byte aligned");
+static_assert(K_OFF % 1024 == 0 && R_OFF % 1024 == 0 && QPANEL % 1024 == 0, "128-byte swizzle atoms are 1024-byte aligned");
 static_assert(SMEM_BYTES <= 227 * 1024, "over sm_90's shared memory per block");
 constexpr int OPITCH = DV * 2 + 16;          // bytes per staged o row: +16 spreads a store's rows over the banks
 static_assert(N * OPITCH <= 2 * KBUF, "the staged o fits in the two key buffers");
@@ -97,14 +101,18 @@ __device__ __forceinline__ void keep_o(float (&o)[M][36]) {
 #pragma unroll
   for (int m = 0; m < M; ++m) keep36(o[m]);
 }
-// Descriptors (no swizzle): K-major operands (K, Q, P^T) step 128 B between the two 8-column
-// core matrices of a k16 step and 1024 B between 8-row blocks; V^T (MN-major) 1024 B between
-// 8-key blocks (its K) and 128 B between 8-column core matrices (its M). Each MMA's descriptor is
-// a base plus a compile-time offset (wg::desc_add); the base is made opaque in every tile
-// (`fresh`), or the compiler hoists the loop-invariant ones (Q's 36, P^T's 4) out of the loop as
-// 64-bit registers and spills them.
+// Descriptors: K and Q (K-major, 128-byte swizzle) step 32 B per k16 step inside a panel and
+// 1024 B between 8-row atoms; V^T (MN-major, swizzled) 1024 B between 8-key atoms (its K), 64 value
+// columns being one panel (its M); P^T (K-major, no swizzle) 128 B between the two 8-key core
+// matrices of a k16 step and 1024 B between 8-row blocks. Each MMA's descriptor is a base plus a
+// compile-time offset (wg::desc_add); the base is made opaque in every tile (`fresh`), or the
+// compiler hoists the loop-invariant ones (Q's 36, P^T's 4) out of the loop as 64-bit registers and
+// spills them.
+__device__ __forceinline__ u64 kmajor_sw(u32 addr) { return wg::desc_sw(addr, 16, 1024); }
+__device__ __forceinline__ u64 vt(u32 addr) { return wg::desc_sw(addr, PANEL, 1024); }
 __device__ __forceinline__ u64 kmajor(u32 addr) { return wg::desc(addr, 128, 1024); }
-__device__ __forceinline__ u64 vt(u32 addr) { return wg::desc(addr, 1024, 128); }
+// byte offset of 16-byte chunk c (< 8) of row r in a swizzled panel
+__device__ __forceinline__ u32 swz(int r, int c) { return r * 128 + ((c ^ (r & 7)) * 16); }
 __device__ __forceinline__ u64 fresh(u64 d) {
   asm volatile("" : "+l"(d));
   return d;
@@ -153,7 +161,7 @@ __device__ __forceinline__ void pv(float (&o)[M][36], u32 kb, u32 ps) {
   for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
     for (int m = 0; m < M; ++m)
-      mma_n72<1>(o[m], wg::desc_add(dv, m * PANEL + 2 * kk * 1024), wg::desc_add(dp, kk * 256), 1);
+      mma_n72<1>(o[m], wg::desc_add(dv, m * PANEL + kk * 2048), wg::desc_add(dp, kk * 256), 1);
   wg::commit();
 }
 
@@ -163,7 +171,7 @@ __device__ __forceinline__ void pv(float (&o)[M][36], u32 kb, u32 ps) {
 __device__ __forceinline__ void scrub_nan_v(unsigned char* kbuf, int k_lo, int k_hi, int wt) {
   for (int c = wt; c < (k_hi - k_lo) * (DV / 8); c += 128) {
     const int k = k_lo + c / (DV / 8), ch = c % (DV / 8);
-    uint4* piece = reinterpret_cast<uint4*>(kbuf + (ch >> 3) * PANEL + (k >> 3) * 1024 + (ch & 7) * 128 + (k & 7) * 16);
+    uint4* piece = reinterpret_cast<uint4*>(kbuf + (ch >> 3) * PANEL + swz(k, ch & 7));
     const uint4 v = *piece;
     u32 w[4] = {v.x, v.y, v.z, v.w};
     bool nan = false;
@@ -184,22 +192,21 @@ __device__ __forceinline__ void scrub_nan_v(unsigned char* kbuf, int k_lo, int k
 template <int T>
 __device__ __forceinline__ void load_q(const SplitArgs& a, unsigned char* smem, int b, int rb, int HT, int ct) {
   const u32 qs = smem_u32(smem);
-  const int lane = ct & 31;
-  if (a.q_vec16) {  // a warp: 8 rows x 4 chunks (64 bytes of each row), one conflict-free store pass
-    for (int task = ct >> 5; task < (N / 8) * (DK / 32); task += 8) {
-      const int r = 8 * (task / (DK / 32)) + (lane & 7), c = 4 * (task % (DK / 32)) + (lane >> 3);
+  if (a.q_vec16) {  // 8 lanes per row: a 128-byte line of one panel per quarter warp
+    const int cc = ct & 7;
+    for (int r = ct >> 3; r < N; r += 32) {
       const int rg = rb + r;
       const bool ok = rg < HT;
-      const u16* src = ok ? a.q + (i64)(b * T + rg % T) * a.q_stride_m + (i64)(rg / T) * a.q_stride_h + c * 8 : a.q;
-      cp_async<16>(qs + (c >> 3) * QPANEL + (r >> 3) * 1024 + (c & 7) * 128 + (r & 7) * 16, src, ok ? 16 : 0);
+      const u16* src = ok ? a.q + (i64)(b * T + rg % T) * a.q_stride_m + (i64)(rg / T) * a.q_stride_h + cc * 8 : a.q;
+#pragma unroll
+      for (int p = 0; p < DK / 64; ++p) cp_async<16>(qs + p * QPANEL + swz(r, cc), src + (ok ? 64 * p : 0), ok ? 16 : 0);
     }
     cp_async_commit();
     cp_async_wait<0>();
   } else {
     for (int i = ct; i < N * DK; i += 256) {
       const int r = i / DK, col = i % DK, rg = rb + r;
-      *reinterpret_cast<u16*>(smem + (col >> 6) * QPANEL + (r >> 3) * 1024 + ((col >> 3) & 7) * 128 + (r & 7) * 16 +
-                              (col & 7) * 2) =
+      *reinterpret_cast<u16*>(smem + (col >> 6) * QPANEL + swz(r, (col >> 3) & 7) + (col & 7) * 2) =
           rg < HT ? a.q[(i64)(b * T + rg % T) * a.q_stride_m + (i64)(rg / T) * a.q_stride_h + col] : (u16)0;
     }
   }
@@ -207,52 +214,48 @@ __device__ __forceinline__ void load_q(const SplitArgs& a, unsigned char* smem, 
   wg::bar_sync(B_CONS, 256);
 }
 
-// The producer: tile t's 64 rows (8 row blocks; this thread rows 8 (warp + 4 i) + lane % 8, 16-byte
-// chunks lane / 8 + 4 h of each 64-column panel) into key buffer t % 2 once both PVs of tile t - 2
-// are done, then its rope columns into the slot once S^T of tile t - 1 is done.
+// The producer: tile t's 64 rows (this thread rows tid / 8 + 16 i, 16-byte chunk tid % 8 of each
+// 64-column panel: 8 lanes copy a row's 128-byte line) into key buffer t % 2 once both PVs of tile
+// t - 2 are done, then its rope columns into the slot once S^T of tile t - 1 is done.
 __device__ __forceinline__ void produce(const SplitArgs& a, unsigned char* smem, int kv_start, int lo, int hi,
                                         int n_tiles) {
-  const int lane = threadIdx.x & 31, pw = (threadIdx.x >> 5) & 3, r8 = lane & 7, cs = lane >> 3;
+  const int rr = (threadIdx.x & 127) >> 3, cc = threadIdx.x & 7;
   const u32 ks = smem_u32(smem + K_OFF), rs = smem_u32(smem + R_OFF), bars = smem_u32(smem + BAR_OFF);
+  const u32 sx = swz(rr, cc);  // the rows rr + 16 i share their swizzle
   // a slot is read as the low 32-bit word of an int64 index (as verify.cu does), one tile ahead
   const int idx_shift = a.indices_64 ? 1 : 0;
   const int* idx32 = reinterpret_cast<const int*>(a.indices) + ((i64)kv_start << idx_shift);
   auto slot_of = [&](int t, int i) -> u32 {  // ~0u: past the split (the row is zero-filled)
-    const int n = lo + BN * t + 8 * (pw + 4 * i) + r8;
+    const int n = lo + BN * t + rr + 16 * i;
     return (t >= n_tiles || n >= hi) ? ~0u : (u32)idx32[(i64)n << idx_shift];
   };
-  u32 cur[2] = {slot_of(0, 0), slot_of(0, 1)};
-  for (int t = 0; t < n_tiles; ++t) {
-    const u32 nxt[2] = {slot_of(t + 1, 0), slot_of(t + 1, 1)};
-    if (t >= 2) wg::bar_sync(B_EMPTY + (t & 1), 384);
-    const u32 kb = ks + (t & 1) * KBUF;
-    const u16* src[2];
-    int bytes[2];
+  u32 cur[4], nxt[4];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < 4; ++i) cur[i] = slot_of(0, i);
+  for (int t = 0; t < n_tiles; ++t) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) nxt[i] = slot_of(t + 1, i);
+    if (t >= 2) wg::bar_sync(B_EMPTY + (t & 1), 384);
+    const u32 kb = ks + (t & 1) * KBUF + sx;
+    const u16* src[4];
+    int bytes[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
       const bool ok = cur[i] != ~0u;
-      src[i] = ok ? a.kv + (i64)cur[i] * a.kv_stride : a.kv;
+      src[i] = ok ? a.kv + (i64)cur[i] * a.kv_stride + cc * 8 : a.kv;
       bytes[i] = ok ? 16 : 0;
     }
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const u32 row = (pw + 4 * i) * 1024 + r8 * 16;
+    for (int i = 0; i < 4; ++i)
 #pragma unroll
-      for (int p = 0; p < NOPE; ++p)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          cp_async<16>(kb + p * PANEL + row + (cs + 4 * h) * 128, src[i] + (8 * p + cs + 4 * h) * 8, bytes[i]);
-    }
+      for (int p = 0; p < NOPE; ++p) cp_async<16>(kb + p * PANEL + (rr + 16 * i) * 128, src[i] + 64 * p, bytes[i]);
     cp_async_arrive(bars + 8 * (t & 1));
     if (t >= 1) wg::bar_sync(B_ROPE, 256);
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        cp_async<16>(rs + (pw + 4 * i) * 1024 + r8 * 16 + (cs + 4 * h) * 128, src[i] + (DV + 8 * (cs + 4 * h)), bytes[i]);
+    for (int i = 0; i < 4; ++i) cp_async<16>(rs + sx + (rr + 16 * i) * 128, src[i] + DV, bytes[i]);
     cp_async_arrive(bars + 16);
-    cur[0] = nxt[0];
-    cur[1] = nxt[1];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cur[i] = nxt[i];
   }
 }
 
@@ -322,7 +325,7 @@ __global__ void __launch_bounds__(384, 1) verify_km_kernel(const SplitArgs a) {
   {  // the launcher sizes dynamic smem from a Python mirror
     u32 dyn;
     asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dyn));
-    if (dyn < (u32)SMEM_BYTES || (smem_u32(smem) & 15u)) __trap();
+    if (dyn < (u32)SMEM_BYTES || (smem_u32(smem) & 1023u)) __trap();  // swizzle atoms: 1024-byte aligned
   }
   int* work_s = reinterpret_cast<int*>(smem + WORK_OFF);
   float* m_s = reinterpret_cast<float*>(smem + M_OFF);
@@ -397,7 +400,7 @@ __global__ void __launch_bounds__(384, 1) verify_km_kernel(const SplitArgs a) {
       const u32 kb = ks + (t & 1) * KBUF;
       float s[36];
       // -- S^T = K Q^T: the first 512 columns from the key buffer, the last 64 from the rope slot
-      const u64 dk = fresh(kmajor(kb)), dq = fresh(kmajor(qs)), dr = fresh(kmajor(rs));
+      const u64 dk = fresh(kmajor_sw(kb)), dq = fresh(kmajor_sw(qs)), dr = fresh(kmajor_sw(rs));
       // both waits before the first MMA: a wait loop inside the accumulator chain makes ptxas
       // serialize every wgmma (C7514); the producer issues both parts at about the same time
       wg::mbar_wait(bars + 8 * (t & 1), (t >> 1) & 1);
@@ -406,11 +409,11 @@ __global__ void __launch_bounds__(384, 1) verify_km_kernel(const SplitArgs a) {
       wg::fence();
 #pragma unroll
       for (int kk = 0; kk < 32; ++kk)
-        mma_n72<0>(s, wg::desc_add(dk, (kk >> 2) * PANEL + (kk & 3) * 256),
-                   wg::desc_add(dq, (kk >> 2) * QPANEL + (kk & 3) * 256), kk);
+        mma_n72<0>(s, wg::desc_add(dk, (kk >> 2) * PANEL + (kk & 3) * 32),
+                   wg::desc_add(dq, (kk >> 2) * QPANEL + (kk & 3) * 32), kk);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        mma_n72<0>(s, wg::desc_add(dr, kk * 256), wg::desc_add(dq, NOPE * QPANEL + kk * 256), 1);
+        mma_n72<0>(s, wg::desc_add(dr, kk * 32), wg::desc_add(dq, NOPE * QPANEL + kk * 32), 1);
       wg::commit();
       wg::wait0();
       keep36(s);
