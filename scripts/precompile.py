@@ -24,7 +24,7 @@ def _jobs(ts: list[int]) -> list[tuple]:
         for rows in (64, 72):
             for lanes in ((4, 8) if T == 9 else (4,)):
                 out.append(("wgmma", T, rows, lanes))
-        dvs = decl["DV_SPLIT"].legal if T == 9 else (decl["DV_SPLIT"].default,)
+        dvs = decl["DV_SPLIT"].legal if T == 9 else (0, decl["DV_SPLIT"].default)
         aligns = decl["SPLIT_ALIGN"].legal if T == 9 else (decl["SPLIT_ALIGN"].default,)
         out += [("wgmma_km", T, dv, al) for dv in dvs for al in aligns]
     return out

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     reason="needs a GPU with wgmma (sm_90)")]
 
 TOL = 1e-2
-CONFIGS = [(dv, align) for dv in (128, 192) for align in (32, 64)]
+CONFIGS = [(dv, align) for dv in (0, 128, 192) for align in (32, 64)]
 CONFIG_IDS = [f"dv{dv}-a{align}" for dv, align in CONFIGS]
 
 
@@ -45,13 +45,14 @@ def test_prefixes_and_heads_at_T9(prefix, H, config):
     _check(x, params=_params(x=x, dv=config[0], align=config[1]))
 
 
+@pytest.mark.parametrize("dv", [0, 192])
 @pytest.mark.parametrize("prefix", [1, 54, 97, 300, 4096])
 @pytest.mark.parametrize("T,H", [(1, 1), (1, 8), (2, 16), (16, 4), (5, 14), (64, 1), (64, 2)])
-def test_other_draft_counts(prefix, T, H):
+def test_other_draft_counts(prefix, T, H, dv):
     """T 64: the draft keys straddle two 64-key tiles at most prefixes; 5 x 14 = 70 rows leaves two
     padding rows in the block; 64 x 2 = 128 rows, two blocks."""
     x = make_inputs(1, T, H, prefix, tree="random", device="cuda")
-    _check(x, params=_params(x=x))
+    _check(x, params=_params(x=x, dv=dv))
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
@@ -61,7 +62,7 @@ def test_nsplit_more_splits_than_tiles(nsplit, config):
     _check(x, params=_params(nsplit, dv=config[0], align=config[1]))
 
 
-@pytest.mark.parametrize("dv", [128, 192])
+@pytest.mark.parametrize("dv", [0, 128, 192])
 @pytest.mark.parametrize("nsplit", [1, 3])
 @pytest.mark.parametrize("grow", [4.0, 40.0])
 def test_growing_max_rescales(nsplit, grow, dv):
@@ -94,7 +95,7 @@ def test_split_table_sets_the_partial_count(align):
     assert four != _expected_items(lengths, 40, align)[1]
 
 
-@pytest.mark.parametrize("dv", [128, 192])
+@pytest.mark.parametrize("dv", [0, 128, 192])
 @pytest.mark.parametrize("nsplit", [None, 1])
 def test_nan_in_a_hidden_draft_keys_v_stays_out(nsplit, dv):
     """A NaN in the V part of a draft key reaches only the rows that may see that key (chain:
@@ -135,6 +136,7 @@ def merge(request, monkeypatch):
     (1, 9, 64, [2000], 16),           # tp 1: 8 row blocks
     (64, 9, 8, [97] * 64, 264),       # a batch bucket: several items per request
     (4, 1, 8, [0, 33, 64, 1], 9)])    # T 1, a request of only its draft key
-def test_both_merges_match_the_oracle(merge, B, T, H, prefix, nsplit):
+@pytest.mark.parametrize("dv", [0, 192])
+def test_both_merges_match_the_oracle(merge, B, T, H, prefix, nsplit, dv):
     x = make_inputs(B, T, H, prefix, tree="random", device="cuda", seed=B + nsplit)
-    _check(x, params=_params(nsplit))
+    _check(x, params=_params(nsplit, dv=dv))

@@ -72,10 +72,11 @@ WGMMA_KM_PARAMS = Declaration("WgmmaKmParams", [
           "key-range splits per row block across the batch (a launch-time value), cut as the cuda backend's "
           "NSPLIT is, in pieces of SPLIT_ALIGN keys; one CTA per SM, so NSPLIT x ceil(H x T / 72) near the SM "
           "count is one wave", launch=True),
-    Param("DV_SPLIT", (128, 192), 192,
+    Param("DV_SPLIT", (0, 128, 192), 192,
           "value columns (of 512) whose O^T the S warpgroup accumulates beside S^T and the softmax (a template "
-          "value); the PV warpgroup takes the rest: 128 puts less PV on the S warpgroup's path per tile and "
-          "more on the other's (256 would leave the PV warpgroup too few registers: it spills)"),
+          "value); one PV warpgroup takes the rest, or, at 0, two take 256 each (four warpgroups, 512 threads) "
+          "and the S warpgroup's path per tile is S^T and the softmax alone (256 would leave the PV warpgroup "
+          "too few registers: it spills)"),
     Param("SPLIT_ALIGN", (32, 64), 32,
           "keys a split's length is a multiple of (a template value): 64, whole 64-key tiles; 32, twice the "
           "splits at short contexts, with an odd piece's last tile half empty"),

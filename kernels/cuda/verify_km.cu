@@ -17,11 +17,13 @@
 // columns (K's rope part, read by S^T alone) have one slot of their own, refilled as soon as S^T is
 // done, so two tiles of the first 512 columns, the rope slot, P^T and Q fit 227 KB.
 //
-// Three warpgroups, each with one role (setmaxnreg gives the registers to the math):
+// Three or four warpgroups, each with one role (setmaxnreg gives the registers to the math):
 //   0, the producer: gathers tile t's rows through the index list by cp.async into buffer t % 2
 //      and the rope slot; completion lands on mbarriers (cp.async.mbarrier.arrive.noinc).
-//   1, S: S^T, the softmax, P^T, and PV for value columns [0, 64 CA).
-//   2, PV: PV for value columns [64 CA, 512).
+//   1, S: S^T, the softmax, P^T, and PV for value columns [0, 64 CA) (CA = DV_SPLIT / 64).
+//   2 (and 3 where CA = 0), PV: PV for value columns [64 CA, 512) (CA = 0: 0-255 and 256-511).
+// With CA = 0 the S warpgroup's path per tile is S^T and the softmax alone, and the PV of tile t
+// runs on the tensor cores under S^T of tile t + 1.
 // Q and the key tiles use the 128-byte swizzle, panel-major: element (row r, column c) of an operand
 // of R rows at (c / 64) * (R * 128) + r * 128 + (((c / 8) % 8) ^ (r % 8)) * 16 + (c % 8) * 2 bytes, so
 // 64 columns of a 64-key tile are one 8 KB panel, and the gather's 8 lanes per key row copy a whole
@@ -56,25 +58,32 @@ constexpr int OPITCH = DV * 2 + 16;          // bytes per staged o row: +16 spre
 static_assert(N * OPITCH <= 2 * KBUF, "the staged o fits in the two key buffers");
 
 // named barriers (0 is __syncthreads, never used after the roles split)
-constexpr int B_CONS = 1;   // warpgroups 1 + 2 (256)
+constexpr int B_CONS = 1;   // the consumers: every warpgroup but the producer
 constexpr int B_S = 2;      // the S warpgroup (128)
-constexpr int B_EMPTY = 3;  // 3 + buffer: a key buffer read by both PVs (384: the producer syncs, 1 and 2 arrive)
-constexpr int B_ROPE = 5;   // the rope slot read by S^T (256: the producer syncs, 1 arrives)
-constexpr int B_READY = 6;  // P^T and the factors written (256: 1 arrives, 2 syncs)
-constexpr int B_FREE = 7;   // P^T read by the PV warpgroup (256: 2 arrives, 1 syncs)
+constexpr int B_EMPTY = 3;  // 3 + buffer: a key buffer read by every PV (the producer syncs, PV warpgroups arrive)
+constexpr int B_ROPE = 5;   // the rope slot read by S^T (256: the producer syncs, S arrives)
+constexpr int B_READY = 6;  // P^T and the factors written (S arrives, the PV-only warpgroups sync)
+constexpr int B_FREE = 7;   // P^T read by the PV-only warpgroups (they arrive, S syncs)
 
-// Registers per thread after the split (setmaxnreg): 128 x (PRODUCER + S + PV) <= 384 x 168, the
-// launch's. The S warpgroup holds CA x 36 O^T accumulators, S^T (36) and l (18) and needs about 64
-// more; the PV one (8 - CA) x 36 and about 30 more.
+// The warpgroups and registers of a DV_SPLIT (CA = DV_SPLIT / 64). Registers per thread after the
+// split (setmaxnreg) fit the launch's: 128 x (PRODUCER + S + PV x PVS) <= THREADS x (65536 /
+// THREADS). The S warpgroup holds CA x 36 O^T accumulators, S^T (36) and l (18) and needs about 64
+// more; a PV one its value chunks x 36 and about 30 more.
 constexpr int REGS_PRODUCER = 40;
 template <int CA>
-struct Regs {
+struct Roles {
   // 256 columns in the S warpgroup (CA 4) leave the PV one 168 registers for 144 accumulators:
-  // ptxas spills 1.3 KB there, so the S warpgroup takes at most 192
-  static_assert(CA == 2 || CA == 3, "DV_SPLIT: 128 or 192 value columns in the S warpgroup");
-  static constexpr int S = CA == 3 ? 232 : 208;
-  static constexpr int PV = CA == 3 ? 224 : 248;
-  static_assert(REGS_PRODUCER + S + PV <= 3 * 168, "over the launch's registers");
+  // ptxas spills 1.3 KB there, so the S warpgroup takes at most 192, or none (CA 0: two PV ones)
+  static_assert(CA == 0 || CA == 2 || CA == 3, "DV_SPLIT: 0, 128 or 192 value columns in the S warpgroup");
+  static constexpr int PVS = CA == 0 ? 2 : 1;            // PV-only warpgroups
+  static constexpr int THREADS = 128 * (2 + PVS);
+  static constexpr int CONS = THREADS - 128;             // consumer threads
+  static constexpr int PV_CHUNKS = (8 - CA) / PVS;       // value chunks per PV-only warpgroup
+  static constexpr int S = CA == 0 ? 112 : CA == 3 ? 232 : 208;
+  static constexpr int PV = CA == 0 ? 176 : CA == 3 ? 224 : 248;
+  static constexpr int EMPTY = 128 * (1 + PVS + (CA > 0));   // B_EMPTY: the producer and every PV
+  static constexpr int READY = 128 * (1 + PVS);              // B_READY and B_FREE
+  static_assert(REGS_PRODUCER + S + PV * PVS <= THREADS / 128 * (65536 / THREADS / 8 * 8), "over the launch's registers");
 };
 
 // wgmma m64n72k16, bf16 in, fp32 out, both operands in shared memory; TA = 1 reads A transposed
@@ -188,13 +197,13 @@ __device__ __forceinline__ void scrub_nan_v(unsigned char* kbuf, int k_lo, int k
 }
 
 // Q rows rb .. rb + 71 of request b (row r: head r / T, draft token r % T), zero past H * T, into
-// Q's panels; by the 256 threads of warpgroups 1 and 2 (ct), under the producer's first tiles.
-template <int T>
+// Q's panels; by the CONS consumer threads (ct), under the producer's first tiles.
+template <int T, int CONS>
 __device__ __forceinline__ void load_q(const SplitArgs& a, unsigned char* smem, int b, int rb, int HT, int ct) {
   const u32 qs = smem_u32(smem);
   if (a.q_vec16) {  // 8 lanes per row: a 128-byte line of one panel per quarter warp
     const int cc = ct & 7;
-    for (int r = ct >> 3; r < N; r += 32) {
+    for (int r = ct >> 3; r < N; r += CONS / 8) {
       const int rg = rb + r;
       const bool ok = rg < HT;
       const u16* src = ok ? a.q + (i64)(b * T + rg % T) * a.q_stride_m + (i64)(rg / T) * a.q_stride_h + cc * 8 : a.q;
@@ -204,24 +213,25 @@ __device__ __forceinline__ void load_q(const SplitArgs& a, unsigned char* smem, 
     cp_async_commit();
     cp_async_wait<0>();
   } else {
-    for (int i = ct; i < N * DK; i += 256) {
+    for (int i = ct; i < N * DK; i += CONS) {
       const int r = i / DK, col = i % DK, rg = rb + r;
       *reinterpret_cast<u16*>(smem + (col >> 6) * QPANEL + swz(r, (col >> 3) & 7) + (col & 7) * 2) =
           rg < HT ? a.q[(i64)(b * T + rg % T) * a.q_stride_m + (i64)(rg / T) * a.q_stride_h + col] : (u16)0;
     }
   }
   wg::async_fence();
-  wg::bar_sync(B_CONS, 256);
+  wg::bar_sync(B_CONS, CONS);
 }
 
 // The producer: tile t's 64 rows (this thread rows tid / 8 + 16 i, 16-byte chunk tid % 8 of each
 // 64-column panel: 8 lanes copy a row's 128-byte line) into key buffer t % 2 once both PVs of tile
 // t - 2 are done, then its rope columns into the slot once S^T of tile t - 1 is done.
+template <int EMPTY>
 __device__ __forceinline__ void produce(const SplitArgs& a, unsigned char* smem, int kv_start, int lo, int hi,
                                         int n_tiles) {
   const int rr = (threadIdx.x & 127) >> 3, cc = threadIdx.x & 7;
   const u32 ks = smem_u32(smem + K_OFF), rs = smem_u32(smem + R_OFF), bars = smem_u32(smem + BAR_OFF);
-  const u32 sx = swz(rr, cc);  // the rows rr + 16 i share their swizzle
+  const u32 sx = swz(0, cc ^ (rr & 7));  // the chunk's place in the row: the rows rr + 16 i share it
   // a slot is read as the low 32-bit word of an int64 index (as verify.cu does), one tile ahead
   const int idx_shift = a.indices_64 ? 1 : 0;
   const int* idx32 = reinterpret_cast<const int*>(a.indices) + ((i64)kv_start << idx_shift);
@@ -235,7 +245,7 @@ __device__ __forceinline__ void produce(const SplitArgs& a, unsigned char* smem,
   for (int t = 0; t < n_tiles; ++t) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) nxt[i] = slot_of(t + 1, i);
-    if (t >= 2) wg::bar_sync(B_EMPTY + (t & 1), 384);
+    if (t >= 2) wg::bar_sync(B_EMPTY + (t & 1), EMPTY);
     const u32 kb = ks + (t & 1) * KBUF + sx;
     const u16* src[4];
     int bytes[4];
@@ -260,14 +270,15 @@ __device__ __forceinline__ void produce(const SplitArgs& a, unsigned char* smem,
 }
 
 // l per query row (the S warpgroup's l over its keys), o normalised into bf16 rows in the key
-// buffers, then stored as the item's partial rows; lse written by the S warpgroup (WITH_L).
-template <int T, int C0, int M, bool WITH_L>
-__device__ __forceinline__ void epilogue(const SplitArgs& a, unsigned char* smem, float (&o)[M][36], const float (&l)[18],
-                                         int rb, int HT, int item, int ct) {
+// buffers, then stored as the item's partial rows; lse written by the S warpgroup (WITH_L). M = 0:
+// no value chunks (o is a placeholder).
+template <int T, int CONS, int C0, int M, bool WITH_L>
+__device__ __forceinline__ void epilogue(const SplitArgs& a, unsigned char* smem, float (&o)[M > 0 ? M : 1][36],
+                                         const float (&l)[18], int rb, int HT, int item, int ct) {
   const float NEG_INF = -__int_as_float(0x7f800000);
   const int wt = ct & 127, warp = wt >> 5, lane = ct & 31, g = lane >> 2, t4 = lane & 3;
   float* red = reinterpret_cast<float*>(smem + R_OFF);  // [4 warps][72]: the rope slot is free now
-  wg::bar_sync(B_CONS, 256);                           // both warpgroups' MMAs are done
+  wg::bar_sync(B_CONS, CONS);                          // every warpgroup's MMAs are done
   if constexpr (WITH_L) {
 #pragma unroll
     for (int i = 0; i < 18; ++i) {
@@ -278,7 +289,7 @@ __device__ __forceinline__ void epilogue(const SplitArgs& a, unsigned char* smem
       if (g == 0) red[warp * N + 8 * (i >> 1) + 2 * t4 + (i & 1)] = v;
     }
   }
-  wg::bar_sync(B_CONS, 256);
+  wg::bar_sync(B_CONS, CONS);
   const float* m_s = reinterpret_cast<const float*>(smem + M_OFF);
   float inv[18];
 #pragma unroll
@@ -294,33 +305,233 @@ __device__ __forceinline__ void epilogue(const SplitArgs& a, unsigned char* smem
   }
   unsigned char* st = smem + K_OFF;
 #pragma unroll
-  for (int m = 0; m < M; ++m)
+  for (int m = 0; m < M; ++m)  // (none for M = 0)
 #pragma unroll
     for (int i = 0; i < 36; ++i) {
       const int dv = 64 * (C0 + m) + 16 * warp + g + 8 * ((i >> 1) & 1), c = 8 * (i >> 2) + 2 * t4 + (i & 1);
       *reinterpret_cast<u16*>(st + c * OPITCH + dv * 2) = bf16_bits(o[m][i] * inv[2 * (i >> 2) + (i & 1)]);
     }
-  wg::bar_sync(B_CONS, 256);
-  for (int i = ct; i < N * (DV / 8); i += 256) {
+  wg::bar_sync(B_CONS, CONS);
+  for (int i = ct; i < N * (DV / 8); i += CONS) {
     const int c = i / (DV / 8), k = i % (DV / 8), rg = rb + c;
     if (rg < HT)
       *reinterpret_cast<uint4*>(a.part_o + (((i64)item * T + rg % T) * a.H + rg / T) * DV + 8 * k) =
           *reinterpret_cast<const uint4*>(st + c * OPITCH + 16 * k);
   }
 }
+
+// The S warpgroup: S^T of every tile, the softmax, P^T, and O^T for value chunks 0 .. CA - 1.
+template <int T, int CA>
+__device__ __forceinline__ void s_role(const SplitArgs& a, unsigned char* smem, int b, int lo, int hi, int P,
+                                       int n_tiles, int rb, int HT, int item) {
+  using namespace km;
+  using R = Roles<CA>;
+  const float NEG_INF = -__int_as_float(0x7f800000);
+  const int tid = threadIdx.x, wt = tid & 127, warp = wt >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const u32 ks = smem_u32(smem + K_OFF), qs = smem_u32(smem), rs = smem_u32(smem + R_OFF);
+  const u32 ps = smem_u32(smem + P_OFF), bars = smem_u32(smem + BAR_OFF);
+  float* m_s = reinterpret_cast<float*>(smem + M_OFF);
+  int* mx_s = reinterpret_cast<int*>(smem + MX_OFF);
+  float* alpha_s = reinterpret_cast<float*>(smem + ALPHA_OFF);
+  int* flag_s = reinterpret_cast<int*>(smem + FLAG_OFF);
+  load_q<T, R::CONS>(a, smem, b, rb, HT, tid - 128);
+  float o[CA > 0 ? CA : 1][36], l[18];
+#pragma unroll
+  for (int m = 0; m < CA; ++m)
+#pragma unroll
+    for (int i = 0; i < 36; ++i) o[m][i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < 18; ++i) l[i] = 0.f;
+  // The tree mask as visibility bits of this thread's two keys (eh) in the split's (at most two)
+  // tiles with draft keys, bit 2 j + e1 for query row 8 j + 2 t4 + e1; past hi invisible too.
+  // Packed before the loop: 18 mask words per thread held in it would spill.
+  const int td0 = (max(lo, P) - lo) / BN;  // the first tile holding a draft key (if hi > P)
+  u32 vis[2][2] = {{0u, 0u}, {0u, 0u}};
+  if (hi > P) {
+    const i64* tmask = a.tree_mask + (i64)b * T;
+#pragma unroll
+    for (int q = 0; q < 18; ++q) {
+      const int rg = rb + 8 * (q >> 1) + 2 * t4 + (q & 1);
+      const u64 bits = rg < HT ? (u64)tmask[rg % T] : 0ull;
+#pragma unroll
+      for (int x = 0; x < 2; ++x)
+#pragma unroll
+        for (int eh = 0; eh < 2; ++eh) {
+          const int n = lo + BN * (td0 + x) + 16 * warp + g + 8 * eh, d = n - P;
+          const bool ok = (n < hi) & ((d < 0) | (bool)((bits >> (d & 63)) & 1ull));
+          vis[x][eh] |= (u32)ok << q;
+        }
+    }
+  }
+  for (int t = 0; t < n_tiles; ++t) {
+    const u32 kb = ks + (t & 1) * KBUF;
+    float s[36];
+    // -- S^T = K Q^T: the first 512 columns from the key buffer, the last 64 from the rope slot
+    const u64 dk = fresh(kmajor_sw(kb)), dq = fresh(kmajor_sw(qs)), dr = fresh(kmajor_sw(rs));
+    // both waits before the first MMA: a wait loop inside the accumulator chain makes ptxas
+    // serialize every wgmma (C7514); the producer issues both parts at about the same time
+    wg::mbar_wait(bars + 8 * (t & 1), (t >> 1) & 1);
+    wg::mbar_wait(bars + 16, t & 1);
+    wg::async_fence();
+    wg::fence();
+#pragma unroll
+    for (int kk = 0; kk < 32; ++kk)
+      mma_n72<0>(s, wg::desc_add(dk, (kk >> 2) * PANEL + (kk & 3) * 32),
+                 wg::desc_add(dq, (kk >> 2) * QPANEL + (kk & 3) * 32), kk);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      mma_n72<0>(s, wg::desc_add(dr, kk * 32), wg::desc_add(dq, NOPE * QPANEL + kk * 32), 1);
+    wg::commit();
+    wg::wait0();
+    keep36(s);
+    if (t + 1 < n_tiles) wg::bar_arrive(B_ROPE, 256);  // the rope slot may take tile t + 1's
+    const int k0 = lo + BN * t;
+    {  // draft keys in this tile: NaNs out of their V (uniform over the warpgroup)
+      const int d_lo = max(k0, P), d_hi = min(k0 + BN, hi);
+      if (d_lo < d_hi) scrub_nan_v(smem + K_OFF + (t & 1) * KBUF, d_lo - k0, d_hi - k0, wt);
+    }
+    // -- scale to log2 units; -inf for keys past the split and draft keys the row may not see
+    if (k0 + BN <= min(hi, P)) {
+#pragma unroll
+      for (int i = 0; i < 36; ++i) s[i] *= a.qk_scale;
+    } else {  // a partial tile, or one of the two with draft keys (uniform)
+      const int x = t - td0;
+      const bool drafts = hi > P && (x == 0 || x == 1);
+      const u32 v0 = x == 0 ? vis[0][0] : vis[1][0], v1 = x == 0 ? vis[0][1] : vis[1][1];
+#pragma unroll
+      for (int j = 0; j < 9; ++j)
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1)
+#pragma unroll
+          for (int eh = 0; eh < 2; ++eh) {
+            const int i = 4 * j + 2 * eh + e1, n = k0 + 16 * warp + g + 8 * eh;
+            const bool ok = drafts ? (bool)(((eh ? v1 : v0) >> (2 * j + e1)) & 1u) : n < hi;
+            s[i] = ok ? s[i] * a.qk_scale : NEG_INF;
+          }
+    }
+    // -- lazy max: does any score pass its row's max by more than the slack?
+    int need = 0;
+#pragma unroll
+    for (int j = 0; j < 9; ++j) {
+      const float2 m = *reinterpret_cast<const float2*>(m_s + 8 * j + 2 * t4);
+      need |= (s[4 * j] > m.x + RESCALE_SLACK) | (s[4 * j + 2] > m.x + RESCALE_SLACK) |
+              (s[4 * j + 1] > m.y + RESCALE_SLACK) | (s[4 * j + 3] > m.y + RESCALE_SLACK);
+    }
+    const int grew = wg::bar_or(B_S, need);  // false while a row's scores are all -inf
+    if (grew) {
+      // the tile's column maxima: this thread's 2 keys, the 8 lanes of a column, the 4 warps
+#pragma unroll
+      for (int j = 0; j < 9; ++j)
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1) {
+          float v = fmaxf(s[4 * j + e1], s[4 * j + 2 + e1]);
+          v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 4));
+          v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 8));
+          v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 16));
+          if (g == 0) atomicMax(mx_s + 8 * j + 2 * t4 + e1, ordered(v));
+        }
+      wg::bar_sync(B_S, 128);
+      // the P^T buffer's last reader is done before its factors are rewritten
+      if (t > 0) wg::bar_sync(B_FREE, R::READY);
+#pragma unroll
+      for (int j = 0; j < 9; ++j)
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1) {
+          const int c = 8 * j + 2 * t4 + e1;
+          const float old = m_s[c], mx = unordered(mx_s[c]);
+          const float now = mx > old + RESCALE_SLACK ? mx : old;
+          const float alpha = now == old ? 1.f : fast_exp2(old - now);
+          l[2 * j + e1] *= alpha;
+#pragma unroll
+          for (int m = 0; m < CA; ++m) {  // (none for CA = 0)
+            o[m][4 * j + e1] *= alpha;
+            o[m][4 * j + 2 + e1] *= alpha;
+          }
+          if (warp == 0 && g == 0) alpha_s[c] = alpha;
+        }
+      wg::bar_sync(B_S, 128);  // every thread has read the old maxima and mx_s
+      if (wt < N) {
+        const float now = unordered(mx_s[wt]);
+        if (now > m_s[wt] + RESCALE_SLACK) m_s[wt] = now;
+        mx_s[wt] = ordered(NEG_INF);
+      }
+      wg::bar_sync(B_S, 128);  // the new maxima
+    } else if (t > 0) {
+      wg::bar_sync(B_FREE, R::READY);
+    }
+    // -- P = exp2(s - max) in bf16, as P^T [72 rows][64 keys]; l per row over this thread's keys
+    unsigned char* pt = smem + P_OFF;
+#pragma unroll
+    for (int j = 0; j < 9; ++j) {
+      const float2 m = *reinterpret_cast<const float2*>(m_s + 8 * j + 2 * t4);
+      const float z0 = m.x == NEG_INF ? 0.f : m.x, z1 = m.y == NEG_INF ? 0.f : m.y;  // masked keys: ex2(-inf) = 0
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = fast_exp2(s[4 * j + e] - ((e & 1) ? z1 : z0));
+        l[2 * j + (e & 1)] += p;
+        const int n = 8 * j + 2 * t4 + (e & 1), k = 16 * warp + g + 8 * (e >> 1);
+        *reinterpret_cast<u16*>(pt + (n >> 3) * 1024 + (k >> 3) * 128 + (n & 7) * 16 + (k & 7) * 2) = bf16_bits(p);
+      }
+    }
+    if (wt == 0) flag_s[0] = grew;
+    wg::async_fence();  // P^T and the scrubbed V: generic stores, read by wgmma
+    wg::bar_arrive(B_READY, R::READY);
+    if constexpr (CA > 0) {
+      wg::bar_sync(B_S, 128);  // all of this warpgroup's P^T is written
+      // -- O^T += V^T P^T on value chunks 0 .. CA - 1
+      pv<0, CA>(o, kb, ps);
+      wg::wait0();
+      keep_o(o);
+      if (t + 2 < n_tiles) wg::bar_arrive(B_EMPTY + (t & 1), R::EMPTY);
+    }
+  }
+  epilogue<T, R::CONS, 0, CA, true>(a, smem, o, l, rb, HT, item, tid - 128);
+}
+
+// A PV warpgroup: O^T for value chunks C0 .. C0 + M - 1 of every tile, once the S warpgroup has
+// written its P^T and factors.
+template <int T, int CA, int C0, int M>
+__device__ __forceinline__ void pv_role(const SplitArgs& a, unsigned char* smem, int b, int n_tiles, int rb, int HT,
+                                        int item) {
+  using namespace km;
+  using R = Roles<CA>;
+  const int tid = threadIdx.x, t4 = tid & 3;
+  const u32 ks = smem_u32(smem + K_OFF), ps = smem_u32(smem + P_OFF), bars = smem_u32(smem + BAR_OFF);
+  load_q<T, R::CONS>(a, smem, b, rb, HT, tid - 128);
+  float o[M][36];
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int i = 0; i < 36; ++i) o[m][i] = 0.f;
+  const float* alpha_s = reinterpret_cast<const float*>(smem + ALPHA_OFF);
+  const int* flag_s = reinterpret_cast<const int*>(smem + FLAG_OFF);
+  for (int t = 0; t < n_tiles; ++t) {
+    const u32 kb = ks + (t & 1) * KBUF;
+    wg::bar_sync(B_READY, R::READY);
+    wg::mbar_wait(bars + 8 * (t & 1), (t >> 1) & 1);  // (landed already: the S warpgroup waited)
+    if (flag_s[0]) rescale_cols(o, alpha_s, t4);
+    pv<C0, M>(o, kb, ps);
+    wg::wait0();
+    keep_o(o);
+    if (t + 1 < n_tiles) wg::bar_arrive(B_FREE, R::READY);
+    if (t + 2 < n_tiles) wg::bar_arrive(B_EMPTY + (t & 1), R::EMPTY);
+  }
+  const float none[18] = {};
+  epilogue<T, R::CONS, C0, M, false>(a, smem, o, none, rb, HT, item, tid - 128);
+}
 }  // namespace km
 
 // grid (ceil(H * T / 72), NSPLIT + B): x the row block, y the work item (verify.cu's items, pieces
-// in multiples of ALIGN keys); block 384 (three warpgroups); dynamic smem km::SMEM_BYTES.
-// CA: value chunks (64 columns) of O^T in the S warpgroup (DV_SPLIT / 64).
+// in multiples of ALIGN keys); block km::Roles<CA>::THREADS (three or four warpgroups); dynamic
+// smem km::SMEM_BYTES. CA: value chunks (64 columns) of O^T in the S warpgroup (DV_SPLIT / 64).
 template <int T, int CA, int ALIGN>
-__global__ void __launch_bounds__(384, 1) verify_km_kernel(const SplitArgs a) {
+__global__ void __launch_bounds__(km::Roles<CA>::THREADS, 1) verify_km_kernel(const SplitArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace km;
   const float NEG_INF = -__int_as_float(0x7f800000);
   static_assert(T >= 1 && T <= 64, "T in [1, 64]: the tree mask is one int64 per row");
   static_assert(ALIGN == 32 || ALIGN == 64, "SPLIT_ALIGN: 32 or 64 keys");
-  using R = Regs<CA>;
+  using R = Roles<CA>;
   extern __shared__ __align__(1024) unsigned char smem[];
   {  // the launcher sizes dynamic smem from a Python mirror
     u32 dyn;
@@ -356,191 +567,19 @@ __global__ void __launch_bounds__(384, 1) verify_km_kernel(const SplitArgs a) {
   const int lo = work_s[1], hi = work_s[2], item = work_s[3];
   const int kv_start = a.indptr[b], L = a.indptr[b + 1] - kv_start, P = L - T;
   const int n_tiles = (hi - lo + BN - 1) / BN;
-  const u32 ks = smem_u32(smem + K_OFF), qs = smem_u32(smem), rs = smem_u32(smem + R_OFF);
-  const u32 ps = smem_u32(smem + P_OFF), bars = smem_u32(smem + BAR_OFF);
-  float* alpha_s = reinterpret_cast<float*>(smem + ALPHA_OFF);
-  int* flag_s = reinterpret_cast<int*>(smem + FLAG_OFF);
   // each role's code is reachable from its own setmaxnreg only
   if (wgi == 0) {
     wg::regs_dec<REGS_PRODUCER>();
-    produce(a, smem, kv_start, lo, hi, n_tiles);
+    produce<R::EMPTY>(a, smem, kv_start, lo, hi, n_tiles);
   } else if (wgi == 1) {
-    wg::regs_inc<R::S>();
-    const int wt = tid & 127, warp = wt >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-    load_q<T>(a, smem, b, rb, HT, tid - 128);
-    float o[CA][36], l[18];
-#pragma unroll
-    for (int m = 0; m < CA; ++m)
-#pragma unroll
-      for (int i = 0; i < 36; ++i) o[m][i] = 0.f;
-#pragma unroll
-    for (int i = 0; i < 18; ++i) l[i] = 0.f;
-    // The tree mask as visibility bits of this thread's two keys (eh) in the split's (at most two)
-    // tiles with draft keys, bit 2 j + e1 for query row 8 j + 2 t4 + e1; past hi invisible too.
-    // Packed before the loop: 18 mask words per thread held in it would spill.
-    const int td0 = (max(lo, P) - lo) / BN;  // the first tile holding a draft key (if hi > P)
-    u32 vis[2][2] = {{0u, 0u}, {0u, 0u}};
-    if (hi > P) {
-      const i64* tmask = a.tree_mask + (i64)b * T;
-#pragma unroll
-      for (int q = 0; q < 18; ++q) {
-        const int rg = rb + 8 * (q >> 1) + 2 * t4 + (q & 1);
-        const u64 bits = rg < HT ? (u64)tmask[rg % T] : 0ull;
-#pragma unroll
-        for (int x = 0; x < 2; ++x)
-#pragma unroll
-          for (int eh = 0; eh < 2; ++eh) {
-            const int n = lo + BN * (td0 + x) + 16 * warp + g + 8 * eh, d = n - P;
-            const bool ok = (n < hi) & ((d < 0) | (bool)((bits >> (d & 63)) & 1ull));
-            vis[x][eh] |= (u32)ok << q;
-          }
-      }
-    }
-    for (int t = 0; t < n_tiles; ++t) {
-      const u32 kb = ks + (t & 1) * KBUF;
-      float s[36];
-      // -- S^T = K Q^T: the first 512 columns from the key buffer, the last 64 from the rope slot
-      const u64 dk = fresh(kmajor_sw(kb)), dq = fresh(kmajor_sw(qs)), dr = fresh(kmajor_sw(rs));
-      // both waits before the first MMA: a wait loop inside the accumulator chain makes ptxas
-      // serialize every wgmma (C7514); the producer issues both parts at about the same time
-      wg::mbar_wait(bars + 8 * (t & 1), (t >> 1) & 1);
-      wg::mbar_wait(bars + 16, t & 1);
-      wg::async_fence();
-      wg::fence();
-#pragma unroll
-      for (int kk = 0; kk < 32; ++kk)
-        mma_n72<0>(s, wg::desc_add(dk, (kk >> 2) * PANEL + (kk & 3) * 32),
-                   wg::desc_add(dq, (kk >> 2) * QPANEL + (kk & 3) * 32), kk);
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        mma_n72<0>(s, wg::desc_add(dr, kk * 32), wg::desc_add(dq, NOPE * QPANEL + kk * 32), 1);
-      wg::commit();
-      wg::wait0();
-      keep36(s);
-      if (t + 1 < n_tiles) wg::bar_arrive(B_ROPE, 256);  // the rope slot may take tile t + 1's
-      const int k0 = lo + BN * t;
-      {  // draft keys in this tile: NaNs out of their V (uniform over the warpgroup)
-        const int d_lo = max(k0, P), d_hi = min(k0 + BN, hi);
-        if (d_lo < d_hi) scrub_nan_v(smem + K_OFF + (t & 1) * KBUF, d_lo - k0, d_hi - k0, wt);
-      }
-      // -- scale to log2 units; -inf for keys past the split and draft keys the row may not see
-      if (k0 + BN <= min(hi, P)) {
-#pragma unroll
-        for (int i = 0; i < 36; ++i) s[i] *= a.qk_scale;
-      } else {  // a partial tile, or one of the two with draft keys (uniform)
-        const int x = t - td0;
-        const bool drafts = hi > P && (x == 0 || x == 1);
-        const u32 v0 = x == 0 ? vis[0][0] : vis[1][0], v1 = x == 0 ? vis[0][1] : vis[1][1];
-#pragma unroll
-        for (int j = 0; j < 9; ++j)
-#pragma unroll
-          for (int e1 = 0; e1 < 2; ++e1)
-#pragma unroll
-            for (int eh = 0; eh < 2; ++eh) {
-              const int i = 4 * j + 2 * eh + e1, n = k0 + 16 * warp + g + 8 * eh;
-              const bool ok = drafts ? (bool)(((eh ? v1 : v0) >> (2 * j + e1)) & 1u) : n < hi;
-              s[i] = ok ? s[i] * a.qk_scale : NEG_INF;
-            }
-      }
-      // -- lazy max: does any score pass its row's max by more than the slack?
-      int need = 0;
-#pragma unroll
-      for (int j = 0; j < 9; ++j) {
-        const float2 m = *reinterpret_cast<const float2*>(m_s + 8 * j + 2 * t4);
-        need |= (s[4 * j] > m.x + RESCALE_SLACK) | (s[4 * j + 2] > m.x + RESCALE_SLACK) |
-                (s[4 * j + 1] > m.y + RESCALE_SLACK) | (s[4 * j + 3] > m.y + RESCALE_SLACK);
-      }
-      const int grew = wg::bar_or(B_S, need);  // false while a row's scores are all -inf
-      if (grew) {
-        // the tile's column maxima: this thread's 2 keys, the 8 lanes of a column, the 4 warps
-#pragma unroll
-        for (int j = 0; j < 9; ++j)
-#pragma unroll
-          for (int e1 = 0; e1 < 2; ++e1) {
-            float v = fmaxf(s[4 * j + e1], s[4 * j + 2 + e1]);
-            v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 4));
-            v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 8));
-            v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 16));
-            if (g == 0) atomicMax(mx_s + 8 * j + 2 * t4 + e1, ordered(v));
-          }
-        wg::bar_sync(B_S, 128);
-        // the P^T buffer's last reader is done before its factors are rewritten
-        if (t > 0) wg::bar_sync(B_FREE, 256);
-#pragma unroll
-        for (int j = 0; j < 9; ++j)
-#pragma unroll
-          for (int e1 = 0; e1 < 2; ++e1) {
-            const int c = 8 * j + 2 * t4 + e1;
-            const float old = m_s[c], mx = unordered(mx_s[c]);
-            const float now = mx > old + RESCALE_SLACK ? mx : old;
-            const float alpha = now == old ? 1.f : fast_exp2(old - now);
-            l[2 * j + e1] *= alpha;
-#pragma unroll
-            for (int m = 0; m < CA; ++m) {
-              o[m][4 * j + e1] *= alpha;
-              o[m][4 * j + 2 + e1] *= alpha;
-            }
-            if (warp == 0 && g == 0) alpha_s[c] = alpha;
-          }
-        wg::bar_sync(B_S, 128);  // every thread has read the old maxima and mx_s
-        if (wt < N) {
-          const float now = unordered(mx_s[wt]);
-          if (now > m_s[wt] + RESCALE_SLACK) m_s[wt] = now;
-          mx_s[wt] = ordered(NEG_INF);
-        }
-        wg::bar_sync(B_S, 128);  // the new maxima
-      } else if (t > 0) {
-        wg::bar_sync(B_FREE, 256);
-      }
-      // -- P = exp2(s - max) in bf16, as P^T [72 rows][64 keys]; l per row over this thread's keys
-      unsigned char* pt = smem + P_OFF;
-#pragma unroll
-      for (int j = 0; j < 9; ++j) {
-        const float2 m = *reinterpret_cast<const float2*>(m_s + 8 * j + 2 * t4);
-        const float z0 = m.x == NEG_INF ? 0.f : m.x, z1 = m.y == NEG_INF ? 0.f : m.y;  // masked keys: ex2(-inf) = 0
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float p = fast_exp2(s[4 * j + e] - ((e & 1) ? z1 : z0));
-          l[2 * j + (e & 1)] += p;
-          const int n = 8 * j + 2 * t4 + (e & 1), k = 16 * warp + g + 8 * (e >> 1);
-          *reinterpret_cast<u16*>(pt + (n >> 3) * 1024 + (k >> 3) * 128 + (n & 7) * 16 + (k & 7) * 2) = bf16_bits(p);
-        }
-      }
-      if (wt == 0) flag_s[0] = grew;
-      wg::async_fence();  // P^T and the scrubbed V: generic stores, read by wgmma
-      wg::bar_arrive(B_READY, 256);
-      wg::bar_sync(B_S, 128);  // all of this warpgroup's P^T is written
-      // -- O^T += V^T P^T on value chunks 0 .. CA - 1
-      pv<0, CA>(o, kb, ps);
-      wg::wait0();
-      keep_o(o);
-      if (t + 2 < n_tiles) wg::bar_arrive(B_EMPTY + (t & 1), 384);
-    }
-    epilogue<T, 0, CA, true>(a, smem, o, l, rb, HT, item, tid - 128);
+    if constexpr (CA == 0) wg::regs_dec<R::S>(); else wg::regs_inc<R::S>();
+    s_role<T, CA>(a, smem, b, lo, hi, P, n_tiles, rb, HT, item);
+  } else if (CA > 0 || wgi == 2) {
+    wg::regs_inc<R::PV>();
+    pv_role<T, CA, CA, R::PV_CHUNKS>(a, smem, b, n_tiles, rb, HT, item);
   } else {
     wg::regs_inc<R::PV>();
-    const int t4 = tid & 3;
-    load_q<T>(a, smem, b, rb, HT, tid - 128);
-    float o[8 - CA][36];
-#pragma unroll
-    for (int m = 0; m < 8 - CA; ++m)
-#pragma unroll
-      for (int i = 0; i < 36; ++i) o[m][i] = 0.f;
-    const float* alpha_s = reinterpret_cast<const float*>(smem + ALPHA_OFF);
-    const int* flag_s = reinterpret_cast<const int*>(smem + FLAG_OFF);
-    for (int t = 0; t < n_tiles; ++t) {
-      const u32 kb = ks + (t & 1) * KBUF;
-      wg::bar_sync(B_READY, 256);
-      wg::mbar_wait(bars + 8 * (t & 1), (t >> 1) & 1);  // (landed already: the S warpgroup waited)
-      if (flag_s[0]) rescale_cols(o, alpha_s, t4);
-      pv<CA, 8 - CA>(o, kb, ps);
-      wg::wait0();
-      keep_o(o);
-      if (t + 1 < n_tiles) wg::bar_arrive(B_FREE, 256);
-      if (t + 2 < n_tiles) wg::bar_arrive(B_EMPTY + (t & 1), 384);
-    }
-    const float none[18] = {};
-    epilogue<T, CA, 8 - CA, false>(a, smem, o, none, rb, HT, item, tid - 128);
+    pv_role<T, CA, 4, 4>(a, smem, b, n_tiles, rb, HT, item);
   }
 #else
   __trap();  // wgmma needs sm_90a: the backend compiles this kernel for nothing else

@@ -5,8 +5,8 @@ arguments, items schedule and merge kernels it shares.
 One CTA per SM (227 KB of shared memory: Q, two 64-key buffers of the first 512 columns, one slot
 for the last 64, P^T), 72 query rows per CTA in wgmma's N: a request's H x T rows take
 ceil(H x T / 72) CTAs per work item (T 9: 72, 144, 288, 576 rows take 1, 2, 4, 8, no padding).
-Three warpgroups: a producer that gathers the key tiles, one for S^T, the softmax and the first
-DV_SPLIT value columns of O^T, one for the other value columns. Its parameters:
+Three or four warpgroups: a producer that gathers the key tiles, one for S^T, the softmax and the
+first DV_SPLIT value columns of O^T, one or two (DV_SPLIT 0) for the other value columns. Its parameters:
 `params.WGMMA_KM_PARAMS`.
 """
 from __future__ import annotations
@@ -23,12 +23,17 @@ from .wgmma import MERGE_WARP_EXPR, WGMMA_ARCHS, _Loaded
 #: the sources of its module, in order (nvrtc.SOURCE_PARTS)
 PARTS = ("verify.cu", "verify_wgmma.cu", "verify_km.cu")
 ROWS = 72        # query rows per CTA (wgmma's N)
-THREADS = 384    # three warpgroups
 TILE = 64        # keys per tile (wgmma's M)
 #: mirror of km::SMEM_BYTES in verify_km.cu (the kernel traps if launched with less): Q's 9 panels,
 #: two key buffers of 8 panels, the rope slot, P^T, the running max, factors and column maxima,
 #: a flag, the item, three mbarriers
 SMEM_BYTES = 9 * ROWS * 128 + 2 * 8 * TILE * 128 + TILE * 128 + ROWS * TILE * 2 + 3 * ROWS * 4 + 16 + 16 + 3 * 8
+
+
+def threads(dv_split: int) -> int:
+    """Threads per CTA (km::Roles<CA>::THREADS): the producer, the S warpgroup and one PV warpgroup,
+    or two where the S warpgroup holds no value columns (DV_SPLIT 0)."""
+    return 512 if dv_split == 0 else 384
 
 
 def row_blocks(H: int, T: int) -> int:
@@ -114,7 +119,7 @@ class WgmmaKmBackend(SplitMergeBackend):
     def _launch(self, a: LaunchArgs, params: WgmmaKmParams) -> None:
         pb = a.problem
         k = self._get(pb.T, pb.device, params.DV_SPLIT, params.SPLIT_ALIGN)
-        split_shape = ((row_blocks(pb.H, pb.T), work_items(params, pb.B), 1), (THREADS, 1, 1))
+        split_shape = ((row_blocks(pb.H, pb.T), work_items(params, pb.B), 1), (threads(params.DV_SPLIT), 1, 1))
         merge_k, merge_launch = k.merge_for(params.NSPLIT, pb.B, pb.T, pb.H)
         launch_split_merge(a, params, k.split, split_shape, SMEM_BYTES, merge_k, k.pdl, 8,
                            "the wgmma_km kernel's copies are 16 bytes: use the cuda backend with a smaller VEC",
