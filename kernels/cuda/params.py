@@ -77,7 +77,7 @@ WGMMA_KM_PARAMS = Declaration("WgmmaKmParams", [
           "value); one PV warpgroup takes the rest, or, at 0, two take 256 each (four warpgroups, 512 threads) "
           "and the S warpgroup's path per tile is S^T and the softmax alone (256 would leave the PV warpgroup "
           "too few registers: it spills)"),
-    Param("SPLIT_ALIGN", (32, 64), 32,
+    Param("SPLIT_ALIGN", (32, 64), 64,
           "keys a split's length is a multiple of (a template value): 64, whole 64-key tiles; 32, twice the "
           "splits at short contexts, with an odd piece's last tile half empty"),
 ], rules=[

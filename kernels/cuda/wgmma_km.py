@@ -55,7 +55,7 @@ def module_name(T: int, dv_split: int, align: int) -> str:
     return f"verify_km_T{T}_DV{dv_split}_A{align}_MSG{MERGE_SPLIT_GROUPS}"
 
 
-def compile_km(T: int, arch: str = "sm_90", dv_split: int = 192, align: int = 32):
+def compile_km(T: int, arch: str = "sm_90", dv_split: int = 192, align: int = 64):
     """Compile (or fetch) the module for T draft tokens, `dv_split` value columns in the S
     warpgroup and splits in multiples of `align` keys (no GPU needed); `arch` must have wgmma."""
     from .nvrtc import compile_module
