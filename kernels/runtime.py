@@ -19,7 +19,7 @@ Serving calls attention once per layer with the same metadata, so the work is sp
 two (`VerifyAttention.plan` once per step, `VerifyAttention.run` once per layer); the
 `__call__` of before is plan + run.
 
-`KVTUNE_VERIFY`: `auto` (default) runs what the YAML names; `reference|triton|cuda|wgmma` forces
+`KVTUNE_VERIFY`: `auto` (default) runs what the YAML names; `reference|triton|cuda|wgmma|wgmma_km` forces
 that backend (the YAML's parameters are used for entries of that backend, its default
 parameters elsewhere); `off` makes `from_defaults` return None so the caller keeps its own
 attention path.

@@ -5,7 +5,7 @@ Graph replay over rotating inputs (cold L2, as the Measurer times; `sol_read.gra
 of 15, of: both kernels, the split kernel alone, the merge kernel alone (it then merges stale
 partials: timing only). The launch of the other kernel is filtered out at `cuLaunchKernel`
 (and `cuLaunchKernelEx`, the merge's launch with programmatic dependent launch).
-`--backend wgmma` (or wgmma_km: KM_VARIANTS) times the wgmma kernel the same way (its default NSPLIT and ROWS unless --params
+`--backend wgmma` (wgmma_km: KM_VARIANTS) times the wgmma kernel alike (its default NSPLIT and ROWS unless --params
 says; `--merge warp|block` forces one of its two merge kernels, `--batch` times B requests of the
 prefix each, `--ragged` bench_serving.py's ragged batches); its variants (WGMMA_VARIANTS: full,
 no_tiles, no_q, no_o_store, exit_early, no_gather, no_qk_mma and no_pv_mma (the 64-row warpgroups'
@@ -258,7 +258,8 @@ WGMMA_VARIANTS = {
 # verify_km.cu (--backend wgmma_km): its stages left out, as above (a.H > 0 and kb != 0 at run time)
 KM_VARIANTS = {
     "full": [],
-    "no_tiles": [("const int n_tiles = (hi - lo + BN - 1) / BN;", "const int n_tiles = 0 * ((hi - lo + BN - 1) / BN);")],
+    "no_tiles": [("const int n_tiles = (hi - lo + BN - 1) / BN;",
+                  "const int n_tiles = 0 * ((hi - lo + BN - 1) / BN);")],
     "exit_early": [("if (b < 0) return;  // no work", "if (b < 0 || a.H > 0) return;  // no work")],
     "no_q": [("  if (a.q_vec16) {  // 8 lanes per row", "  if (a.H > 0) {\n  } else if (a.q_vec16) {  //")],
     "no_o_store": [("    if (rg < HT)\n      *reinterpret_cast<uint4*>(a.part_o",
@@ -267,7 +268,8 @@ KM_VARIANTS = {
     "no_copy": [("++p) cp_async<16>(kb + p * PANEL", "++p) if (a.H < 0) cp_async<16>(kb + p * PANEL"),
                 ("++i) cp_async<16>(rs + sx", "++i) if (a.H < 0) cp_async<16>(rs + sx")],
     "no_s_mma": [("        mma_n72<0>(s, wg::desc_add(dk,", "        if (a.H < 0) mma_n72<0>(s, wg::desc_add(dk,"),
-                 ("        mma_n72<0>(s, wg::desc_add(dr, kk * 32)", "        if (a.H < 0) mma_n72<0>(s, wg::desc_add(dr, kk * 32)")],
+                 ("        mma_n72<0>(s, wg::desc_add(dr, kk * 32)",
+                  "        if (a.H < 0) mma_n72<0>(s, wg::desc_add(dr, kk * 32)")],
     "no_pv_mma": [("      mma_n72<1>(o[m], wg::desc_add(dv,", "      if (kb == 0u) mma_n72<1>(o[m], wg::desc_add(dv,")],
     "no_exp": [("const float p = fast_exp2(s[4 * j + e] - ((e & 1) ? z1 : z0));",
                 "const float p = s[4 * j + e] - ((e & 1) ? z1 : z0);")],

@@ -109,7 +109,8 @@ class WgmmaKmBackend(SplitMergeBackend):
             arch = device_arch(idx)
             limit = torch.cuda.get_device_properties(idx).shared_memory_per_block_optin
             if SMEM_BYTES > limit:
-                raise ValueError(f"wgmma_km: {SMEM_BYTES} bytes of shared memory per block exceed this device's {limit}")
+                raise ValueError(f"wgmma_km: {SMEM_BYTES} bytes of shared memory per block exceed this "
+                                 f"device's {limit}")
             expr = split_expr(T, dv_split, align)
             ks = load_kernels(compile_km(T, arch, dv_split, align), idx, {expr: SMEM_BYTES})
             got = _Loaded(ks[expr], ks[MERGE_EXPR], ks[MERGE_WARP_EXPR], pdl_enabled(arch))
