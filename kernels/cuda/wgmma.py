@@ -152,6 +152,25 @@ def merge_warp_shape(B: int, T: int, H: int) -> tuple[tuple, tuple]:
     return (B * T, cdiv(H, 8), 1), (256, 1, 1)
 
 
+def sm90a_reject(kernel: str, arch: str, smem: int, build, expr: str) -> str | None:
+    """Why a kernel of the sm_90a backends (`kernel`: its backend's name) cannot run on `arch`: no
+    wgmma there, `smem` bytes per block over the arch's, a compile error or spills of `expr` in
+    the module `build()` compiles; or None."""
+    if arch not in WGMMA_ARCHS:
+        return f"the {kernel} kernel needs sm_90 (H100 / H200); {arch} has no wgmma"
+    if smem > ARCH_LIMITS[arch].smem_per_block:
+        return f"shared memory {smem} B per block exceeds {arch}'s {ARCH_LIMITS[arch].smem_per_block} B"
+    from .nvrtc import NvrtcError
+    try:
+        mod = build()
+    except NvrtcError as e:
+        return f"compile error on {arch}a: {e}"
+    res = mod.resources[expr]
+    if res.spills:
+        return f"register spills on {arch}a: {res.spill_stores} B stores / {res.spill_loads} B loads"
+    return None
+
+
 @dataclass
 class _Loaded:
     split: object
@@ -183,20 +202,9 @@ class WgmmaBackend(SplitMergeBackend):
         WgmmaParams.declaration.check_problem(vars(params), T=problem.T, Dk=DK, Dv=DV)
 
     def _reject_on(self, params: WgmmaParams, problem: VerifyProblem, arch: str) -> str | None:
-        if arch not in WGMMA_ARCHS:
-            return f"the wgmma kernel needs sm_90 (H100 / H200); {arch} has no wgmma"
-        smem = smem_bytes(params.ROWS)
-        if smem > ARCH_LIMITS[arch].smem_per_block:
-            return f"shared memory {smem} B per block exceeds {arch}'s {ARCH_LIMITS[arch].smem_per_block} B"
-        from .nvrtc import NvrtcError
-        try:
-            mod = compile_wgmma(problem.T, arch, params.ROWS, params.COPY_LANES)
-        except NvrtcError as e:
-            return f"compile error on {arch}a: {e}"
-        res = mod.resources[split_expr(problem.T, params.ROWS, params.COPY_LANES)]
-        if res.spills:
-            return f"register spills on {arch}a: {res.spill_stores} B stores / {res.spill_loads} B loads"
-        return None
+        return sm90a_reject(self.name, arch, smem_bytes(params.ROWS),
+                            lambda: compile_wgmma(problem.T, arch, params.ROWS, params.COPY_LANES),
+                            split_expr(problem.T, params.ROWS, params.COPY_LANES))
 
     def supports(self, device: torch.device) -> str | None:
         return nvrtc_unsupported(device, lambda arch: arch in WGMMA_ARCHS, "wgmma (sm_90: H100 / H200)")

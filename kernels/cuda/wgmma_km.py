@@ -17,8 +17,8 @@ from ..backends import LaunchArgs
 from ..shapes import VerifyProblem, cdiv
 from .backend import DK, DV, MERGE_EXPR, SplitMergeBackend, device_arch, launch_split_merge, nvrtc_unsupported, \
     pdl_enabled, sm_count, work_items
-from .params import ARCH_LIMITS, WgmmaKmParams
-from .wgmma import MERGE_WARP_EXPR, WGMMA_ARCHS, _Loaded
+from .params import WgmmaKmParams
+from .wgmma import MERGE_WARP_EXPR, WGMMA_ARCHS, _Loaded, sm90a_reject
 
 #: the sources of its module, in order (nvrtc.SOURCE_PARTS)
 PARTS = ("verify.cu", "verify_wgmma.cu", "verify_km.cu")
@@ -84,19 +84,9 @@ class WgmmaKmBackend(SplitMergeBackend):
         WgmmaKmParams.declaration.check_problem(vars(params), T=problem.T, Dk=DK, Dv=DV)
 
     def _reject_on(self, params: WgmmaKmParams, problem: VerifyProblem, arch: str) -> str | None:
-        if arch not in WGMMA_ARCHS:
-            return f"the wgmma_km kernel needs sm_90 (H100 / H200); {arch} has no wgmma"
-        if SMEM_BYTES > ARCH_LIMITS[arch].smem_per_block:
-            return f"shared memory {SMEM_BYTES} B per block exceeds {arch}'s {ARCH_LIMITS[arch].smem_per_block} B"
-        from .nvrtc import NvrtcError
-        try:
-            mod = compile_km(problem.T, arch, params.DV_SPLIT, params.SPLIT_ALIGN)
-        except NvrtcError as e:
-            return f"compile error on {arch}a: {e}"
-        res = mod.resources[split_expr(problem.T, params.DV_SPLIT, params.SPLIT_ALIGN)]
-        if res.spills:
-            return f"register spills on {arch}a: {res.spill_stores} B stores / {res.spill_loads} B loads"
-        return None
+        return sm90a_reject(self.name, arch, SMEM_BYTES,
+                            lambda: compile_km(problem.T, arch, params.DV_SPLIT, params.SPLIT_ALIGN),
+                            split_expr(problem.T, params.DV_SPLIT, params.SPLIT_ALIGN))
 
     def supports(self, device: torch.device) -> str | None:
         return nvrtc_unsupported(device, lambda arch: arch in WGMMA_ARCHS, "wgmma (sm_90: H100 / H200)")
