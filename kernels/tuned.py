@@ -18,12 +18,12 @@ EXPORT_TRAILER), and `load_tuned` refuses a file with the first but not the last
       - tp: 8
         heads_per_rank: 8
         max_batch: 1                    # serves batches up to this size (first entry that fits)
-        backend: cuda                   # reference | triton | cuda
+        backend: cuda                   # reference | triton | cuda | wgmma | wgmma_km
         params: {NSPLIT: 32, VEC: 8, ...}   # the backend's parameter dataclass; NSPLIT = grid
         buckets:                        # NSPLIT per context bucket (context = prefix tokens P_b)
           - {max_context: 4096, NSPLIT: 8, latency_us: 9.1, default_latency_us: 14.0, floor_us: 5.2}
           - {max_context: 131072, NSPLIT: 32}
-      - tp: 4                           # a per-context dispatch (cuda and wgmma entries only)
+      - tp: 4                           # a per-context dispatch (cuda, wgmma, wgmma_km entries)
         max_batch: 64
         backend: wgmma
         params: {NSPLIT: 66, ROWS: 72, COPY_LANES: 4}
