@@ -186,13 +186,22 @@ class _Loaded:
         return self.merge, None
 
 
-class WgmmaBackend(SplitMergeBackend):
-    name = "wgmma"
-    params_type = WgmmaParams
+class Sm90aBackend(SplitMergeBackend):
+    """What the sm_90a backends share: a kernel hash of their module's source parts (`parts`),
+    and the GPUs they run on (those with wgmma)."""
+    parts: tuple[str, ...] = PARTS
 
     def kernel_hash(self) -> str:
         from .nvrtc import kernel_source_hash
-        return kernel_source_hash(PARTS)
+        return kernel_source_hash(self.parts)
+
+    def supports(self, device: torch.device) -> str | None:
+        return nvrtc_unsupported(device, lambda arch: arch in WGMMA_ARCHS, "wgmma (sm_90: H100 / H200)")
+
+
+class WgmmaBackend(Sm90aBackend):
+    name = "wgmma"
+    params_type = WgmmaParams
 
     def default_params(self, problem: VerifyProblem) -> WgmmaParams:
         rows = default_rows(problem.H, problem.T)
@@ -205,9 +214,6 @@ class WgmmaBackend(SplitMergeBackend):
         return sm90a_reject(self.name, arch, smem_bytes(params.ROWS),
                             lambda: compile_wgmma(problem.T, arch, params.ROWS, params.COPY_LANES),
                             split_expr(problem.T, params.ROWS, params.COPY_LANES))
-
-    def supports(self, device: torch.device) -> str | None:
-        return nvrtc_unsupported(device, lambda arch: arch in WGMMA_ARCHS, "wgmma (sm_90: H100 / H200)")
 
     def _get(self, T: int, rows: int, device: torch.device, lanes: int = COPY_LANES) -> _Loaded:
         idx = device.index if device.index is not None else torch.cuda.current_device()

@@ -19,10 +19,9 @@ import torch
 
 from ..backends import LaunchArgs
 from ..shapes import VerifyProblem, cdiv
-from .backend import DK, DV, MERGE_EXPR, SplitMergeBackend, device_arch, launch_split_merge, nvrtc_unsupported, \
-    pdl_enabled, sm_count, work_items
+from .backend import DK, DV, MERGE_EXPR, device_arch, launch_split_merge, pdl_enabled, sm_count, work_items
 from .params import WgmmaKmParams
-from .wgmma import MERGE_WARP_EXPR, WGMMA_ARCHS, _Loaded, sm90a_reject
+from .wgmma import MERGE_WARP_EXPR, WGMMA_ARCHS, Sm90aBackend, _Loaded, sm90a_reject
 
 #: the sources of its module, in order (nvrtc.SOURCE_PARTS)
 PARTS = ("verify.cu", "verify_wgmma.cu", "verify_km.cu")
@@ -73,13 +72,10 @@ def compile_km(T: int, arch: str = "sm_90", dv_split: int = 192, align: int = 64
                           [split_expr(T, dv_split, align), MERGE_EXPR, MERGE_WARP_EXPR], arch + "a", parts=PARTS)
 
 
-class WgmmaKmBackend(SplitMergeBackend):
+class WgmmaKmBackend(Sm90aBackend):
     name = "wgmma_km"
     params_type = WgmmaKmParams
-
-    def kernel_hash(self) -> str:
-        from .nvrtc import kernel_source_hash
-        return kernel_source_hash(PARTS)
+    parts = PARTS
 
     def default_params(self, problem: VerifyProblem) -> WgmmaKmParams:
         return WgmmaKmParams(NSPLIT=one_wave(problem.H, problem.T, sm_count(problem)))
@@ -91,9 +87,6 @@ class WgmmaKmBackend(SplitMergeBackend):
         return sm90a_reject(self.name, arch, SMEM_BYTES,
                             lambda: compile_km(problem.T, arch, params.DV_SPLIT, params.SPLIT_ALIGN),
                             split_expr(problem.T, params.DV_SPLIT, params.SPLIT_ALIGN))
-
-    def supports(self, device: torch.device) -> str | None:
-        return nvrtc_unsupported(device, lambda arch: arch in WGMMA_ARCHS, "wgmma (sm_90: H100 / H200)")
 
     def _get(self, T: int, device: torch.device, dv_split: int, align: int) -> _Loaded:
         idx = device.index if device.index is not None else torch.cuda.current_device()
