@@ -136,7 +136,7 @@ def provenance_mismatches(tuned: TunedDefaults, device: torch.device | str,
         out.append(f"{src}: provenance.arch: tuned on {tuned.provenance.get('arch')!r}, "
                    f"this device is {want_arch!r}")
     hashes = tuned.provenance.get("kernel_hash") or {}
-    for name in sorted({e.backend for e in tuned.entries}):
+    for name in sorted({be for e in tuned.entries for be in e.backends()}):
         try:
             running = backend_kernel_hash(name)
         except ValueError as e:

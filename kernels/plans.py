@@ -2,10 +2,10 @@
 build plans from the YAML (`plans`), the model's shape on this rank (`model_on_rank`).
 
 A plan is one batch entry (or the untuned fallback): its backend, parameters and split table,
-and, for a per-context dispatch (buckets of the entry naming their own compile-time params,
-`TunedEntry.configs`), the other configs' (params, split table) pairs, launched after the
-first on every call; each table holds 0 at the buckets another config serves, and a launch
-whose batch falls there exits at once (`SplitTable`).
+and, for a per-context dispatch (buckets of the entry naming their own compile-time params, on
+the entry's backend or another, `TunedEntry.configs`), the other configs' (params, split table,
+backend) triples, launched after the first on every call; each table holds 0 at the buckets
+another config serves, and a launch whose batch falls there exits at once (`SplitTable`).
 
 Never imports the tuner, Optuna or pandas.
 """
@@ -32,8 +32,8 @@ class Plan:
 
     split_table: device-side NSPLIT per context bucket (None: the grid's NSPLIT always).
     entry: the YAML entry (None for the untuned fallback); `source` says where it came from.
-    others: a per-context dispatch's other configs, (params, split table) each, launched after
-    this one on every call (empty: one config serves every bucket).
+    others: a per-context dispatch's other configs, (params, split table, backend) each, launched
+    after this one on every call (empty: one config serves every bucket).
     """
 
     max_batch: int
@@ -51,14 +51,14 @@ class Plan:
         configs = self.entry.configs()
         for i in range(len(self.entry.buckets)):
             k = self._config_of(configs, i)
-            cp, ns = configs[k]
+            _, cp, ns = configs[k]
             grid = getattr(self.params, "NSPLIT", ns[i]) if k == 0 else cp.get("NSPLIT", ns[i])
             out.append(max(1, min(ns[i], grid)))
         return tuple(out)
 
     @staticmethod
     def _config_of(configs, i: int) -> int:
-        return next(k for k, (_, ns) in enumerate(configs) if ns[i] > 0)
+        return next(k for k, (_, _, ns) in enumerate(configs) if ns[i] > 0)
 
     def nsplit_for(self, prefix_len: int) -> int:
         """The NSPLIT the kernel picks on the device for a request with this prefix (host
@@ -68,16 +68,24 @@ class Plan:
             return grid
         return self.bucket_nsplits()[self.entry.buckets.index(self.entry.bucket_for(prefix_len))]
 
-    def params_for_keys(self, keys: int, T: int):
-        """The parameters of the launch that serves a batch of `keys` keys in all (prefixes and
-        drafts): this plan's, or under a per-context dispatch its bucket's config's, the bucket
-        chosen as the device chooses it (the first split-table bound >= keys, else the last)."""
+    def launches(self) -> tuple:
+        """Every launch of a call, in order: (params, split table, backend) each."""
+        return ((self.params, self.split_table, self.backend), *self.others)
+
+    def launch_for_keys(self, keys: int, T: int) -> tuple:
+        """The (params, split table, backend) of the launch that serves a batch of `keys` keys in
+        all (prefixes and drafts): this plan's, or under a per-context dispatch its bucket's
+        config's, the bucket chosen as the device chooses it (the first split-table bound >=
+        keys, else the last)."""
         if not self.others:
-            return self.params
+            return self.launches()[0]
         bounds = split_bounds(self.backend, [b.max_context for b in self.entry.buckets], T, self.max_batch)
         i = next((j for j, bound in enumerate(bounds) if keys <= bound), len(bounds) - 1)
-        k = self._config_of(self.entry.configs(), i)
-        return self.params if k == 0 else self.others[k - 1][0]
+        return self.launches()[self._config_of(self.entry.configs(), i)]
+
+    def params_for_keys(self, keys: int, T: int):
+        """The parameters of the launch that serves a batch of `keys` keys (`launch_for_keys`)."""
+        return self.launch_for_keys(keys, T)[0]
 
 
 def problem_of(kw: dict, batch: int) -> VerifyProblem:
@@ -105,34 +113,42 @@ def _plan_from_entry(e: TunedEntry, forced: str | None, fallback: str, allow_mis
         warn_once(f"heads:{source}", f"kvtune: {source}: tuned for {e.heads_per_rank} heads per rank, "
                    f"running {kw['H']}")
     why = None
-    if forced is None or forced == e.backend:
+    # a forced backend serves alone: an entry whose buckets launch other backends too is overridden
+    overridden = forced is not None and [forced] != e.backends()
+    usable = {}
+    if not overridden:
         try:
-            be = _usable_backend(e.backend, kw["device"], f"{source}: backend")
+            for name in e.backends():
+                usable[name] = _usable_backend(name, kw["device"], f"{source}: backend")
         except ValueError as err:
             if forced is not None or not allow_mismatch:
                 raise ValueError(f"{err} (allow_mismatch=True falls back to {fallback}'s defaults)") from None
             why = f"{err}; falling back to {fallback}"
-    if (forced is not None and forced != e.backend) or why is not None:
+    if overridden or why is not None:
         be = _usable_backend(fallback, kw["device"], f"{ENV_VERIFY}={forced}" if forced else "backend")
         params = be.default_params(problem_of(kw, min(e.max_batch, max_batch)))
-        why = why or f"{ENV_VERIFY}={forced} overrides {source}'s backend {e.backend!r}"
+        why = why or f"{ENV_VERIFY}={forced} overrides {source}'s backend " + \
+            (repr(e.backend) if len(e.backends()) == 1 else f"dispatch over {e.backends()}")
         warn_once(f"fallback:{source}:{fallback}", f"kvtune: {why}: running {be.name} with its default "
                    f"parameters {params}")
         return Plan(e.max_batch, be, params, None, None, f"{source}, replaced by {be.name} defaults")
+    be = usable[e.backend]
     params = params_from_dict(be.params_type, dict(e.params), where=f"{source}: params", complete=True) \
         if be.params_type is not None else None
     grid = getattr(params, "NSPLIT", None)
     configs = e.configs()
-    if len(configs) > 1 and not be.nsplit_per_batch:
-        raise ValueError(f"{source}: buckets name their own params (a per-context dispatch), which backend "
-                         f"{be.name} cannot serve (it picks NSPLIT per request; cuda and wgmma can)")
+    for b in usable.values():
+        if len(configs) > 1 and not b.nsplit_per_batch:
+            raise ValueError(f"{source}: buckets name their own params (a per-context dispatch), which backend "
+                             f"{b.name} cannot serve (it picks NSPLIT per request; cuda, wgmma and wgmma_km can)")
     if grid is None:
         return Plan(e.max_batch, be, params, None, e, source)
     # the kernel compares L_b = prefix + T keys with the bound; the YAML's bounds are prefixes
     bounds = split_bounds(be, [b.max_context for b in e.buckets], kw["T"], e.max_batch)
-    table = SplitTable.build(bounds, [min(n, grid) for n in configs[0][1]], kw["device"])
-    others = tuple((params_from_dict(be.params_type, cp, where=f"{source}: buckets[].params", complete=True),
-                    SplitTable.build(bounds, ns, kw["device"])) for cp, ns in configs[1:])
+    table = SplitTable.build(bounds, [min(n, grid) for n in configs[0][2]], kw["device"])
+    others = tuple((params_from_dict(usable[name].params_type, cp, where=f"{source}: buckets[].params",
+                                     complete=True),
+                    SplitTable.build(bounds, ns, kw["device"]), usable[name]) for name, cp, ns in configs[1:])
     return Plan(e.max_batch, be, params, table, e, source, others)
 
 
@@ -206,9 +222,9 @@ def plans(tuned: TunedDefaults | None, kw: dict, mode: str, backend: str | None,
         params = be.default_params(problem_of(kw, max_batch))
         plans.append(Plan(max_batch, be, params, None, None, f"untuned default of {fallback}"))
     for p in plans:
-        for params in (p.params, *(o[0] for o in p.others)):   # a dispatch's every config
+        for params, _, be in p.launches():   # a dispatch's every config
             try:
-                p.backend.check_params(params, problem_of(kw, min(p.max_batch, max_batch)))
+                be.check_params(params, problem_of(kw, min(p.max_batch, max_batch)))
             except ValueError as exc:  # the YAML's params (or the model) do not fit this rank's problem
                 raise type(exc)(f"{p.source}: params {params}: {exc}") from None
     return plans

@@ -136,9 +136,9 @@ class VerifyAttention:
         self._problems = [None] + [self.problem(n) for n in range(1, max_batch + 1)]
         self._step: StepPlan | None = None
         # a per-context dispatch's configs run one after the other on the same workspace
-        need = max(self._launch[n][0].backend.workspace_bytes(self.problem(n), params)
-                   for n in range(1, max_batch + 1)
-                   for params in (self._launch[n][1], *(o[0] for o in self._launch[n][0].others)))
+        need = max(be.workspace_bytes(self.problem(n), params) for n in range(1, max_batch + 1)
+                   for params, _, be in ((self._launch[n][1], None, self._launch[n][0].backend),
+                                         *self._launch[n][0].others))
         self.workspace_bytes = need
         out_bytes = max_batch * T * H * Dv * 2 if preallocate_out else 0
         table_bytes = sum(8 * t.num_buckets for t in {id(t): t for n in range(1, max_batch + 1) for t in (
@@ -256,19 +256,19 @@ class VerifyAttention:
             # a per-context dispatch: each config on its own (its grid NSPLIT: these short
             # requests fall in the first bucket, which one config serves), then all of them in
             # turn as `run` launches them, the idle ones writing nothing
-            checks = [((params, table),)] if not p.others else \
-                [((c, None),) for c in (params, *(o[0] for o in p.others))] + [((params, table), *p.others)]
+            every = ((params, table, p.backend), *p.others)
+            checks = [every[:1]] if not p.others else [((c, None, be),) for c, _, be in every] + [every]
             for launches in checks:
                 out = torch.full((n * self.T, self.H, self.Dv), float("nan"), dtype=torch.bfloat16,
                                  device=self.device)
-                for c, t in launches:
-                    verify_attention(*inp.args, backend=p.backend, params=c, out=out, workspace=self.workspace,
+                for c, t, be in launches:
+                    verify_attention(*inp.args, backend=be, params=c, out=out, workspace=self.workspace,
                                      split_table=t, kv_lora_rank=self.Dv, check_values_=True)
                 err = rel_error(out, ref)
                 if not err <= SELF_CHECK_TOL:
-                    raise RuntimeError(f"kvtune: start-up self-check failed for {p.source}: backend "
-                                       f"{p.backend.name} params {[c for c, _ in launches]} give relative error "
-                                       f"{err:.3g} against the oracle")
+                    raise RuntimeError(f"kvtune: start-up self-check failed for {p.source}: backend(s) "
+                                       f"{[be.name for _, _, be in launches]} params {[c for c, _, _ in launches]} "
+                                       f"give relative error {err:.3g} against the oracle")
 
     def describe(self) -> dict:
         """A plain summary (for logs): plans, parameters, buckets and preallocated bytes."""
@@ -276,8 +276,9 @@ class VerifyAttention:
                 "max_context": self.max_context, "workspace_bytes": self.workspace_bytes,
                 "allocated_bytes": self.allocated_bytes,
                 "plans": [{"max_batch": p.max_batch, "backend": p.backend.name, "params": p.params,
-                           "buckets": [(b.max_context, b.NSPLIT) + ((b.params,) if b.params else ())
-                                       for b in p.entry.buckets] if p.entry else None,
+                           "buckets": [(b.max_context, b.NSPLIT) + ((b.backend,) if b.backend else ()) +
+                                       ((b.params,) if b.params else ()) for b in p.entry.buckets]
+                           if p.entry else None,
                            "source": p.source} for p in self.plans]}
 
     # -- plan once per step, run once per layer
@@ -397,10 +398,9 @@ class VerifyAttention:
             raise ValueError(f"sm_scale: expected a positive finite float, got {sm_scale!r}")
         # a per-context dispatch launches every config of the entry: the one whose split table
         # holds the batch's bucket runs, the others exit at once (their bucket's value is 0)
-        for params, table in ((step.params, step.split_table), *step.plan.others):
-            step.plan.backend.launch(LaunchArgs(step.problem, q, kv_cache, step.kv_indptr, step.kv_indices,
-                                                step.tree_mask, float(sm_scale), out, lse, self.workspace, table),
-                                     params)
+        for params, table, be in ((step.params, step.split_table, step.plan.backend), *step.plan.others):
+            be.launch(LaunchArgs(step.problem, q, kv_cache, step.kv_indptr, step.kv_indices, step.tree_mask,
+                                 float(sm_scale), out, lse, self.workspace, table), params)
         return out if lse is None else (out, lse)
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor,

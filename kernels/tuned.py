@@ -30,6 +30,7 @@ EXPORT_TRAILER), and `load_tuned` refuses a file with the first but not the last
         buckets:
           - {max_context: 4096, NSPLIT: 66}
           - {max_context: 65536, NSPLIT: 33, params: {ROWS: 72, COPY_LANES: 8}}
+          - {max_context: 131072, NSPLIT: 132, backend: wgmma_km, params: {DV_SPLIT: 192, SPLIT_ALIGN: 64}}
       - tp: 8                           # a batch bucket > 1: also timed on a ragged batch
         max_batch: 64
         ...
@@ -47,6 +48,12 @@ another config faster there by more than the dispatch costs): the runtime launch
 distinct config of the entry on every call, and the one whose buckets hold the batch's runs
 while the others exit at once (`TunedEntry.configs`). Those buckets' NSPLIT are within their
 own config's grid (the largest of them), not params.NSPLIT.
+
+A bucket's `backend` (optional, with `params`) puts it on another backend's kernel: `params` are
+then that backend's compile-time parameters in full (all but NSPLIT), and the bucket is served by
+that backend's launch in the same way. Every backend of such an entry counts NSPLIT over the
+batch (cuda, wgmma, wgmma_km: their launches share the split table's 0-means-idle rule), and
+each backend an entry launches has its `provenance.kernel_hash`.
 """
 from __future__ import annotations
 
@@ -118,8 +125,10 @@ class ContextBucket:
     # ragged requests is least, so latency_us may exceed default_latency_us by that ratio
     ragged_us: float | None = None
     default_ragged_us: float | None = None
-    # a per-context dispatch: this bucket's compile-time parameters (no NSPLIT) where they are
-    # not the entry's; None: the entry's
+    # a per-context dispatch: the backend serving this bucket where it is not the entry's (None:
+    # the entry's), and this bucket's compile-time parameters (no NSPLIT) where they are not the
+    # entry's (None: the entry's; with `backend`: that backend's, all of them)
+    backend: str | None = None
     params: dict | None = None
 
 
@@ -138,22 +147,28 @@ class TunedEntry:
                 return b
         return self.buckets[-1]
 
-    def configs(self) -> list[tuple[dict, list[int]]]:
-        """The compile-time configs this entry launches on every call: (their params, NSPLIT as
-        the grid, the largest of their buckets'; NSPLIT per bucket, 0 where another config
-        serves it). The entry's own config first (its NSPLIT: params.NSPLIT), then each other
-        in the order of its first bucket. One config unless some bucket has `params`."""
+    def configs(self) -> list[tuple[str, dict, list[int]]]:
+        """The compile-time configs this entry launches on every call: (their backend, their
+        params, NSPLIT as the grid, the largest of their buckets'; NSPLIT per bucket, 0 where
+        another config serves it). The entry's own config first (its NSPLIT: params.NSPLIT), then
+        each other in the order of its first bucket. One config unless some bucket has `params`."""
         own = {k: v for k, v in self.params.items() if k != "NSPLIT"}
-        groups: dict[str, tuple[dict, list[int]]] = {json.dumps(own, sort_keys=True): (own, [])}
+        groups: dict[str, tuple[str, dict, list[int]]] = {
+            json.dumps([self.backend, own], sort_keys=True): (self.backend, own, [])}
         for i, b in enumerate(self.buckets):
-            cp = dict(own, **b.params) if b.params else own
-            groups.setdefault(json.dumps(cp, sort_keys=True), (cp, []))[1].append(i)
+            be = b.backend or self.backend
+            cp = dict(b.params) if b.backend else dict(own, **b.params) if b.params else own
+            groups.setdefault(json.dumps([be, cp], sort_keys=True), (be, cp, []))[2].append(i)
         out = []
-        for n, (cp, idx) in enumerate(groups.values()):
+        for n, (be, cp, idx) in enumerate(groups.values()):
             ns = [b.NSPLIT if i in idx else 0 for i, b in enumerate(self.buckets)]
             grid = self.params.get("NSPLIT", max(ns)) if n == 0 else max(ns)
-            out.append((dict(cp, NSPLIT=grid) if "NSPLIT" in self.params else dict(cp), ns))
+            out.append((be, dict(cp, NSPLIT=grid) if "NSPLIT" in self.params else dict(cp), ns))
         return out
+
+    def backends(self) -> list[str]:
+        """Every backend this entry launches: its own, then its buckets' others."""
+        return list(dict.fromkeys([self.backend] + [b.backend for b in self.buckets if b.backend]))
 
 
 @dataclass(frozen=True)
@@ -295,10 +310,9 @@ def parse_tuned(data: Any, source: str = "<memory>", check_params: bool = True,
         if check_params and e["backend"] != "reference":
             from .backends import params_from_dict
             from .params import params_type
-            for cp, _ in entry.configs()[1:]:
+            for be, cp, _ in entry.configs()[1:]:
                 try:
-                    params_from_dict(params_type(e["backend"]), cp, where=f"{src}: {key}.buckets[].params",
-                                     complete=True)
+                    params_from_dict(params_type(be), cp, where=f"{src}: {key}.buckets[].params", complete=True)
                 except ValueError as exc:
                     raise SchemaError(str(exc) if str(exc).startswith(src) else f"{src}: {key}: {exc}") from None
         entries.append(entry)
@@ -316,17 +330,20 @@ def _parse_buckets(src, key, braw, params: dict, backend: str) -> tuple[ContextB
     prev = 0
     for j, b in enumerate(braw):
         bkey = f"{key}.buckets[{j}]"
-        b = check_keys(src, bkey, b, ("max_context", "NSPLIT", "params") + _BUCKET_TIMES, ("max_context", "NSPLIT"))
+        b = check_keys(src, bkey, b, ("max_context", "NSPLIT", "backend", "params") + _BUCKET_TIMES,
+                       ("max_context", "NSPLIT"))
         mc = _int(src, f"{bkey}.max_context", b["max_context"])
         if mc <= prev:
             raise _err(src, f"{bkey}.max_context", f"buckets must increase strictly ({mc} after {prev})")
         prev = mc
         ns = _int(src, f"{bkey}.NSPLIT", b["NSPLIT"])
-        own = _bucket_params(src, bkey, b.get("params"), params, backend)
+        other = _bucket_backend(src, bkey, b, backend)
+        own = _bucket_params(src, bkey, b.get("params"), params, backend) if other is None else \
+            _other_backend_params(src, bkey, b.get("params"), other)
         if own is None and grid_nsplit is not None and ns > grid_nsplit:
             raise _err(src, f"{bkey}.NSPLIT", f"{ns} exceeds params.NSPLIT={grid_nsplit} (the grid size)")
         times = {k: _opt_float(src, f"{bkey}.{k}", b.get(k)) for k in _BUCKET_TIMES}
-        buckets.append(ContextBucket(mc, ns, **times, params=own))
+        buckets.append(ContextBucket(mc, ns, **times, backend=other, params=own))
     if all(b.params is not None for b in buckets):
         raise _err(src, f"{key}.buckets", "every bucket names its own params: the entry's params serve none")
     return tuple(buckets)
@@ -349,6 +366,37 @@ def _bucket_params(src, bkey, raw, entry_params: dict, backend: str) -> dict | N
                                           "with other compile-time params")
     if all(entry_params[k] == v for k, v in raw.items()):
         raise _err(src, f"{bkey}.params", f"{raw} are the entry's own: leave them out")
+    return dict(raw)
+
+
+def _bucket_backend(src, bkey, b: dict, entry_backend: str) -> str | None:
+    """A bucket's own backend (a per-context dispatch across kernels), checked: a backend name
+    other than the entry's, both counting NSPLIT over the batch (an idle launch needs the split
+    table's 0). None when absent."""
+    if "backend" not in b:
+        return None
+    be = b["backend"]
+    if be not in BACKEND_NAMES:
+        raise _err(src, f"{bkey}.backend", f"expected one of {list(BACKEND_NAMES)}, got {be!r}")
+    if be == entry_backend:
+        raise _err(src, f"{bkey}.backend", f"{be} is the entry's own: leave it out")
+    from .params import nsplit_per_batch
+    for name in (entry_backend, be):
+        if not nsplit_per_batch(name):
+            raise _err(src, f"{bkey}.backend", f"backend {name} picks NSPLIT per request and cannot share an entry "
+                                               "with another backend's buckets")
+    if "params" not in b:
+        raise _err(src, f"{bkey}.params", f"required with backend {be}: its compile-time parameters but NSPLIT")
+    return be
+
+
+def _other_backend_params(src, bkey, raw, backend: str) -> dict:
+    """The compile-time parameters of a bucket on another backend: a mapping without NSPLIT
+    (their completeness and values are checked against the backend's declaration with the entry)."""
+    raw = _mapping(src, f"{bkey}.params", raw)
+    if "NSPLIT" in raw:
+        raise _err(src, f"{bkey}.params", f"NSPLIT is the bucket's own key, not one of backend {backend}'s params "
+                                          "here")
     return dict(raw)
 
 

@@ -211,10 +211,15 @@ def _kernel_variants(va, va_b1, defaults: dict, B: int, out, nsplits: list[int] 
             step = rt.plan(inp.kv_indptr, inp.kv_indices, inp.tree_mask, check_values=False)
             return lambda: rt.run(inp.q, inp.kv_cache, out, plan=step)
         return launch_on
-    variants = {"tuned": (runtime_launch(va), f"{va.plan_for(B).backend.name} {va.params_for(B, keys)}")}
+    def config_text(rt):   # under a per-context dispatch: the launch serving `keys`, on its backend
+        p = rt.plan_for(B)
+        if keys is not None and p.others:
+            params, _, be = p.launch_for_keys(keys, rt.T)
+            return f"{be.name} {params}"
+        return f"{p.backend.name} {rt.params_for(B)}"
+    variants = {"tuned": (runtime_launch(va), config_text(va))}
     if va_b1 is not None:
-        variants["tuned-b1"] = (runtime_launch(va_b1),
-                                f"{va_b1.plan_for(B).backend.name} {va_b1.params_for(B, keys)}")
+        variants["tuned-b1"] = (runtime_launch(va_b1), config_text(va_b1))
     problem = va.problem(B)
     runs = [(vname, be, be.default_params(problem)) for vname, be in defaults.items()]
     runs += [(f"default-cuda-nsplit{n}", be, dataclasses.replace(be.default_params(problem), NSPLIT=n))
@@ -369,8 +374,8 @@ def main(argv=None) -> int:
         common = {"case": label, "B": B, "prefix": prefixes[0] if len(set(prefixes)) == 1 else "ragged",
                   "keys": sum(prefixes) + B * va.T, "floor_us": round(floor_us(ceil, base, prefixes), 3)}
         plan = va.plan_for(B)
-        need = max(plan.backend.workspace_bytes(va.problem(B), c)
-                   for c in (va.params_for(B), *(o[0] for o in plan.others)))
+        need = max(be.workspace_bytes(va.problem(B), c)
+                   for c, be in ((va.params_for(B), plan.backend), *((o[0], o[2]) for o in plan.others)))
         if need > budget:
             rows.append({**common, "variant": "tuned", "outcome": "skipped",
                          "reason": f"workspace {need / 2**20:.0f} MiB > budget {budget / 2**20:.0f} MiB"})

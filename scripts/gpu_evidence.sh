@@ -8,6 +8,8 @@
 #                                             # the serving benchmark
 #   bash scripts/gpu_evidence.sh serving      # serving GPU tests with the packaged defaults, the serving
 #                                             # benchmark at tp 8 and tp 4, the per-bucket dispatch cost
+#   bash scripts/gpu_evidence.sh dispatch     # (carry .whl) the dispatch across backends: its GPU tests, the
+#                                             # export of kimi-k2-h200 from its trials, the serving benchmark
 #   bash scripts/gpu_evidence.sh tests        # every test marked gpu (carry .whl for the tuner's)
 #   bash scripts/gpu_evidence.sh sanitize     # compute-sanitizer racecheck (and memcheck unless MEMCHECK=0) of
 #                                             # the cuda and wgmma kernels on small odd shapes
@@ -29,7 +31,7 @@
 # every batch bucket at tp 8 and 4, then batch 1 at tp 2 and 1).
 set -u
 OUT=${OUT:?}
-step=${1:?say kernel, sweep, serving, tests, sanitize, limits, phases, proxy, tpe-vs-grid or workers}; shift
+step=${1:?say kernel, sweep, serving, dispatch, tests, sanitize, limits, phases, proxy, tpe-vs-grid or workers}; shift
 kv="python3 -m kvtune.tuner.cli"
 dep=configs/deployments/kimi-k2-h200.yaml
 
@@ -140,6 +142,35 @@ serving)
       --alt NSPLIT=33,HEADS_PER_BLOCK=2,STAGES=3 > $OUT/dispatch.log 2>&1
   echo "bench_dispatch rc=$?" >> $OUT/dispatch.log
   tail -n 30 $OUT/serving-tp8.log; tail -n 8 $OUT/serving-tp4.log; tail -n 7 $OUT/dispatch.log
+  ;;
+dispatch)
+  # the per-context dispatch across backends: its GPU tests and the wgmma_km cases of the shared
+  # ones, then kimi-k2-h200 exported from its trials and the wgmma_km sweep's (every backend's;
+  # the export takes the table's backends) with the serving checks it lacks measured here, and
+  # the serving benchmark of that export -> $OUT/export.tgz, $OUT/serving
+  . scripts/device_env.sh wheels
+  env_log
+  timeout ${PRE_S:-150} python3 scripts/precompile.py --arch sm_90 --T 1,2,5,9,16 --jobs 16 > $OUT/precompile.log 2>&1
+  tail -n 2 $OUT/precompile.log
+  timeout ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --timeout 150 \
+      tests/test_dispatch_gpu.py > $OUT/pytest.log 2>&1
+  timeout ${TEST2_S:-150} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --timeout 120 -k wgmma_km \
+      tests/test_cuda_gpu.py tests/test_contract.py >> $OUT/pytest.log 2>&1
+  echo "pytest rc=$?" >> $OUT/pytest.log; grep -E "passed|failed|rc=" $OUT/pytest.log
+  r=/tmp/res; rm -rf $r; mkdir -p $r; cp -r results/kimi-k2-h200 $r/
+  # the shipped sweep's rows and the wgmma_km sweep's (results/kernel/wgmma-km/sweep/), one table
+  python3 scripts/merge_trials.py results/kimi-k2-h200/trials.csv results/kernel/wgmma-km/sweep/trials-wgmma_km.csv \
+      --out $r/kimi-k2-h200/trials.csv
+  timeout ${EXPORT_S:-200} $kv export $dep --out $r > $OUT/export.log 2>&1
+  echo "export rc=$?" >> $OUT/export.log
+  tar czf $OUT/export.tgz -C $r kimi-k2-h200
+  if [ "${BENCH_S:-150}" -gt 0 ]; then
+    timeout ${BENCH_S:-150} python3 scripts/bench_serving.py --defaults $r/kimi-k2-h200/kimi-k2-h200.yaml \
+        --defaults-of cuda --tp 8 --batches 1,8,16,64 --prefixes 4096,65536 --layers 8 --out $OUT/serving \
+        > $OUT/serving.log 2>&1
+    echo "bench_serving rc=$?" >> $OUT/serving.log
+  fi
+  grep -E "note:|rc=" $OUT/export.log | tail -n 12; tail -n 22 $OUT/serving.log 2>/dev/null
   ;;
 tests)
   if ls .whl/*.whl >/dev/null 2>&1; then . scripts/device_env.sh wheels; else . scripts/device_env.sh tree; fi

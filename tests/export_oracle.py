@@ -196,20 +196,39 @@ def check_export(tuned: dict, trials: pd.DataFrame, rnd: str | None = None) -> N
 DISPATCH_COST_US = 2.9
 
 
+# the backends whose NSPLIT counts the batch's splits: only they can leave a launch idle
+DISPATCH_BACKENDS = ("cuda", "wgmma", "wgmma_km")
+
+
+def _moved_group(e: dict, comp: str, b: dict) -> tuple[str, str]:
+    """(backend, compile-time part) of a moved bucket: its own backend's params in full where it
+    names one, else the entry's params with the bucket's over them."""
+    if "backend" in b:
+        return b["backend"], _compile_part(b["params"])
+    return e["backend"], _compile_part({**json.loads(comp), **b["params"]})
+
+
 def _check_moved(trials, at, e, comp, tp, bs, ctx, b, n, rnd) -> None:
-    """A bucket a per-context dispatch serves with its own compile-time params (`b["params"]`):
-    the alternative group's NSPLIT (chosen as for any group), its measured latency, faster than
-    the entry's own config there by more than 3% and the dispatch's cost."""
-    assert e["backend"] in ("cuda", "wgmma"), f"{e['backend']} cannot serve a per-context dispatch"
-    alt = _compile_part({**json.loads(comp), **b["params"]})
-    assert alt != comp, (tp, bs, ctx, b)
-    n_alt, ragged = served_nsplit(trials, at, e["backend"], alt, tp, bs, ctx, rnd)
+    """A bucket a per-context dispatch serves with its own compile-time params (`b["params"]`,
+    of its own `b["backend"]` where it names one): the alternative group's NSPLIT (chosen as for
+    any group), its measured latency, faster than the entry's own config there by more than 3%
+    and the dispatch's cost."""
+    for be in (e["backend"], b.get("backend", e["backend"])):
+        assert be in DISPATCH_BACKENDS, f"{be} cannot serve a per-context dispatch"
+    alt_be, alt = _moved_group(e, comp, b)
+    assert (alt_be, alt) != (e["backend"], comp), (tp, bs, ctx, b)
+    mine_at = at
+    if alt_be != e["backend"]:
+        lat = config_latencies(trials)
+        at = lat[(lat["backend"] == alt_be) & (lat["tp"] == tp) & (lat["bs"] == bs)]
+    n_alt, ragged = served_nsplit(trials, at, alt_be, alt, tp, bs, ctx, rnd)
     assert b["NSPLIT"] == n_alt, (tp, bs, ctx, b, n_alt)
     assert (b.get("ragged_us") is None) == (ragged is None), (tp, bs, ctx, b)
     config = _key({**json.loads(alt), "NSPLIT": b["NSPLIT"]})
     measured = at[(at["ctx"] == ctx) & (at["config"] == config)]["latency_us"]
     assert len(measured) and abs(measured.iloc[0] - b["latency_us"]) <= TOL_US, (tp, bs, ctx, config)
-    mine = at[(at["ctx"] == ctx) & (at["config"] == _key({**json.loads(comp), "NSPLIT": n}))]["latency_us"]
+    mine = mine_at[(mine_at["ctx"] == ctx) & (mine_at["config"] == _key({**json.loads(comp), "NSPLIT": n}))][
+        "latency_us"]
     assert len(mine), (tp, bs, ctx, "the entry's own config at its NSPLIT was measured")
     have = float(mine.iloc[0])
     assert b["latency_us"] * (1 + MARGIN) < have + TOL_US and have - b["latency_us"] > DISPATCH_COST_US - TOL_US, \
@@ -243,7 +262,7 @@ def check_dispatch(e: dict, trials: pd.DataFrame) -> None:
     of the default's time there."""
     moved = {b["max_context"]: b for b in e["buckets"] if "params" in b}
     comp = _compile_part(e["params"])
-    alts = {_compile_part({**json.loads(comp), **b["params"]}) for b in moved.values()}
+    alts = {_moved_group(e, comp, b) for b in moved.values()}
     assert len(alts) == 1, (e["tp"], e["max_batch"], alts)
     tp, bs = e["tp"], e["max_batch"]
     dispatch = _served_rounds(trials, tp, bs, "dispatch", e["backend"])

@@ -42,8 +42,9 @@ def test_a_bucket_with_its_own_params_makes_a_second_config():
                           {"max_context": 131072, "NSPLIT": 33, "params": {"COPY_LANES": 8}}],
                      params=dict(LANES4, NSPLIT=132)))
     (e,) = t.entries
-    assert e.configs() == [({"ROWS": 72, "COPY_LANES": 4, "NSPLIT": 132}, [66, 0, 132, 0]),
-                           ({"ROWS": 72, "COPY_LANES": 8, "NSPLIT": 44}, [0, 44, 0, 33])]
+    assert e.configs() == [("wgmma", {"ROWS": 72, "COPY_LANES": 4, "NSPLIT": 132}, [66, 0, 132, 0]),
+                           ("wgmma", {"ROWS": 72, "COPY_LANES": 8, "NSPLIT": 44}, [0, 44, 0, 33])]
+    assert e.backends() == ["wgmma"]
     assert parse_tuned(t.to_dict()) == t          # written and read back the same
 
 
@@ -95,7 +96,7 @@ def test_the_plan_mirrors_the_devices_choice_of_config_and_nsplit():
     main, alt = WgmmaParams(NSPLIT=66, **LANES4), WgmmaParams(NSPLIT=44, **LANES8)
     bounds = split_bounds(be, [b.max_context for b in e.buckets], 9, 64)
     assert bounds == [(c + 9) * 64 for c in (4096, 16384, 65536)]
-    plan = Plan(64, be, main, None, e, "mem", ((alt, None),))
+    plan = Plan(64, be, main, None, e, "mem", ((alt, None, be),))
     assert plan.bucket_nsplits() == (66, 44, 33)
     assert plan.params_for_keys(bounds[0], 9) == main
     assert plan.params_for_keys(bounds[0] + 1, 9) == alt and plan.params_for_keys(bounds[1], 9) == alt
@@ -136,10 +137,11 @@ def _search(lanes8: dict) -> list[dict]:
 ])
 def test_dispatch_moves_the_buckets_another_group_wins_by_the_margin_and_the_cost(lanes8, moved):
     df = _table(_search(lanes8))
-    moves, alt = dispatch_moves(df, "wgmma", 4, 64, CTXS, dict(LANES4), _pick(SERVED)[2], None)
+    moves, alt, alt_be = dispatch_moves(df, "wgmma", 4, 64, CTXS, dict(LANES4), _pick(SERVED)[2], None)
     if moved is None:   # every bucket would move: the pick itself should have been this group
-        assert moves == {} and alt == {}
+        assert moves == {} and alt == {} and alt_be is None
         return
+    assert alt_be == ("wgmma" if moved else None)
     assert {c: b.nsplit for c, b in moves.items()} == moved
     assert alt == (LANES8 if moved else {})
     for c, b in moves.items():
@@ -150,7 +152,7 @@ def test_a_group_slower_on_the_ragged_batch_is_not_moved_there():
     rows = _search({16384: (44, 700.0), 65536: (33, 2900.0)})
     rows += [_trial(dict(LANES4, NSPLIT=66), 65536, 1000.0, "ragged", "baseline", "x8"),
              _trial(dict(LANES8, NSPLIT=33), 65536, 1100.0, "ragged", "search", "x8")]
-    moves, _ = dispatch_moves(_table(rows), "wgmma", 4, 64, CTXS, dict(LANES4), _pick(SERVED)[2], "x8")
+    moves, _, _ = dispatch_moves(_table(rows), "wgmma", 4, 64, CTXS, dict(LANES4), _pick(SERVED)[2], "x8")
     assert sorted(moves) == [16384]
 
 
@@ -176,7 +178,7 @@ def _dispatch_key():
 def test_the_dispatch_stays_only_if_its_serving_check_beats_the_picks(checked, kept):
     key, _ = _dispatch_key()
     df = _table(_search({16384: (44, 700.0), 65536: (33, 2900.0)}) + _serve_rows(key, checked))
-    moves, alt, lat, notes = with_dispatch(df, _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED))
+    moves, alt, _, lat, notes = with_dispatch(df, _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED))
     assert bool(moves) is kept and (alt == LANES8) is kept and (lat == checked) is kept
     assert ("per-context dispatch" if kept else "no dispatch") in notes[0]
     # 16k failing alone: 64k's dispatch by itself is next, and nothing recorded it here
@@ -205,7 +207,7 @@ def test_where_only_some_moved_buckets_win_those_alone_are_checked_in_turn(alone
     def check(be, p, t, tp, bs, contexts, k, dispatch=None):
         calls.append((p, t, contexts, k, dispatch))
         return _serve_rows(k, {c: alone[c] for c in contexts})
-    moves, alt, lat, notes = with_dispatch(df, _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED), check)
+    moves, alt, _, lat, notes = with_dispatch(df, _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED), check)
     assert calls == [(p64, t64, CTXS, serve_key("wgmma", p64, t64, o64), o64)]
     assert (sorted(moves) == [65536]) is kept and (lat == alone) is kept and (alt == LANES8) is kept
     assert len(notes) == 2
@@ -220,17 +222,17 @@ def test_a_dispatch_check_is_measured_when_missing_and_a_failed_one_keeps_the_pi
     def check(be, p, t, tp, bs, contexts, k, dispatch=None):
         calls.append((p, t, contexts, k, dispatch))
         return [dict(r, ctx=r["ctx"]) for r in _serve_rows(k, {c: SERVED[c] * 0.9 for c in contexts})]
-    moves, _, lat, _ = with_dispatch(df, _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED), check)
+    moves, _, _, lat, _ = with_dispatch(df, _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED), check)
     assert calls == [(params, table, CTXS, key, others)] and sorted(moves) == [16384, 65536]
     wrong = _table(_search({16384: (44, 700.0), 65536: (33, 2900.0)}) +
                    _serve_rows(key, {c: 1.0 for c in CTXS}, outcome="wrong"))
-    moves, _, lat, notes = with_dispatch(wrong, _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED))
+    moves, _, _, lat, notes = with_dispatch(wrong, _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED))
     assert moves == {} and lat is None and "failed (wrong" in notes[0]
 
 
 def test_a_per_request_backend_never_dispatches():
     df = _table([dict(r, backend="triton") for r in _search({16384: (44, 700.0), 65536: (33, 2900.0)})])
-    assert dispatch_moves(df, "triton", 4, 64, CTXS, dict(LANES4), _pick(SERVED)[2], None) == ({}, {})
+    assert dispatch_moves(df, "triton", 4, 64, CTXS, dict(LANES4), _pick(SERVED)[2], None) == ({}, {}, None)
 
 
 def test_the_cost_is_the_measured_one():
@@ -244,7 +246,7 @@ def test_the_cost_is_the_measured_one():
 def test_an_old_file_without_bucket_params_is_one_config():
     t = parse_tuned(_doc([{"max_context": 4096, "NSPLIT": 66}, {"max_context": 16384, "NSPLIT": 44}]))
     (e,) = t.entries
-    assert e.configs() == [(dict(LANES4, NSPLIT=66), [66, 44])]
+    assert e.configs() == [("wgmma", dict(LANES4, NSPLIT=66), [66, 44])]
     doc = copy.deepcopy(t.to_dict())
     assert all("params" not in b for b in doc["entries"][0]["buckets"])
     assert json.dumps(doc)   # plain data
@@ -296,7 +298,7 @@ def test_a_moved_bucket_must_not_serve_its_ragged_batch_slower_than_the_default(
     rows.append(_trial(dict(LANES4, NSPLIT=66), 65536, 1000.0, "ragged", "baseline", "x8"))
     check = _Check([{4096: 203.0, 16384: 705.0, 65536: 2910.0}, {4096: 202.0, 16384: 704.0, 65536: 3199.0}],
                    {65536: ragged64})
-    moves, alt, lat, notes = with_dispatch(_table(rows), _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED), check, "x8")
+    moves, alt, _, lat, notes = with_dispatch(_table(rows), _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED), check, "x8")
     assert sorted(moves) == moved and alt == LANES8
     kinds = [c[0] for c in check.calls]
     assert kinds == (["equal", "ragged"] if len(moved) == 2 else ["equal", "ragged", "equal"])
@@ -304,7 +306,7 @@ def test_a_moved_bucket_must_not_serve_its_ragged_batch_slower_than_the_default(
     assert f"ragged at 65536: {ragged64:.1f} vs the default's 1000.0 us" in notes[0]
     # no ragged measurement (a check without that method, nothing recorded): the bucket cannot move
     plain = _Check(check.equal, {})
-    moves, _, _, notes = with_dispatch(_table(rows), _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED),
+    moves, _, _, _, notes = with_dispatch(_table(rows), _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED),
                                        lambda *a, **k: plain(*a, **k), "x8")
     assert sorted(moves) == [16384] and "ragged at 65536: not measured" in notes[0]
 
@@ -313,5 +315,5 @@ def test_a_dispatch_that_wins_every_moved_bucket_but_loses_in_total_is_not_tried
     """Fewer moved buckets would gain less and pay the same idle launches: one check, no dispatch."""
     check = _Check([{4096: 600.0, 16384: 705.0, 65536: 2910.0}], {})
     df = _table(_search({16384: (44, 700.0), 65536: (33, 2900.0)}))
-    moves, alt, lat, notes = with_dispatch(df, _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED), check)
+    moves, alt, _, lat, notes = with_dispatch(df, _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED), check)
     assert moves == {} and lat is None and len(check.calls) == 1 and "no dispatch" in notes[0]

@@ -1,7 +1,8 @@
 """The per-context dispatch on the GPU: a launch whose batch falls in a bucket its split table
 marks 0 writes nothing (no output, no lse), and an entry whose buckets name two compile-time
 configs, captured once in a CUDA graph, matches the fp32 oracle on every replay as the batch
-moves between the configs' buckets (cuda everywhere, wgmma on sm_90)."""
+moves between the configs' buckets (cuda everywhere, wgmma and wgmma_km on sm_90), and an entry
+whose buckets name another backend (wgmma beside wgmma_km) does the same across the two kernels."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,12 +26,14 @@ def _two_configs(backend: str) -> tuple[dict, dict]:
     p = be.default_params(VerifyProblem(B=2, T=T, H=H, Dk=DK, Dv=DV, device=torch.device("cuda")))
     if backend == "wgmma":
         q = dataclasses.replace(p, COPY_LANES=8 if p.COPY_LANES == 4 else 4, ROWS=72 if p.ROWS == 64 else 64)
+    elif backend == "wgmma_km":
+        q = dataclasses.replace(p, SPLIT_ALIGN=32 if p.SPLIT_ALIGN == 64 else 64, DV_SPLIT=128)
     else:
         q = dataclasses.replace(p, HEADS_PER_BLOCK=max(1, p.HEADS_PER_BLOCK // 2))
     return dataclasses.asdict(p), dataclasses.asdict(q)
 
 
-@pytest.mark.parametrize("backend", ["cuda", "wgmma"])
+@pytest.mark.parametrize("backend", ["cuda", "wgmma", "wgmma_km"])
 def test_an_idle_launch_writes_nothing(backend):
     """Split table 0 at the batch's bucket: poisoned o and lse stay poisoned; the same launch
     with the other bucket's batch computes the oracle's."""
@@ -55,7 +58,7 @@ def test_an_idle_launch_writes_nothing(backend):
             assert bool(torch.isnan(out.float()).all()) and bool(torch.isnan(lse).all())
 
 
-@pytest.mark.parametrize("backend", ["cuda", "wgmma"])
+@pytest.mark.parametrize("backend", ["cuda", "wgmma", "wgmma_km"])
 def test_a_dispatch_in_one_graph_follows_the_batch_between_configs(backend):
     _backend_or_skip(backend)
     p, q = _two_configs(backend)
@@ -134,3 +137,46 @@ def test_the_exports_check_of_a_dispatch_runs_it_on_the_moved_buckets_ragged_bat
                                                   .floor_us(want), rel=1e-5)
     rows = read_trials(tmp_path / "trials.csv")
     assert list(rows["round"].astype(str)) == ["k", "k", "k ragged x4"] and set(rows["role"]) == {"dispatch"}
+
+
+def test_a_dispatch_across_backends_in_one_graph_follows_the_batch_between_kernels():
+    """wgmma serves the short and long buckets, wgmma_km the middle one (its own full params):
+    the runtime launches both kernels on every replay, the one holding the batch's bucket writes
+    the output and the other exits at once (its meta says so), and every replay matches the
+    oracle as prefixes and trees change."""
+    from test_runtime_gpu import rt
+    _backend_or_skip("wgmma")
+    _backend_or_skip("wgmma_km")
+    p, _ = _two_configs("wgmma")
+    km, _ = _two_configs("wgmma_km")
+    km = {k: v for k, v in km.items() if k != "NSPLIT"}
+    buckets = [{"max_context": 2048, "NSPLIT": 8},
+               {"max_context": 16384, "NSPLIT": 48, "backend": "wgmma_km", "params": km},
+               {"max_context": MAX_CONTEXT, "NSPLIT": p["NSPLIT"]}]
+    tuned = tuned_for("wgmma", p, buckets)
+    tuned = dataclasses.replace(tuned, provenance=dict(tuned.provenance, kernel_hash={
+        be: rt.backend_kernel_hash(be) for be in ("wgmma", "wgmma_km")}))
+    va = VerifyAttention.from_defaults(tuned, tp=TP, max_batch=2, max_context=MAX_CONTEXT, device="cuda",
+                                       check_values=False)   # warmup: each kernel, then both in turn
+    plan = va.plan_for(2)
+    assert [be.name for _, _, be in plan.launches()] == ["wgmma", "wgmma_km"]
+    alt = plan.others[0][0]
+    # the item counts the wgmma_km launch writes for its merge: -1 when it was idle
+    rows = work_items(alt, 2) * T * H
+    meta = va.workspace[rows * (2 * DV + 4): rows * (2 * DV + 4) + 16].view(torch.int32)
+    req = Requests(seed=11)
+    req.fill((1000, 1))
+    g, out = _capture(lambda: va(*req.args))
+    for prefixes in [(1000, 1), (5000, 9000), (2040, 1), (60000, 30000), (16384, 16384), (3000, 1000), (1, 1)]:
+        req.fill(prefixes)
+        keys = sum(prefixes) + 2 * T
+        km_serves = (2048 + T) * 2 < keys <= (16384 + T) * 2
+        assert (plan.launch_for_keys(keys, T)[2].name == "wgmma_km") is km_serves, prefixes
+        out.fill_(float("nan"))
+        meta.fill_(7)
+        g.replay()
+        ref, _ = reference_attention(*req.args, va.sm_scale)
+        assert rel_error(out, ref) < TOL, (prefixes, km_serves)
+        counts = meta[1::2].tolist()
+        assert (counts == [-1, -1]) is (not km_serves) and all(c >= 1 for c in counts) is km_serves, \
+            (prefixes, counts)

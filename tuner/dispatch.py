@@ -1,4 +1,5 @@
-"""What one compile-time config per (tp, batch bucket) leaves on the table.
+"""What one compile-time config per (tp, batch bucket) leaves on the table, and the per-context
+dispatch that takes it back.
 
 The runtime serves every context of a (tp, batch bucket) from one captured CUDA graph, so an
 entry holds one compile-time config (NSPLIT alone varies per context bucket, on the device). A
@@ -9,6 +10,10 @@ own numbers: per context bucket, the served config's latency against the fastest
 compile-time group the sweep measured there, each judged as `kvtune export` judges it
 (`tuner.export.latencies`: interleaved re-measurements where there are any).
 
+The other group may be another backend's: every backend whose NSPLIT counts the batch's splits
+(cuda, wgmma, wgmma_km) leaves a launch idle on the split table's 0, so a bucket of a wgmma entry
+may be served by wgmma_km's kernel (results/kernel/wgmma-km/: faster at 64k-128k, slower at 4k).
+
 `context_alternatives` lists, per exported bucket, that fastest other group and what a dispatch
 to it would net. A bucket "pays" when the group is faster by more than the export's noise margin
 (`tuner.export.NSPLIT_MARGIN`) and by more than the dispatch's launch cost. The ragged batch is
@@ -17,6 +22,8 @@ not weighed here: an alternative is timed on it only if it was the export's pick
 from __future__ import annotations
 
 import json
+
+from kvtune.kernels.tuned import BACKEND_NAMES
 
 from .export import BUCKET_LOSS_MARGIN, NSPLIT_MARGIN, _served_rows, exportable, latencies, serve_key
 from .study import compile_key
@@ -27,36 +34,45 @@ from .study import compile_key
 DISPATCH_COST_US = 2.9
 
 
+def _dispatchable(backend: str) -> bool:
+    """Whether `backend`'s launches can share an entry's buckets (its NSPLIT counts the batch's
+    splits, so a split table's 0 leaves it idle)."""
+    from kvtune.kernels.params import nsplit_per_batch
+    return backend in BACKEND_NAMES and nsplit_per_batch(backend)
+
+
 def context_alternatives(df, tuned) -> list[dict]:
     """One row per bucket of `tuned` (a `kernels.tuned.TunedDefaults`) from `df` (its trials
     table, `read_trials`; the rows the export judges: `tuner.export.exportable`): the served
-    compile-time config and latency, the fastest other compile-time group of the same backend
-    measured at that (tp, batch, context) with its NSPLIT and latency, the win (us, %), the win
-    net of DISPATCH_COST_US, and whether it pays. Buckets without another group measured
-    there have None in the alternative's columns."""
+    backend, compile-time config and latency, the fastest other compile-time group measured at
+    that (tp, batch, context), of the served backend or, where it can share the entry
+    (`_dispatchable`), of another (`alt_backend`), with its NSPLIT and latency, the win (us, %),
+    the win net of DISPATCH_COST_US, and whether it pays. Buckets without another group
+    measured there have None in the alternative's columns."""
     lat = latencies(exportable(df, warn=False))
-    best: dict = {}   # (backend, tp, bs, ctx) -> {compile key: (us, NSPLIT)}
+    best: dict = {}   # (tp, bs, ctx) -> {(backend, compile key): (us, NSPLIT)}
     for (be, tp, bs, ctx, pj), (us, _) in lat.items():
         p = json.loads(pj)
-        group = best.setdefault((be, int(tp), int(bs), int(ctx)), {})
-        ck = compile_key(p)
-        if ck not in group or us < group[ck][0]:
-            group[ck] = (us, p.get("NSPLIT"))
+        group = best.setdefault((int(tp), int(bs), int(ctx)), {})
+        k = (be, compile_key(p))
+        if k not in group or us < group[k][0]:
+            group[k] = (us, p.get("NSPLIT"))
     rows = []
     for e in tuned.entries:
         for b in e.buckets:
-            served_key = compile_key(dict(e.params, **(b.params or {})))   # a dispatch's bucket: its own
-            others = {ck: v for ck, v in best.get((e.backend, e.tp, e.max_batch, b.max_context), {}).items()
-                      if ck != served_key}
-            row = {"tp": e.tp, "batch": e.max_batch, "ctx": b.max_context, "backend": e.backend,
+            be = b.backend or e.backend
+            served_key = compile_key(dict(b.params) if b.backend else dict(e.params, **(b.params or {})))
+            others = {k: v for k, v in best.get((e.tp, e.max_batch, b.max_context), {}).items()
+                      if k != (be, served_key) and (k[0] == be or (_dispatchable(k[0]) and _dispatchable(be)))}
+            row = {"tp": e.tp, "batch": e.max_batch, "ctx": b.max_context, "backend": be,
                    "served": served_key, "served_NSPLIT": b.NSPLIT, "served_us": b.latency_us,
-                   "alternative": None, "alt_NSPLIT": None, "alt_us": None, "win_us": None, "win_pct": None,
-                   "net_us": None, "pays": False}
+                   "alt_backend": None, "alternative": None, "alt_NSPLIT": None, "alt_us": None, "win_us": None,
+                   "win_pct": None, "net_us": None, "pays": False}
             if others and b.latency_us:
-                ck = min(others, key=lambda k: others[k][0])
-                us, nsplit = others[ck]
+                k = min(others, key=lambda k: others[k][0])
+                us, nsplit = others[k]
                 win = b.latency_us - us
-                row.update(alternative=ck, alt_NSPLIT=nsplit, alt_us=us, win_us=win,
+                row.update(alt_backend=k[0], alternative=k[1], alt_NSPLIT=nsplit, alt_us=us, win_us=win,
                            win_pct=100 * win / b.latency_us, net_us=win - DISPATCH_COST_US,
                            pays=win > DISPATCH_COST_US and us * (1 + NSPLIT_MARGIN) < b.latency_us)
             rows.append(row)
@@ -64,33 +80,35 @@ def context_alternatives(df, tuned) -> list[dict]:
 
 
 def dispatch_moves(df, backend: str, tp: int, bs: int, contexts: list[int], cparams: dict, buckets: dict,
-                   rnd: str | None) -> tuple[dict, dict]:
-    """The buckets a per-context dispatch would move off the export's pick (compile params
-    `cparams`, its `buckets` {ctx: `export.Bucket`}) on the trials alone: the one other
-    compile-time group of `backend` with the largest total win, at the buckets where its NSPLIT
+                   rnd: str | None) -> tuple[dict, dict, str | None]:
+    """The buckets a per-context dispatch would move off the export's pick (`backend`, compile
+    params `cparams`, its `buckets` {ctx: `export.Bucket`}) on the trials alone: the one other
+    compile-time group, of `backend` or of another backend that can share the entry
+    (`_dispatchable`), with the largest total win, at the buckets where its NSPLIT
     (`export.pick_nsplit`, ragged batch counted) beats the pick's latency by more than
     NSPLIT_MARGIN and by more than DISPATCH_COST_US and does not serve the bucket's ragged batch
-    more than BUCKET_LOSS_MARGIN slower than the default (where timed); the group must win more
-    over those buckets than the dispatch costs over all of them, and leave the pick one bucket
-    at least. Returns ({ctx: Bucket} to move, the group's compile params), or ({}, {})."""
-    from kvtune.kernels.params import nsplit_per_batch
-
+    more than BUCKET_LOSS_MARGIN slower than the pick's default (where timed); the group must win
+    more over those buckets than the dispatch costs over all of them, and leave the pick one
+    bucket at least. Returns ({ctx: Bucket} to move, the group's compile params, its backend), or
+    ({}, {}, None)."""
     from .export import Bucket, _bucket_ragged, _loses_ragged, pick_nsplit, ragged_latencies
-    if not nsplit_per_batch(backend):   # a per-request NSPLIT cannot leave a launch idle
-        return {}, {}
+    if not _dispatchable(backend):   # a per-request NSPLIT cannot leave a launch idle
+        return {}, {}, None
     lat = latencies(df)
     rag = ragged_latencies(df, rnd)
-    mine = compile_key(cparams)
-    groups: dict[str, dict] = {}
+    mine = (backend, compile_key(cparams))
+    groups: dict[tuple, dict] = {}
     for (be, t, s, ctx, pj), (us, _) in lat.items():
         p = json.loads(pj)
-        if (be, t, s) == (backend, tp, bs) and ctx in contexts and compile_key(p) != mine:
-            groups.setdefault(compile_key(p), {}).setdefault(ctx, {})[p.get("NSPLIT")] = us
-    best: tuple = (0.0, {}, {})
-    for ck, g in sorted(groups.items()):
+        k = (be, compile_key(p))
+        if (t, s) == (tp, bs) and ctx in contexts and k != mine and (be == backend or _dispatchable(be)):
+            groups.setdefault(k, {}).setdefault(ctx, {})[p.get("NSPLIT")] = us
+    best: tuple = (0.0, {}, {}, None)
+    for (be, ck), g in sorted(groups.items()):
         moves = {}
         for c, equal in g.items():
-            ragged, default_ragged = _bucket_ragged(rag, backend, tp, bs, c, ck)
+            ragged = _bucket_ragged(rag, be, tp, bs, c, ck)[0]
+            default_ragged = _bucket_ragged(rag, backend, tp, bs, c, ck)[1]   # the pick's default's, as export judges
             n = pick_nsplit(equal, ragged)
             us, have = equal[n], buckets[c].latency
             slower_ragged = _loses_ragged({c: equal}, {c: (ragged, default_ragged)})   # the export's ragged rule
@@ -98,20 +116,24 @@ def dispatch_moves(df, backend: str, tp: int, bs: int, contexts: list[int], cpar
                 moves[c] = Bucket(n, us, buckets[c].default, buckets[c].floor, ragged.get(n), default_ragged)
         win = sum(buckets[c].latency - b.latency for c, b in moves.items()) - DISPATCH_COST_US * len(contexts)
         if moves and len(moves) < len(contexts) and win > best[0]:
-            best = (win, moves, json.loads(ck))
-    return best[1], best[2]
+            best = (win, moves, json.loads(ck), be)
+    return best[1], best[2], best[3]
 
 
 def dispatch_tables(backend: str, cparams: dict, buckets: dict, moves: dict, alt: dict, contexts: list[int], T: int,
-                    batch: int):
+                    batch: int, alt_backend: str | None = None):
     """The launches of a dispatch as the serving check measures them: (the pick's params, its
     split table [bounds, NSPLIT per bucket, 0 at the moved buckets], [[the moved group's params,
-    its table]]). NSPLIT of each params: the largest of its buckets' (its grid)."""
+    its table] + [its backend, where not `backend`]]). NSPLIT of each params: the largest of its
+    buckets' (its grid)."""
     from kvtune.kernels.backends import split_bounds
     bounds = split_bounds(backend, contexts, T, batch)
     own = [0 if c in moves else int(buckets[c].nsplit) for c in contexts]
     other = [int(moves[c].nsplit) if c in moves else 0 for c in contexts]
-    return dict(cparams, NSPLIT=max(own)), [bounds, own], [[dict(alt, NSPLIT=max(other)), [bounds, other]]]
+    launch = [dict(alt, NSPLIT=max(other)), [bounds, other]]
+    if alt_backend is not None and alt_backend != backend:
+        launch.append(alt_backend)
+    return dict(cparams, NSPLIT=max(own)), [bounds, own], [launch]
 
 
 def with_dispatch(df, pick, tp, bs, contexts, T, served_lat, check=None, rnd: str | None = None):
@@ -125,17 +147,17 @@ def with_dispatch(df, pick, tp, bs, contexts, T, served_lat, check=None, rnd: st
     BUCKET_LOSS_MARGIN slower than the default did: the sweep's ragged phase never timed the
     other group there. Where only some moved buckets pass, the dispatch of those alone is checked
     in turn: what ships is always what its own check measured. Returns ({ctx: Bucket} moved,
-    their compile params, {ctx: served latency} of the dispatch, notes); nothing moved: ({}, {},
-    None, notes)."""
+    their compile params, their backend, {ctx: served latency} of the dispatch, notes); nothing
+    moved: ({}, {}, None, None, notes)."""
     be, cparams, buckets, _ = pick
-    moves, alt = dispatch_moves(df, be, tp, bs, contexts, cparams, buckets, rnd)
+    moves, alt, alt_be = dispatch_moves(df, be, tp, bs, contexts, cparams, buckets, rnd)
     if not moves or served_lat is None or set(contexts) - set(served_lat):
-        return {}, {}, None, []   # no move, or the pick's own check is incomplete: nothing to compare with
+        return {}, {}, None, None, []   # no move, or the pick's own check is incomplete: nothing to compare with
     notes = []
     while True:
-        lat, ragged, what, failed = _dispatch_served(df, pick, tp, bs, contexts, T, moves, alt, check, rnd)
+        lat, ragged, what, failed = _dispatch_served(df, pick, tp, bs, contexts, T, moves, alt, alt_be, check, rnd)
         if lat is None:
-            return {}, {}, None, notes + [f"{what}: no dispatch, its serving check {failed}"]
+            return {}, {}, None, None, notes + [f"{what}: no dispatch, its serving check {failed}"]
         passed = {c: b for c, b in moves.items()
                   if lat[c] * (1 + NSPLIT_MARGIN) < served_lat[c] and served_lat[c] - lat[c] > DISPATCH_COST_US
                   and (b.default_ragged is None or
@@ -147,19 +169,20 @@ def with_dispatch(df, pick, tp, bs, contexts, T, served_lat, check=None, rnd: st
                              f" vs the default's {b.default_ragged:.1f} us"
                              for c, b in moves.items() if b.default_ragged is not None))
         if kept:
-            return moves, alt, lat, notes
+            return moves, alt, alt_be, lat, notes
         if not passed or len(passed) == len(moves):   # a smaller dispatch gains less for the same idle launches
-            return {}, {}, None, notes
+            return {}, {}, None, None, notes
         moves = passed
 
 
-def _dispatch_served(df, pick, tp, bs, contexts, T, moves, alt, check, rnd):
-    """The dispatch of `moves` to the group `alt` beside `pick`, recorded or measured by `check`:
+def _dispatch_served(df, pick, tp, bs, contexts, T, moves, alt, alt_be, check, rnd):
+    """The dispatch of `moves` to the group `alt` (of backend `alt_be`) beside `pick`, recorded or
+    measured by `check`:
     its served latency {ctx: us} on equal requests (None where some bucket has none); on the
     ragged batch of each moved bucket the sweep timed one at (round `rnd`; `check.ragged`), {ctx:
     us}; what it is, and why its check is missing."""
     be, cparams, buckets, _ = pick
-    params, table, others = dispatch_tables(be, cparams, buckets, moves, alt, contexts, T, bs)
+    params, table, others = dispatch_tables(be, cparams, buckets, moves, alt, contexts, T, bs, alt_be)
     key = serve_key(be, params, table, others)
 
     def served(ctxs, key, measure):
@@ -168,7 +191,7 @@ def _dispatch_served(df, pick, tp, bs, contexts, T, moves, alt, check, rnd):
         return rows, {int(r["ctx"]): float(r["median_us"]) for r in rows if r["outcome"] == "ok"}
 
     rows, lat = served(contexts, key, check)
-    what = f"tp={tp} bs={bs}: {be} {alt} at context(s) {sorted(moves)} beside {cparams}"
+    what = f"tp={tp} bs={bs}: {alt_be} {alt} at context(s) {sorted(moves)} beside {be} {cparams}"
     bad = [r for r in rows if r["outcome"] != "ok"]
     failed = f"failed ({bad[0]['outcome']}: {bad[0]['reason']})" if bad else "was not measured"
     if set(contexts) - set(lat):

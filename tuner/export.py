@@ -23,10 +23,11 @@ that check; a pick that fails it gives way to the next best. `kvtune export` mea
 checks it lacks on this machine (`--no-check`: only recorded ones count); so does
 `kvtune sweep --export`.
 
-A per-context dispatch (`tuner.dispatch.with_dispatch`): on cuda and wgmma, where another
-compile-time group of the pick's backend measured faster at some context buckets by more than
-NSPLIT_MARGIN and by more than the dispatch's launch cost (DISPATCH_COST_US, per call), those
-buckets name that group's params in the YAML and serving launches both configs on every call
+A per-context dispatch (`tuner.dispatch.with_dispatch`): on cuda, wgmma and wgmma_km, where
+another compile-time group, of the pick's backend or of another of these three, measured faster
+at some context buckets by more than NSPLIT_MARGIN and by more than the dispatch's launch cost
+(DISPATCH_COST_US, per call), those buckets name that group's params (and its backend, where it
+is another) in the YAML and serving launches both configs on every call
 (the one holding the batch's bucket runs, the other exits at once). A bucket moves only when
 the dispatch's own serving check beats the pick's there by the same margins and, where the sweep
 timed the bucket's ragged batch, serves that batch (measured too) within 3% of the default; the
@@ -448,25 +449,30 @@ def _entries(df, dep: Deployment, backends, checker):
                 continue
             be, cparams, buckets, is_default = pick
             from .dispatch import with_dispatch   # it imports this module
-            moves, alt, dispatch_lat, notes = with_dispatch(df, pick, tp, bs, contexts, T, served_lat, checker, rnd)
+            moves, alt, alt_be, dispatch_lat, notes = with_dispatch(df, pick, tp, bs, contexts, T, served_lat,
+                                                                    checker, rnd)
             for n in notes:
                 log.info("note: %s", n)
             served_lat = dispatch_lat or served_lat
             params, _ = served(cparams, {c: b for c, b in buckets.items() if c not in moves},
                                [c for c in contexts if c not in moves], T)
             params = {k: params[k] for k in sorted(params, key=lambda k: (order.index(k) if k in order else 99, k))}
-            alt = {k: alt[k] for k in params if k in alt}
+            alt = {k: alt[k] for k in sorted(alt, key=lambda k: (order.index(k) if k in order else 99, k))}
+            other_be = alt_be if alt_be not in (None, be) else None
             buckets = {**buckets, **moves}
             bl = tuple(ContextBucket(max_context=c, NSPLIT=int(buckets[c].nsplit or 1),
                                      latency_us=_r3(buckets[c].latency), default_latency_us=_r3(buckets[c].default),
                                      floor_us=_r3(buckets[c].floor), ragged_us=_r3(buckets[c].ragged),
                                      default_ragged_us=_r3(buckets[c].default_ragged),
+                                     backend=other_be if c in moves else None,
                                      params=dict(alt) if c in moves else None)
                        for c in contexts)
             entries.append(TunedEntry(tp=tp, heads_per_rank=dep.heads(tp), max_batch=bs, backend=be, params=params,
                                       buckets=bl))
-            report += [_report_row(b, lat, backends, be, tp, bs, served_lat, is_default and b.params is None,
-                                   dict(params, **(b.params or {}), NSPLIT=b.NSPLIT) if b.params else params)
+            report += [_report_row(b, lat, backends, b.backend or be, tp, bs, served_lat,
+                                   is_default and b.params is None,
+                                   dict(b.params, NSPLIT=b.NSPLIT) if b.backend else
+                                   dict(params, **b.params, NSPLIT=b.NSPLIT) if b.params else params)
                        for b in bl]
     return entries, report
 
@@ -491,7 +497,7 @@ def _model(dep: Deployment) -> dict:
 
 def _provenance(df, entries) -> dict:
     """Where the exported backends' trials were measured (the latest row of them)."""
-    used = {e.backend for e in entries}
+    used = {be for e in entries for be in e.backends()}
     rows = df[df["backend"].isin(list(used))]
     first = rows.iloc[-1]
     khash = {}

@@ -140,7 +140,8 @@ class MeasureOptions:
     # serving mode: [max_keys per bucket, NSPLIT per bucket] -> launches use a SplitTable
     split_table: list | None = None
     # a per-context dispatch: the other configs' [params, [max_keys, NSPLIT per bucket]] (0 where
-    # another config serves), launched after the measured one in every call, as serving runs them
+    # another config serves), and a third item, their backend, where it is not the measured one's;
+    # launched after the measured one in every call, as serving runs them
     dispatch: list | None = None
 
     def __post_init__(self):
@@ -286,19 +287,23 @@ class Measurer:
             p = be.default_params(problem) if params is None else \
                 params_from_dict(be.params_type, dict(params), where=f"{backend} params")
             why = be.static_reject(p, problem, self.arch)
-            others = [params_from_dict(be.params_type, dict(d[0]), where=f"{backend} dispatch params")
-                      for d in opts.dispatch or []]
-            why = why or next((w for w in (be.static_reject(o, problem, self.arch) for o in others) if w), None)
+            others = []
+            for d in opts.dispatch or []:
+                obe = get_backend(d[2]) if len(d) > 2 else be
+                why = why or obe.supports(self.device)
+                others.append((params_from_dict(obe.params_type, dict(d[0]), where=f"{obe.name} dispatch params"),
+                               SplitTable.build(*d[1], self.device), obe))
+            why = why or next((w for w in (o[2].static_reject(o[0], problem, self.arch) for o in others) if w), None)
         except ValueError as e:
             return Measurement("pruned", str(e))
         if why:
             return Measurement("pruned", why)
-        ws_bytes = max(be.workspace_bytes(problem, c) for c in (p, *others))
+        ws_bytes = max(b.workspace_bytes(problem, c) for c, b in ((p, be), *((o[0], o[2]) for o in others)))
         if ws_bytes > opts.workspace_budget_bytes:
             return Measurement("pruned", f"workspace {ws_bytes / 2**20:.1f} MiB at batch {spec.batch} exceeds the "
                                          f"budget of {opts.workspace_budget_bytes / 2**20:.0f} MiB")
         try:
-            return self._run(be, p, spec, opts, timing, ws_bytes)
+            return self._run(be, p, spec, opts, timing, ws_bytes, others)
         except Exception as e:  # noqa: BLE001 - every failure is a recorded outcome
             if self.device.type == "cuda":
                 dead = _cuda_context_dead()
@@ -308,19 +313,18 @@ class Measurer:
                 return Measurement("pruned", f"compile: {_fmt_exc(e)}")
             return Measurement("failed", _fmt_exc(e))
 
-    def _run(self, be, p, spec, opts, timing, ws_bytes) -> Measurement:
+    def _run(self, be, p, spec, opts, timing, ws_bytes, others=()) -> Measurement:
         self._inputs_for(spec, opts)
         dev = self.device
         rows, H, Dv = spec.batch * spec.draft_tokens, spec.heads, spec.kv_lora_rank
         ws = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=dev)
         out = torch.empty(rows, H, Dv, dtype=torch.bfloat16, device=dev)
         st = SplitTable.build(list(opts.split_table[0]), list(opts.split_table[1]), dev) if opts.split_table else None
-        launches = [(p, st)] + [(params_from_dict(be.params_type, dict(d[0])), SplitTable.build(*d[1], dev))
-                                for d in opts.dispatch or []]
+        launches = [(p, st, be), *others]
 
         def launch(inp, lse=None):
-            for c, t in launches:
-                verify_attention(*inp.args, backend=be, params=c, out=out, lse=lse, workspace=ws,
+            for c, t, b in launches:
+                verify_attention(*inp.args, backend=b, params=c, out=out, lse=lse, workspace=ws,
                                  kv_lora_rank=spec.kv_lora_rank, check_values_=False, split_table=t)
 
         # -- 2. correctness gate: fresh values, poisoned outputs, fp32 oracle

@@ -72,8 +72,9 @@ class ServingCheck:
         return False
 
     def __call__(self, backend, params, split_table, tp, bs, contexts, key, dispatch=None) -> list[dict] | None:
-        """`dispatch`: a per-context dispatch's other launches ([params, split table] each), run
-        after `params` in every call as serving runs them."""
+        """`dispatch`: a per-context dispatch's other launches ([params, split table], and their
+        backend third where it is not `backend`), run after `params` in every call as serving
+        runs them."""
         return self._check(backend, params, split_table, tp, bs, contexts, key, dispatch, ragged=False)
 
     def ragged(self, backend, params, split_table, tp, bs, contexts, key, dispatch=None) -> list[dict] | None:
@@ -100,7 +101,8 @@ class ServingCheck:
             rows.append(row)
         log.info("serving check%s of tp=%s bs=%s %s %s%s: %s", " on the ragged batches" if ragged else "", tp, bs,
                  backend, params,
-                 f" with {[d[0] for d in dispatch]} at their buckets" if dispatch else "",
+                 f" with {[(d[2] + ' ' if len(d) > 2 else '') + str(d[0]) for d in dispatch]} at their buckets"
+                 if dispatch else "",
                  ", ".join(f"{r['ctx']}: {r['outcome']}" for r in rows))
         return rows
 

@@ -182,6 +182,7 @@ def dispatch_table(res: Results) -> pd.DataFrame:
     return pd.DataFrame([{"backend": r["backend"], "tp": r["tp"], "batch": r["batch"],
                           "max context": ctx_label(r["ctx"]), "served": shown(r["served"]),
                           "NSPLIT": r["served_NSPLIT"], "served µs": r["served_us"],
-                          "faster group": shown(r["alternative"]), "its NSPLIT": r["alt_NSPLIT"],
+                          "faster group": (f"{r['alt_backend']}: " if r["alt_backend"] != r["backend"] else "")
+                          + shown(r["alternative"]), "its NSPLIT": r["alt_NSPLIT"],
                           "its µs": r["alt_us"], "win %": r["win_pct"], "net µs": r["net_us"],
                           "pays": r["pays"]} for r in rows])
