@@ -267,14 +267,14 @@ KM_VARIANTS = {
     "no_gather": [("      bytes[i] = ok ? 16 : 0;", "      bytes[i] = 0 * ok;")],
     "no_copy": [("++p) cp_async<16>(kb + p * PANEL", "++p) if (a.H < 0) cp_async<16>(kb + p * PANEL"),
                 ("++i) cp_async<16>(rs + sx", "++i) if (a.H < 0) cp_async<16>(rs + sx")],
-    "no_s_mma": [("        mma_n72<0>(s, wg::desc_add(dk,", "        if (a.H < 0) mma_n72<0>(s, wg::desc_add(dk,"),
-                 ("        mma_n72<0>(s, wg::desc_add(dr, kk * 32)",
-                  "        if (a.H < 0) mma_n72<0>(s, wg::desc_add(dr, kk * 32)")],
+    "no_s_mma": [("      mma_n72<0>(s, wg::desc_add(dk,", "      if (a.H < 0) mma_n72<0>(s, wg::desc_add(dk,"),
+                 ("      mma_n72<0>(s, wg::desc_add(dr, kk * 32)",
+                  "      if (a.H < 0) mma_n72<0>(s, wg::desc_add(dr, kk * 32)")],
     "no_pv_mma": [("      mma_n72<1>(o[m], wg::desc_add(dv,", "      if (kb == 0u) mma_n72<1>(o[m], wg::desc_add(dv,")],
     "no_exp": [("const float p = fast_exp2(s[4 * j + e] - ((e & 1) ? z1 : z0));",
                 "const float p = s[4 * j + e] - ((e & 1) ? z1 : z0);")],
-    "no_p_store": [("          *reinterpret_cast<u16*>(pt + (n >> 3) * 1024",
-                    "          if (a.H < 0) *reinterpret_cast<u16*>(pt + (n >> 3) * 1024")],
+    "no_p_store": [("        *reinterpret_cast<u16*>(pt + (n >> 3) * 1024",
+                    "        if (a.H < 0) *reinterpret_cast<u16*>(pt + (n >> 3) * 1024")],
 }
 
 #: variants that may fault (see the docstring): only when named

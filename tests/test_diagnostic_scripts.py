@@ -70,6 +70,16 @@ def test_wgmma_phase_variants_patch_once_and_compile(cache):
         assert nvrtc.kernel_source_hash(PARTS) == shipped_hash, name   # restored after the block
 
 
+def test_km_phase_variants_patch_once():
+    """time_phases --backend wgmma_km: each variant's anchors occur once in verify_km.cu (a lost
+    anchor would stop a device call); their compiles are the GPU run's."""
+    import time_phases
+    from kvtune.kernels.cuda.wgmma_km import PARTS
+    src = nvrtc.SOURCE_PATH.with_name(PARTS[2]).read_text()
+    for name in time_phases.KM_VARIANTS:
+        assert (time_phases.patched_source(src, name, "wgmma_km") == src) == (name == "full"), name
+
+
 def test_phase_variant_with_a_lost_anchor_is_refused():
     import time_phases
     with pytest.raises(SystemExit, match="occurs 0 times"):
@@ -239,7 +249,8 @@ def test_the_variants_checked_against_the_oracle_exist():
     """time_phases --oracle checks the variants whose outputs should be right: each is a variant
     of one of the two tables (a misspelt name would silently skip its check)."""
     import time_phases
-    assert time_phases.OUTPUTS_RIGHT <= set(time_phases.VARIANTS) | set(time_phases.WGMMA_VARIANTS)
+    assert time_phases.OUTPUTS_RIGHT <= set(time_phases.VARIANTS) | set(time_phases.WGMMA_VARIANTS) | set(
+        time_phases.KM_VARIANTS)
     assert not time_phases.OUTPUTS_RIGHT & time_phases.UNSAFE
     assert {"no_tiles", "no_q", "no_gather"}.isdisjoint(time_phases.OUTPUTS_RIGHT)
 
