@@ -69,30 +69,8 @@ def test_a_dispatch_in_one_graph_follows_the_batch_between_configs(backend):
     tuned = tuned_for(backend, p, buckets)
     va = VerifyAttention.from_defaults(tuned, tp=TP, max_batch=2, max_context=MAX_CONTEXT, device="cuda",
                                        check_values=False)   # warmup: each config, then both in turn
-    plan = va.plan_for(2)
-    assert len(plan.others) == 1
-    alt = plan.others[0][0]
-    # the item counts the last launch (the other config) writes for the merge: -1 when it was
-    # idle (verify.cu: mark_idle), so its meta says on the device which launch served
-    rows = work_items(alt, 2) * T * H
-    meta = va.workspace[rows * (2 * DV + 4): rows * (2 * DV + 4) + 16].view(torch.int32)
-    req = Requests(seed=7)
-    req.fill((1000, 1))
-    g, out = _capture(lambda: va(*req.args))
-    # the device picks the bucket by the batch's keys against (max_context + T) x 2
-    for prefixes in [(1000, 1), (5000, 9000), (2040, 1), (60000, 30000), (16384, 16384), (3000, 1000), (1, 1)]:
-        req.fill(prefixes)
-        keys = sum(prefixes) + 2 * T
-        alt_serves = (2048 + T) * 2 < keys <= (16384 + T) * 2
-        assert (va.params_for(2, keys) == alt) is alt_serves, prefixes
-        out.fill_(float("nan"))
-        meta.fill_(7)
-        g.replay()
-        ref, _ = reference_attention(*req.args, va.sm_scale)
-        assert rel_error(out, ref) < TOL, (prefixes, alt_serves)
-        counts = meta[1::2].tolist()   # requests 0 and 1: (first item, item count) pairs
-        assert (counts == [-1, -1]) is (not alt_serves) and all(c >= 1 for c in counts) is alt_serves, \
-            (prefixes, counts)
+    assert len(va.plan_for(2).others) == 1
+    _replays_follow_the_batch(va, seed=7)
 
 
 @pytest.mark.parametrize("backend", ["cuda", "wgmma"])
@@ -160,23 +138,36 @@ def test_a_dispatch_across_backends_in_one_graph_follows_the_batch_between_kerne
                                        check_values=False)   # warmup: each kernel, then both in turn
     plan = va.plan_for(2)
     assert [be.name for _, _, be in plan.launches()] == ["wgmma", "wgmma_km"]
+    _replays_follow_the_batch(va, seed=11, also=lambda keys, km_serves: (
+        plan.launch_for_keys(keys, T)[2].name == "wgmma_km") is km_serves)
+
+
+def _replays_follow_the_batch(va, seed: int, also=None) -> None:
+    """`va` (batch 2; buckets 2048, 16384 on the other config, MAX_CONTEXT), captured once: as the
+    replays' prefixes cross the buckets, the host mirror names the launch that serves, the output
+    matches the oracle, and the other launch's merge meta says on the device whether it served.
+    `also(keys, other_serves)`: a further host-side check, true when right."""
+    plan = va.plan_for(2)
     alt = plan.others[0][0]
-    # the item counts the wgmma_km launch writes for its merge: -1 when it was idle
+    # the item counts the last launch (the other config) writes for the merge: -1 when it was
+    # idle (verify.cu: mark_idle)
     rows = work_items(alt, 2) * T * H
     meta = va.workspace[rows * (2 * DV + 4): rows * (2 * DV + 4) + 16].view(torch.int32)
-    req = Requests(seed=11)
+    req = Requests(seed=seed)
     req.fill((1000, 1))
     g, out = _capture(lambda: va(*req.args))
+    # the device picks the bucket by the batch's keys against (max_context + T) x 2
     for prefixes in [(1000, 1), (5000, 9000), (2040, 1), (60000, 30000), (16384, 16384), (3000, 1000), (1, 1)]:
         req.fill(prefixes)
         keys = sum(prefixes) + 2 * T
-        km_serves = (2048 + T) * 2 < keys <= (16384 + T) * 2
-        assert (plan.launch_for_keys(keys, T)[2].name == "wgmma_km") is km_serves, prefixes
+        alt_serves = (2048 + T) * 2 < keys <= (16384 + T) * 2
+        assert (va.params_for(2, keys) == alt) is alt_serves, prefixes
+        assert also is None or also(keys, alt_serves), prefixes
         out.fill_(float("nan"))
         meta.fill_(7)
         g.replay()
         ref, _ = reference_attention(*req.args, va.sm_scale)
-        assert rel_error(out, ref) < TOL, (prefixes, km_serves)
-        counts = meta[1::2].tolist()
-        assert (counts == [-1, -1]) is (not km_serves) and all(c >= 1 for c in counts) is km_serves, \
+        assert rel_error(out, ref) < TOL, (prefixes, alt_serves)
+        counts = meta[1::2].tolist()   # requests 0 and 1: (first item, item count) pairs
+        assert (counts == [-1, -1]) is (not alt_serves) and all(c >= 1 for c in counts) is alt_serves, \
             (prefixes, counts)
