@@ -68,9 +68,12 @@ class Plan:
             return grid
         return self.bucket_nsplits()[self.entry.buckets.index(self.entry.bucket_for(prefix_len))]
 
-    def launches(self) -> tuple:
-        """Every launch of a call, in order: (params, split table, backend) each."""
-        return ((self.params, self.split_table, self.backend), *self.others)
+    def launches(self, first: tuple | None = None) -> tuple:
+        """Every launch of a call, in order: (params, split table, backend) each. `first`: the
+        (params, split table) of the plan's own launch where a call's are not the plan's (a batch
+        past its bucket, NSPLIT scaled)."""
+        params, table = first if first is not None else (self.params, self.split_table)
+        return ((params, table, self.backend), *self.others)
 
     def launch_for_keys(self, keys: int, T: int) -> tuple:
         """The (params, split table, backend) of the launch that serves a batch of `keys` keys in

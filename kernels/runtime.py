@@ -137,8 +137,7 @@ class VerifyAttention:
         self._step: StepPlan | None = None
         # a per-context dispatch's configs run one after the other on the same workspace
         need = max(be.workspace_bytes(self.problem(n), params) for n in range(1, max_batch + 1)
-                   for params, _, be in ((self._launch[n][1], None, self._launch[n][0].backend),
-                                         *self._launch[n][0].others))
+                   for params, _, be in self._launch[n][0].launches(self._launch[n][1:]))
         self.workspace_bytes = need
         out_bytes = max_batch * T * H * Dv * 2 if preallocate_out else 0
         table_bytes = sum(8 * t.num_buckets for t in {id(t): t for n in range(1, max_batch + 1) for t in (
@@ -256,7 +255,7 @@ class VerifyAttention:
             # a per-context dispatch: each config on its own (its grid NSPLIT: these short
             # requests fall in the first bucket, which one config serves), then all of them in
             # turn as `run` launches them, the idle ones writing nothing
-            every = ((params, table, p.backend), *p.others)
+            every = p.launches((params, table))
             checks = [every[:1]] if not p.others else [((c, None, be),) for c, _, be in every] + [every]
             for launches in checks:
                 out = torch.full((n * self.T, self.H, self.Dv), float("nan"), dtype=torch.bfloat16,
@@ -398,7 +397,7 @@ class VerifyAttention:
             raise ValueError(f"sm_scale: expected a positive finite float, got {sm_scale!r}")
         # a per-context dispatch launches every config of the entry: the one whose split table
         # holds the batch's bucket runs, the others exit at once (their bucket's value is 0)
-        for params, table, be in ((step.params, step.split_table, step.plan.backend), *step.plan.others):
+        for params, table, be in step.plan.launches((step.params, step.split_table)):
             be.launch(LaunchArgs(step.problem, q, kv_cache, step.kv_indptr, step.kv_indices, step.tree_mask,
                                  float(sm_scale), out, lse, self.workspace, table), params)
         return out if lse is None else (out, lse)

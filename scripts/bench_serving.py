@@ -374,8 +374,7 @@ def main(argv=None) -> int:
         common = {"case": label, "B": B, "prefix": prefixes[0] if len(set(prefixes)) == 1 else "ragged",
                   "keys": sum(prefixes) + B * va.T, "floor_us": round(floor_us(ceil, base, prefixes), 3)}
         plan = va.plan_for(B)
-        need = max(be.workspace_bytes(va.problem(B), c)
-                   for c, be in ((va.params_for(B), plan.backend), *((o[0], o[2]) for o in plan.others)))
+        need = max(be.workspace_bytes(va.problem(B), c) for c, _, be in plan.launches((va.params_for(B), None)))
         if need > budget:
             rows.append({**common, "variant": "tuned", "outcome": "skipped",
                          "reason": f"workspace {need / 2**20:.0f} MiB > budget {budget / 2**20:.0f} MiB"})
