@@ -138,6 +138,37 @@ class Backend(abc.ABC):
         """Write `args.out` (and `args.lse` when given); no host sync, no allocation."""
 
 
+
+def _chains(backends) -> bool:
+    """Whether a call's launches on `backends` can run as one per-context dispatch chain (every
+    backend on verify.cu's split arguments and merge: `kernels.cuda.backend.launch_dispatch`)."""
+    return len(backends) > 1 and all(hasattr(be, "split_launch") for be in backends)
+
+
+def launch_all(calls: list[tuple[Backend, Any, LaunchArgs]]) -> None:
+    """A call's launches, (backend, params, args) each: one, or a per-context dispatch's every
+    config (the one whose split table holds the batch's bucket computes, the others exit at
+    once). The split-merge backends' dispatch runs as one chain where it can (one merge after all
+    the split kernels; `kernels.cuda.backend.chain_order`); anything else launches in turn."""
+    if _chains([be for be, _, _ in calls]):
+        from .cuda.backend import launch_dispatch, on_tensors_device
+        a0 = calls[0][2]
+        on_tensors_device(a0, lambda: launch_dispatch([(a, be.split_launch(a, p)) for be, p, a in calls]))
+        return
+    for be, p, a in calls:
+        be.launch(a, p)
+
+
+def call_workspace_bytes(problem: VerifyProblem, launches: list[tuple[Any, Backend]]) -> int:
+    """Workspace bytes of a call whose launches are `launches`, (params, backend) each: the most
+    any one needs, or a dispatch chain's (one partial layout for the most work items, a meta per
+    chained launch)."""
+    need = max(be.workspace_bytes(problem, p) for p, be in launches)
+    if _chains([be for _, be in launches]):
+        from .cuda.backend import chain_workspace_bytes, work_items
+        need = max(need, chain_workspace_bytes(problem, [work_items(p, problem.B) for p, _ in launches]))
+    return need
+
 # Parameter names a backend used before, per backend: old -> current. Only readers of
 # committed evidence (trials tables, Optuna studies, the review) translate them; everything
 # else rejects an old name with an error that names the current one (`renamed_hint`).

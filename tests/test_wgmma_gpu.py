@@ -206,16 +206,16 @@ def merge(request, monkeypatch):
     """Each merge kernel on every case, whatever the launch's splits per request would pick:
     verify_wgmma.cu's warp merge, or verify.cu's block merge; after the test, every launch is
     checked to have used it (the warp merge is launched with its own grid, `merge_launch`)."""
-    from kvtune.kernels.cuda import wgmma
+    from kvtune.kernels.cuda import backend, wgmma
     monkeypatch.setattr(wgmma, "WARP_MERGE_MAX_SPLITS", 10**6 if request.param == "warp" else 0)
     used = []
-    launch = wgmma.launch_split_merge
+    launch = backend.launch_split_merge
 
-    def spy(*args, **kw):
-        used.append("block" if args[-1] is None else "warp")
-        return launch(*args, **kw)
+    def spy(a, sl):
+        used.append(sl.merge_kind)
+        return launch(a, sl)
 
-    monkeypatch.setattr(wgmma, "launch_split_merge", spy)
+    monkeypatch.setattr(backend, "launch_split_merge", spy)
     yield request.param
     assert used and set(used) == {request.param}, used
 

@@ -116,16 +116,16 @@ def test_nan_in_a_hidden_draft_keys_v_stays_out(nsplit, dv):
 def merge(request, monkeypatch):
     """Each merge kernel on every case, whatever the launch's splits per request would pick;
     after the test, every launch is checked to have used it."""
-    from kvtune.kernels.cuda import wgmma, wgmma_km
+    from kvtune.kernels.cuda import backend, wgmma
     monkeypatch.setattr(wgmma, "WARP_MERGE_MAX_SPLITS", 10**6 if request.param == "warp" else 0)
     used = []
-    launch = wgmma_km.launch_split_merge
+    launch = backend.launch_split_merge
 
-    def spy(*args, **kw):
-        used.append("block" if args[-1] is None else "warp")
-        return launch(*args, **kw)
+    def spy(a, sl):
+        used.append(sl.merge_kind)
+        return launch(a, sl)
 
-    monkeypatch.setattr(wgmma_km, "launch_split_merge", spy)
+    monkeypatch.setattr(backend, "launch_split_merge", spy)
     yield request.param
     assert used and set(used) == {request.param}, used
 

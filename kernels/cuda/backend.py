@@ -255,9 +255,10 @@ class SplitMergeBackend(Backend):
         return None
 
     def launch(self, a: LaunchArgs, params) -> None:
-        on_tensors_device(a, lambda: self._launch(a, params))
+        on_tensors_device(a, lambda: launch_split_merge(a, self.split_launch(a, params)))
 
-    def _launch(self, a: LaunchArgs, params) -> None:
+    def split_launch(self, a: LaunchArgs, params) -> SplitLaunch:
+        """The kernels, shapes and merge of a launch of `params` for `a` (compiling on first use)."""
         raise NotImplementedError
 
 
@@ -311,60 +312,161 @@ class CudaBackend(SplitMergeBackend):
             self._kernels[key] = got
         return got
 
-    def _launch(self, a: LaunchArgs, params: CudaParams) -> None:
-        split_k, merge_k, geo, pdl = self._get(params, a.problem.T, a.problem.device)
-        split_shape = launch_shapes(params, a.problem.B, a.problem.T, a.problem.H)[0]
-        launch_split_merge(a, params, split_k, split_shape, geo.smem_bytes, merge_k, pdl, params.VEC)
+    def split_launch(self, a: LaunchArgs, params: CudaParams) -> SplitLaunch:
+        pb = a.problem
+        split_k, merge_k, geo, pdl = self._get(params, pb.T, pb.device)
+        split_shape, merge_launch = launch_shapes(params, pb.B, pb.T, pb.H)
+        return SplitLaunch(params, split_k, split_shape, geo.smem_bytes, params.VEC, "use a smaller VEC",
+                           work_items(params, pb.B), merge_k, "block", merge_launch, pdl)
 
 
-def launch_split_merge(a: LaunchArgs, params, split_k, split_shape, smem: int, merge_k, pdl: bool, vec: int,
-                       vec_hint: str = "use a smaller VEC", merge_launch: tuple | None = None) -> None:
-    """Launch a split kernel taking verify.cu's SplitArgs (`params` with its NSPLIT,
-    `split_shape`: (grid, block), `smem` bytes of dynamic shared memory, `vec`-element key
-    loads) and a merge kernel taking MergeArgs on torch's current stream: no allocation, no host
-    sync. `merge_launch`: (grid, block) of `merge_k` (default: verify.cu's merge, merge_shape).
-    `vec_hint` ends the error for KV rows the key loads cannot read."""
-    from cuda.bindings import driver as drv
-    from .nvrtc import check_driver
-    pb = a.problem
-    kv = a.kv_cache
-    if kv.stride(0) % vec or kv.data_ptr() % (2 * vec):
+@dataclass(frozen=True)
+class SplitLaunch:
+    """One config's launch on verify.cu's SplitArgs and merge, resolved for a call
+    (`SplitMergeBackend.split_launch`): the split kernel and its ((grid), (block)), `smem` bytes of
+    dynamic shared memory, `vec`-element key loads (`vec_hint` ends the error for KV rows they
+    cannot read), its work items per head group, the merge kernel, its kind ("block": verify.cu's,
+    "warp": verify_wgmma.cu's) and its ((grid), (block)), whether the merge may start early (PDL),
+    and `chainable`: the split kernel takes a second argument (verify_km.cu's chained_meta) and
+    can follow another split launch of one per-context dispatch, one merge after both."""
+    params: object
+    split_k: object
+    split_shape: tuple
+    smem: int
+    vec: int
+    vec_hint: str
+    items: int
+    merge_k: object
+    merge_kind: str
+    merge_launch: tuple
+    pdl: bool
+    chainable: bool = False
+
+
+def _split_args(a: LaunchArgs, sl: SplitLaunch, part_o: int, part_lse: int, meta: int) -> _SplitArgs:
+    pb, q, kv, st = a.problem, a.q, a.kv_cache, a.split_table
+    if kv.stride(0) % sl.vec or kv.data_ptr() % (2 * sl.vec):
         raise ValueError(f"kv_cache: row stride {kv.stride(0)} / base address must be multiples of "
-                         f"VEC={vec} elements for {2 * vec}-byte loads; {vec_hint}")
-    out = a.out
-    q = a.q
+                         f"VEC={sl.vec} elements for {2 * sl.vec}-byte loads; {sl.vec_hint}")
     q_vec16 = int(q.data_ptr() % 16 == 0 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0)
-    n_rows = work_items(params, pb.B) * pb.T * pb.H   # partial rows
-    base = a.workspace.data_ptr()
-    part_o, part_lse = base, base + 2 * n_rows * pb.Dv
-    meta = part_lse + 4 * n_rows
-    st = a.split_table
     nb = st.num_buckets if st is not None else 0
     smk = st.max_keys.data_ptr() if st is not None else a.kv_indptr.data_ptr()
     sv = st.nsplit.data_ptr() if st is not None else a.kv_indptr.data_ptr()
-    sa = _SplitArgs(q.data_ptr(), kv.data_ptr(), a.kv_indptr.data_ptr(), a.kv_indices.data_ptr(),
-                    a.tree_mask.data_ptr(), part_o, part_lse, meta, smk, sv,
-                    q.stride(0), q.stride(1), kv.stride(0), a.sm_scale * LOG2E,
-                    pb.H, pb.B, nb, params.NSPLIT, int(a.kv_indices.dtype == torch.int64), q_vec16)
-    lse = a.lse
+    return _SplitArgs(q.data_ptr(), kv.data_ptr(), a.kv_indptr.data_ptr(), a.kv_indices.data_ptr(),
+                      a.tree_mask.data_ptr(), part_o, part_lse, meta, smk, sv,
+                      q.stride(0), q.stride(1), kv.stride(0), a.sm_scale * LOG2E,
+                      pb.H, pb.B, nb, sl.params.NSPLIT, int(a.kv_indices.dtype == torch.int64), q_vec16)
+
+
+def _layout(a: LaunchArgs, items: int) -> tuple[int, int, int]:
+    """(part_o, part_lse, meta) addresses in the workspace for `items` work items per head group
+    (split_workspace_bytes' layout)."""
+    pb = a.problem
+    n_rows = items * pb.T * pb.H   # partial rows
+    base = a.workspace.data_ptr()
+    return base, base + 2 * n_rows * pb.Dv, base + 2 * n_rows * pb.Dv + 4 * n_rows
+
+
+def _launch_split(sl: SplitLaunch, sa: _SplitArgs, stream, chained_meta: int | None = None) -> None:
+    """The split kernel with `sa`; `chained_meta` (a chainable launch only): None for a launch of
+    its own (the pointer argument null), else the address of its own [B][2] meta, launched with
+    programmatic serialization after the split launch before it."""
+    from cuda.bindings import driver as drv
+    from .nvrtc import check_driver
+    if not sl.chainable:
+        sp = (ctypes.c_void_p * 1)(ctypes.addressof(sa))
+    else:
+        cm = ctypes.c_void_p(chained_meta or 0)
+        sp = (ctypes.c_void_p * 2)(ctypes.addressof(sa), ctypes.addressof(cm))
+    if chained_meta is None:
+        check_driver(drv.cuLaunchKernel(sl.split_k.function, *sl.split_shape[0], *sl.split_shape[1], sl.smem,
+                                        stream, ctypes.addressof(sp), 0), "cuLaunchKernel(verify_split)")
+    else:
+        grid = tuple(v for dims in sl.split_shape for v in dims)
+        check_driver(drv.cuLaunchKernelEx(_pdl_config(grid, stream, sl.smem), sl.split_k.function,
+                                          ctypes.addressof(sp), 0), "cuLaunchKernelEx(verify_split, chained)")
+
+
+def _launch_merge(a: LaunchArgs, sl: SplitLaunch, part_o: int, part_lse: int, meta: int, stream) -> None:
+    from cuda.bindings import driver as drv
+    from .nvrtc import check_driver
+    pb, out, lse = a.problem, a.out, a.lse
     ma = _MergeArgs(part_o, part_lse, out.data_ptr(), lse.data_ptr() if lse is not None else 0, meta,
                     out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0, pb.H, pb.T)
-    stream = drv.CUstream(torch.cuda.current_stream(pb.device).cuda_stream)
-    sp = (ctypes.c_void_p * 1)(ctypes.addressof(sa))
     mp = (ctypes.c_void_p * 1)(ctypes.addressof(ma))
-    check_driver(drv.cuLaunchKernel(split_k.function, *split_shape[0], *split_shape[1], smem, stream,
-                                    ctypes.addressof(sp), 0),
-                 "cuLaunchKernel(verify_split)")
-    merge_grid = tuple(v for dims in (merge_launch or merge_shape(pb.B, pb.T, pb.H)) for v in dims)
-    if pdl:
-        check_driver(drv.cuLaunchKernelEx(_pdl_config(merge_grid, stream), merge_k.function,
+    merge_grid = tuple(v for dims in sl.merge_launch for v in dims)
+    if sl.pdl:
+        check_driver(drv.cuLaunchKernelEx(_pdl_config(merge_grid, stream), sl.merge_k.function,
                                           ctypes.addressof(mp), 0), "cuLaunchKernelEx(verify_merge)")
     else:
-        check_driver(drv.cuLaunchKernel(merge_k.function, *merge_grid, 0, stream, ctypes.addressof(mp), 0),
+        check_driver(drv.cuLaunchKernel(sl.merge_k.function, *merge_grid, 0, stream, ctypes.addressof(mp), 0),
                      "cuLaunchKernel(verify_merge)")
 
 
-def _pdl_config(grid: tuple, stream):
+def _stream(a: LaunchArgs):
+    from cuda.bindings import driver as drv
+    return drv.CUstream(torch.cuda.current_stream(a.problem.device).cuda_stream)
+
+
+def launch_split_merge(a: LaunchArgs, sl: SplitLaunch) -> None:
+    """Launch `sl`'s split kernel and then its merge on torch's current stream: no allocation, no
+    host sync (a CUDA graph can capture it)."""
+    part_o, part_lse, meta = _layout(a, sl.items)
+    sa = _split_args(a, sl, part_o, part_lse, meta)
+    stream = _stream(a)
+    _launch_split(sl, sa, stream)
+    _launch_merge(a, sl, part_o, part_lse, meta, stream)
+
+
+def chain_order(launches: list[SplitLaunch]) -> list[int] | None:
+    """The order in which a per-context dispatch's launches run as one chain (split kernels one
+    after the other, one merge after the last), or None where they cannot: a chain needs every
+    launch but the first chainable (the first is launched plainly, so any split kernel may lead).
+    KVTUNE_DISPATCH_CHAIN=0 turns chains off (each launch with its own merge, the idle ones
+    marking the meta)."""
+    import os
+    if len(launches) < 2 or os.environ.get("KVTUNE_DISPATCH_CHAIN", "1") == "0":
+        return None
+    plain = [i for i, sl in enumerate(launches) if not sl.chainable]
+    if len(plain) > 1:
+        return None
+    return plain + [i for i, sl in enumerate(launches) if sl.chainable]
+
+
+def chain_merge(launches: list[SplitLaunch]) -> SplitLaunch:
+    """The launch whose merge a chain runs: any merge combines any launch's partials, and the one
+    chosen for the most work items suits the most splits per request (the warp merge waits a round
+    trip per 4 splits: 18 us at 132 splits where verify.cu's takes 4.8; wgmma.uses_warp_merge)."""
+    return max(launches, key=lambda sl: sl.items)
+
+
+def chain_workspace_bytes(problem: VerifyProblem, items: list[int]) -> int:
+    """The workspace of a chain of launches with `items` work items each: one partial layout for
+    the most items, then a [B][2] meta for each chained launch."""
+    return max(items) * problem.T * problem.H * (2 * problem.Dv + 4) + 8 * problem.B * len(items)
+
+
+def launch_dispatch(calls: list[tuple[LaunchArgs, SplitLaunch]]) -> None:
+    """A per-context dispatch's launches (each (args, launch), the same call but for its split
+    table): as one chain where `chain_order` allows (the idle split grids overlap the active one
+    and one merge runs), else each split + merge in turn."""
+    order = chain_order([sl for _, sl in calls])
+    if order is None:
+        for a, sl in calls:
+            launch_split_merge(a, sl)
+        return
+    a0 = calls[0][0]
+    part_o, part_lse, meta = _layout(a0, max(sl.items for _, sl in calls))
+    scratch = meta + 8 * a0.problem.B
+    stream = _stream(a0)
+    for n, i in enumerate(order):
+        a, sl = calls[i]
+        _launch_split(sl, _split_args(a, sl, part_o, part_lse, meta), stream,
+                      None if n == 0 else scratch + 8 * a.problem.B * (n - 1))
+    _launch_merge(a0, chain_merge([sl for _, sl in calls]), part_o, part_lse, meta, stream)
+
+
+def _pdl_config(grid: tuple, stream, smem: int = 0):
     """A launch config that lets the kernel start while the previous one on `stream` drains
     (it must griddepcontrol.wait before reading that kernel's results)."""
     from cuda.bindings import driver as drv
@@ -373,7 +475,7 @@ def _pdl_config(grid: tuple, stream):
     attr.value.programmaticStreamSerializationAllowed = 1
     cfg = drv.CUlaunchConfig()
     cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = grid
-    cfg.sharedMemBytes = 0
+    cfg.sharedMemBytes = smem
     cfg.hStream = stream
     cfg.attrs = [attr]
     cfg.numAttrs = 1

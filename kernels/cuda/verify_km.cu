@@ -527,8 +527,18 @@ __device__ __forceinline__ void pv_role(const SplitArgs& a, unsigned char* smem,
 // grid (ceil(H * T / 72), NSPLIT + B): x the row block, y the work item (verify.cu's items, pieces
 // in multiples of ALIGN keys); block km::Roles<CA>::THREADS (three or four warpgroups); dynamic
 // smem km::SMEM_BYTES. CA: value chunks (64 columns) of O^T in the S warpgroup (DV_SPLIT / 64).
+//
+// chained_meta: null, or this launch follows another split launch of the same per-context
+// dispatch (launched with programmatic serialization, so it may start while that one runs) and
+// one merge after both reads one meta table. Then an idle launch writes nothing at all; an
+// active one records the items in chained_meta ([B][2], its own) at its start and copies them to
+// a.meta only once the grid before it is complete (griddepcontrol.wait), after that grid's idle
+// marks; and every CTA waits for that grid before it exits, so the merge launched after this
+// grid reads both grids' writes. One merge instead of one per launch, and the idle grid's
+// launch overlaps the active one's (results/serving/dispatch-chain/).
 template <int T, int CA, int ALIGN>
-__global__ void __launch_bounds__(km::Roles<CA>::THREADS, 1) verify_km_kernel(const SplitArgs a) {
+__global__ void __launch_bounds__(km::Roles<CA>::THREADS, 1) verify_km_kernel(const SplitArgs a,
+                                                                              int* const chained_meta) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace km;
   const float NEG_INF = -__int_as_float(0x7f800000);
@@ -547,8 +557,16 @@ __global__ void __launch_bounds__(km::Roles<CA>::THREADS, 1) verify_km_kernel(co
   const int tid = threadIdx.x, wgi = tid >> 7;
   const int HT = a.H * T, rb = blockIdx.x * N;
   pdl_launch_dependents();  // the merge waits for this whole grid before it reads anything
+  const bool cta0 = blockIdx.y == 0 && blockIdx.x == 0;
   if (tid < 32) {
-    const Work w = find_work<ALIGN>(a, blockIdx.y, blockIdx.y == 0 && blockIdx.x == 0);
+    Work w;
+    if (chained_meta == nullptr) {
+      w = find_work<ALIGN>(a, blockIdx.y, cta0);
+    } else {  // an idle chained launch marks nothing: the meta is the other launch's
+      SplitArgs own = a;
+      own.meta = chained_meta;
+      w = find_work<ALIGN>(own, blockIdx.y, cta0 && !batch_idle(a));
+    }
     if (tid == 0) {
       work_s[0] = w.b;
       if (w.b >= 0) {
@@ -566,7 +584,10 @@ __global__ void __launch_bounds__(km::Roles<CA>::THREADS, 1) verify_km_kernel(co
   }
   __syncthreads();
   const int b = work_s[0];
-  if (b < 0) return;  // no work: the merge never reads this CTA's item
+  if (b < 0) {  // no work: the merge never reads this CTA's item
+    if (chained_meta != nullptr) pdl_wait();
+    return;
+  }
   const int lo = work_s[1], hi = work_s[2], item = work_s[3];
   const int kv_start = a.indptr[b], L = a.indptr[b + 1] - kv_start, P = L - T;
   const int n_tiles = (hi - lo + BN - 1) / BN;
@@ -574,6 +595,11 @@ __global__ void __launch_bounds__(km::Roles<CA>::THREADS, 1) verify_km_kernel(co
   if (wgi == 0) {
     wg::regs_dec<REGS_PRODUCER>();
     produce<R::EMPTY>(a, smem, kv_start, lo, hi, n_tiles);
+    if (chained_meta != nullptr) {  // the producer is done early: off the consumers' path
+      pdl_wait();
+      if (cta0 && tid < 32)
+        for (int i = tid; i < 2 * a.B; i += 32) a.meta[i] = chained_meta[i];
+    }
   } else if (wgi == 1) {
     if constexpr (CA == 0) wg::regs_dec<R::S>(); else wg::regs_inc<R::S>();
     s_role<T, CA>(a, smem, b, lo, hi, P, n_tiles, rb, HT, item);

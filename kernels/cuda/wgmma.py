@@ -19,7 +19,7 @@ import torch
 
 from ..backends import LaunchArgs
 from ..shapes import VerifyProblem, cdiv
-from .backend import (DK, DV, MERGE_EXPR, SplitMergeBackend, device_arch, launch_split_merge, nvrtc_unsupported,
+from .backend import (DK, DV, MERGE_EXPR, SplitLaunch, SplitMergeBackend, device_arch, merge_shape, nvrtc_unsupported,
                       pdl_enabled, sm_count, work_items)
 from .params import ARCH_LIMITS, WgmmaParams
 
@@ -185,6 +185,15 @@ class _Loaded:
             return self.merge_warp, merge_warp_shape(B, T, H)
         return self.merge, None
 
+    def split_launch(self, params, pb: VerifyProblem, split_shape: tuple, smem: int, vec_hint: str,
+                     chainable: bool = False) -> SplitLaunch:
+        """The launch of `params` for problem `pb` on these kernels, with the merge of `merge_for`."""
+        merge_k, shape = self.merge_for(params.NSPLIT, pb.B, pb.T, pb.H)
+        kind = "block" if shape is None else "warp"
+        shape = shape or merge_shape(pb.B, pb.T, pb.H)
+        return SplitLaunch(params, self.split, split_shape, smem, 8, vec_hint, work_items(params, pb.B),
+                           merge_k, kind, shape, self.pdl, chainable)
+
 
 class Sm90aBackend(SplitMergeBackend):
     """What the sm_90a backends share: a kernel hash of their module's source parts (`parts`),
@@ -231,12 +240,10 @@ class WgmmaBackend(Sm90aBackend):
             self._kernels[(T, rows, lanes, idx)] = got
         return got
 
-    def _launch(self, a: LaunchArgs, params: WgmmaParams) -> None:
+    def split_launch(self, a: LaunchArgs, params: WgmmaParams) -> SplitLaunch:
         pb = a.problem
         rows = params.ROWS
         k = self._get(pb.T, rows, pb.device, params.COPY_LANES)
         split_shape = ((row_blocks(pb.H, pb.T, rows), work_items(params, pb.B), 1), (threads(rows), 1, 1))
-        merge_k, merge_launch = k.merge_for(params.NSPLIT, pb.B, pb.T, pb.H)
-        launch_split_merge(a, params, k.split, split_shape, smem_bytes(rows), merge_k, k.pdl, 8,
-                           "the wgmma kernel's copies are 16 bytes: use the cuda backend with a smaller VEC",
-                           merge_launch)
+        return k.split_launch(params, pb, split_shape, smem_bytes(rows),
+                              "the wgmma kernel's copies are 16 bytes: use the cuda backend with a smaller VEC")

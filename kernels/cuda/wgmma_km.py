@@ -19,7 +19,7 @@ import torch
 
 from ..backends import LaunchArgs
 from ..shapes import VerifyProblem, cdiv
-from .backend import DK, DV, MERGE_EXPR, device_arch, launch_split_merge, pdl_enabled, sm_count, work_items
+from .backend import DK, DV, MERGE_EXPR, SplitLaunch, device_arch, pdl_enabled, sm_count, work_items
 from .params import WgmmaKmParams
 from .wgmma import MERGE_WARP_EXPR, WGMMA_ARCHS, Sm90aBackend, _Loaded, sm90a_reject
 
@@ -104,11 +104,11 @@ class WgmmaKmBackend(Sm90aBackend):
             self._kernels[(T, dv_split, align, idx)] = got
         return got
 
-    def _launch(self, a: LaunchArgs, params: WgmmaKmParams) -> None:
+    def split_launch(self, a: LaunchArgs, params: WgmmaKmParams) -> SplitLaunch:
         pb = a.problem
         k = self._get(pb.T, pb.device, params.DV_SPLIT, params.SPLIT_ALIGN)
         split_shape = ((row_blocks(pb.H, pb.T), work_items(params, pb.B), 1), (threads(params.DV_SPLIT), 1, 1))
-        merge_k, merge_launch = k.merge_for(params.NSPLIT, pb.B, pb.T, pb.H)
-        launch_split_merge(a, params, k.split, split_shape, SMEM_BYTES, merge_k, k.pdl, 8,
-                           "the wgmma_km kernel's copies are 16 bytes: use the cuda backend with a smaller VEC",
-                           merge_launch)
+        # chainable: verify_km_kernel's chained_meta (a per-context dispatch's later launch)
+        return k.split_launch(params, pb, split_shape, SMEM_BYTES,
+                              "the wgmma_km kernel's copies are 16 bytes: use the cuda backend with a smaller VEC",
+                              chainable=True)
