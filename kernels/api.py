@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .backends import Backend, LaunchArgs, SplitTable, get_backend
+from .backends import Backend, LaunchArgs, SplitTable, call_workspace_bytes, get_backend, launch_all
 from .shapes import MAX_DRAFT_TOKENS, VerifyProblem
 
 DEFAULT_KV_LORA_RANK = 512
@@ -186,20 +186,10 @@ def verify_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, ba
     if out is None:
         out = torch.empty(shape_o, dtype=torch.bfloat16, device=problem.device)
     else:
-        _need_tensor(out, "out")
-        if tuple(out.shape) != shape_o or out.dtype != torch.bfloat16 or out.device != problem.device:
-            raise ValueError(f"out: expected bf16 {list(shape_o)} on {problem.device}, got {out.dtype} "
-                             f"{list(out.shape)} on {out.device}")
-        if out.stride(-1) != 1:
-            raise ValueError("out: the last dimension must be contiguous")
+        _check_out(out, problem)
     if lse is not None:
         return_lse = True
-        _need_tensor(lse, "lse")
-        if tuple(lse.shape) != shape_o[:2] or lse.dtype != torch.float32 or lse.device != problem.device:
-            raise ValueError(f"lse: expected fp32 {list(shape_o[:2])} on {problem.device}, got {lse.dtype} "
-                             f"{list(lse.shape)} on {lse.device}")
-        if lse.stride(-1) != 1:
-            raise ValueError("lse: the last (head) dimension must be contiguous")
+        _check_lse(lse, problem)
     elif return_lse:
         lse = torch.empty(shape_o[:2], dtype=torch.float32, device=problem.device)
     need = be.workspace_bytes(problem, params)
@@ -207,18 +197,80 @@ def verify_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, ba
         if need:
             workspace = torch.empty(need, dtype=torch.uint8, device=problem.device)
     else:
-        _need_tensor(workspace, "workspace")
-        have = workspace.numel() * workspace.element_size()
-        if workspace.device != problem.device or not workspace.is_contiguous() or have < need:
-            raise ValueError(f"workspace: need a contiguous tensor of >= {need} bytes on {problem.device}, "
-                             f"got {have} bytes on {workspace.device}")
-        if workspace.data_ptr() % 16:
-            raise ValueError("workspace: must start at a 16-byte aligned address (kernels use vector accesses)")
+        _check_workspace(workspace, problem, need)
     if split_table is not None:
         _check_split_table(split_table, problem.device, be)
     be.launch(LaunchArgs(problem, q, kv_cache, kv_indptr, kv_indices, tree_mask, float(sm_scale), out, lse,
                          workspace, split_table), params)
     return (out, lse) if return_lse else out
+
+
+def verify_attention_dispatch(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, launches, out, *,
+                              lse=None, workspace, kv_lora_rank: int = DEFAULT_KV_LORA_RANK,
+                              check_values_: bool | None = None):
+    """One call of a per-context dispatch: every launch of `launches`, (backend, params,
+    split_table) each, on one batch, as the runtime's `run` launches them (`backends.launch_all`):
+    the launch whose split table holds the batch's bucket computes, the others exit at once.
+
+    Inputs as `verify_attention`'s; out `[B*T, H, Dv]` bf16 and workspace (at least
+    `backends.call_workspace_bytes` bytes) are required, lse `[B*T, H]` fp32 optional. Returns out.
+    """
+    problem = describe_problem(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, kv_lora_rank)
+    calls = []
+    for i, (backend, params, table) in enumerate(launches):
+        be = get_backend(backend)
+        why = be.supports(problem.device)
+        if why:
+            raise ValueError(f"launches[{i}]: {be.name} cannot run here: {why}")
+        if be.params_type is not None and not isinstance(params, be.params_type):
+            raise ValueError(f"launches[{i}]: backend {be.name!r} takes {be.params_type.__name__}, "
+                             f"got {type(params).__name__}")
+        be.check_params(params, problem)
+        if table is not None:
+            _check_split_table(table, problem.device, be)
+        calls.append((be, params, table))
+    if not calls:
+        raise ValueError("launches: expected at least one (backend, params, split_table)")
+    do_check = (not _is_capturing(problem.device)) if check_values_ is None else check_values_
+    if do_check:
+        check_values(problem, kv_cache, kv_indptr, kv_indices, tree_mask)
+    _check_out(out, problem)
+    if lse is not None:
+        _check_lse(lse, problem)
+    _check_workspace(workspace, problem, call_workspace_bytes(problem, [(p, be) for be, p, _ in calls]))
+    launch_all([(be, p, LaunchArgs(problem, q, kv_cache, kv_indptr, kv_indices, tree_mask, float(sm_scale), out,
+                                   lse, workspace, t)) for be, p, t in calls])
+    return out
+
+
+def _check_out(out, problem) -> None:
+    shape_o = (problem.rows, problem.H, problem.Dv)
+    _need_tensor(out, "out")
+    if tuple(out.shape) != shape_o or out.dtype != torch.bfloat16 or out.device != problem.device:
+        raise ValueError(f"out: expected bf16 {list(shape_o)} on {problem.device}, got {out.dtype} "
+                         f"{list(out.shape)} on {out.device}")
+    if out.stride(-1) != 1:
+        raise ValueError("out: the last dimension must be contiguous")
+
+
+def _check_lse(lse, problem) -> None:
+    shape = [problem.rows, problem.H]
+    _need_tensor(lse, "lse")
+    if list(lse.shape) != shape or lse.dtype != torch.float32 or lse.device != problem.device:
+        raise ValueError(f"lse: expected fp32 {shape} on {problem.device}, got {lse.dtype} "
+                         f"{list(lse.shape)} on {lse.device}")
+    if lse.stride(-1) != 1:
+        raise ValueError("lse: the last (head) dimension must be contiguous")
+
+
+def _check_workspace(workspace, problem, need: int) -> None:
+    _need_tensor(workspace, "workspace")
+    have = workspace.numel() * workspace.element_size()
+    if workspace.device != problem.device or not workspace.is_contiguous() or have < need:
+        raise ValueError(f"workspace: need a contiguous tensor of >= {need} bytes on {problem.device}, "
+                         f"got {have} bytes on {workspace.device}")
+    if workspace.data_ptr() % 16:
+        raise ValueError("workspace: must start at a 16-byte aligned address (kernels use vector accesses)")
 
 
 def _check_split_table(split_table, device, be) -> None:

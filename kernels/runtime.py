@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from .api import verify_attention
+from .api import verify_attention, verify_attention_dispatch
 from .api import check_values as api_check_values
-from .backends import LaunchArgs, SplitTable, split_bounds
+from .backends import LaunchArgs, SplitTable, call_workspace_bytes, launch_all, split_bounds
 from .plans import DEFAULT_BACKEND, Plan, model_on_rank  # noqa: F401 - DEFAULT_BACKEND re-exported
 from .plans import plans as build_plans
 from .shapes import VerifyProblem
@@ -136,8 +136,9 @@ class VerifyAttention:
         self._problems = [None] + [self.problem(n) for n in range(1, max_batch + 1)]
         self._step: StepPlan | None = None
         # a per-context dispatch's configs run one after the other on the same workspace
-        need = max(be.workspace_bytes(self.problem(n), params) for n in range(1, max_batch + 1)
-                   for params, _, be in self._launch[n][0].launches(self._launch[n][1:]))
+        need = max(call_workspace_bytes(self.problem(n), [(params, be) for params, _, be in
+                                                          self._launch[n][0].launches(self._launch[n][1:])])
+                   for n in range(1, max_batch + 1))
         self.workspace_bytes = need
         out_bytes = max_batch * T * H * Dv * 2 if preallocate_out else 0
         table_bytes = sum(8 * t.num_buckets for t in {id(t): t for n in range(1, max_batch + 1) for t in (
@@ -253,16 +254,20 @@ class VerifyAttention:
                               sm_scale=self.sm_scale)
             ref, _ = reference_attention(*inp.args, kv_lora_rank=self.Dv)
             # a per-context dispatch: each config on its own (its grid NSPLIT: these short
-            # requests fall in the first bucket, which one config serves), then all of them in
-            # turn as `run` launches them, the idle ones writing nothing
+            # requests fall in the first bucket, which one config serves), then all of them as
+            # `run` launches them (`launch_all`: one chain where it can), the idle ones writing nothing
             every = p.launches((params, table))
             checks = [every[:1]] if not p.others else [((c, None, be),) for c, _, be in every] + [every]
             for launches in checks:
                 out = torch.full((n * self.T, self.H, self.Dv), float("nan"), dtype=torch.bfloat16,
                                  device=self.device)
-                for c, t, be in launches:
+                if len(launches) == 1:
+                    (c, t, be), = launches
                     verify_attention(*inp.args, backend=be, params=c, out=out, workspace=self.workspace,
                                      split_table=t, kv_lora_rank=self.Dv, check_values_=True)
+                else:
+                    verify_attention_dispatch(*inp.args, [(be, c, t) for c, t, be in launches], out,
+                                              workspace=self.workspace, kv_lora_rank=self.Dv, check_values_=True)
                 err = rel_error(out, ref)
                 if not err <= SELF_CHECK_TOL:
                     raise RuntimeError(f"kvtune: start-up self-check failed for {p.source}: backend(s) "
@@ -397,9 +402,9 @@ class VerifyAttention:
             raise ValueError(f"sm_scale: expected a positive finite float, got {sm_scale!r}")
         # a per-context dispatch launches every config of the entry: the one whose split table
         # holds the batch's bucket runs, the others exit at once (their bucket's value is 0)
-        for params, table, be in step.plan.launches((step.params, step.split_table)):
-            be.launch(LaunchArgs(step.problem, q, kv_cache, step.kv_indptr, step.kv_indices, step.tree_mask,
-                                 float(sm_scale), out, lse, self.workspace, table), params)
+        launch_all([(be, params, LaunchArgs(step.problem, q, kv_cache, step.kv_indptr, step.kv_indices,
+                                            step.tree_mask, float(sm_scale), out, lse, self.workspace, table))
+                    for params, table, be in step.plan.launches((step.params, step.split_table))])
         return out if lse is None else (out, lse)
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor,

@@ -58,6 +58,7 @@ from kvtune.kernels import (
     rel_error,
     verify_attention,
 )
+from kvtune.kernels.backends import call_workspace_bytes
 from kvtune.kernels.runtime import VerifyAttention, load_defaults
 from kvtune.kernels.sglang import SGLangVerifyAdapter, sglang_verify_args
 from kvtune.tuner.config import load_deployment
@@ -374,7 +375,7 @@ def main(argv=None) -> int:
         common = {"case": label, "B": B, "prefix": prefixes[0] if len(set(prefixes)) == 1 else "ragged",
                   "keys": sum(prefixes) + B * va.T, "floor_us": round(floor_us(ceil, base, prefixes), 3)}
         plan = va.plan_for(B)
-        need = max(be.workspace_bytes(va.problem(B), c) for c, _, be in plan.launches((va.params_for(B), None)))
+        need = call_workspace_bytes(va.problem(B), [(c, be) for c, _, be in plan.launches((va.params_for(B), None))])
         if need > budget:
             rows.append({**common, "variant": "tuned", "outcome": "skipped",
                          "reason": f"workspace {need / 2**20:.0f} MiB > budget {budget / 2**20:.0f} MiB"})

@@ -117,42 +117,78 @@ def test_the_exports_check_of_a_dispatch_runs_it_on_the_moved_buckets_ragged_bat
     assert list(rows["round"].astype(str)) == ["k", "k", "k ragged x4"] and set(rows["role"]) == {"dispatch"}
 
 
-def test_a_dispatch_across_backends_in_one_graph_follows_the_batch_between_kernels():
-    """wgmma serves the short and long buckets, wgmma_km the middle one (its own full params):
-    the runtime launches both kernels on every replay, the one holding the batch's bucket writes
-    the output and the other exits at once (its meta says so), and every replay matches the
-    oracle as prefixes and trees change."""
+@pytest.mark.parametrize("chain", ["1", "0"])
+@pytest.mark.parametrize("primary", ["wgmma", "wgmma_km"])
+def test_a_dispatch_across_backends_in_one_graph_follows_the_batch_between_kernels(monkeypatch, primary, chain):
+    """One backend serves the short and long buckets, the other the middle one (its own full
+    params): the runtime launches both kernels on every replay, the one holding the batch's bucket
+    writes the output and the other exits at once, and every replay matches the oracle as
+    prefixes and trees change; chained (wgmma_km after the other kernel, one merge) or not
+    (KVTUNE_DISPATCH_CHAIN=0: each kernel with its own merge)."""
     from test_runtime_gpu import rt
     _backend_or_skip("wgmma")
     _backend_or_skip("wgmma_km")
-    p, _ = _two_configs("wgmma")
-    km, _ = _two_configs("wgmma_km")
-    km = {k: v for k, v in km.items() if k != "NSPLIT"}
+    monkeypatch.setenv("KVTUNE_DISPATCH_CHAIN", chain)
+    other = "wgmma_km" if primary == "wgmma" else "wgmma"
+    p, _ = _two_configs(primary)
+    q, _ = _two_configs(other)
+    q = {k: v for k, v in q.items() if k != "NSPLIT"}
     buckets = [{"max_context": 2048, "NSPLIT": 8},
-               {"max_context": 16384, "NSPLIT": 48, "backend": "wgmma_km", "params": km},
+               {"max_context": 16384, "NSPLIT": 48, "backend": other, "params": q},
                {"max_context": MAX_CONTEXT, "NSPLIT": p["NSPLIT"]}]
-    tuned = tuned_for("wgmma", p, buckets)
+    tuned = tuned_for(primary, p, buckets)
     tuned = dataclasses.replace(tuned, provenance=dict(tuned.provenance, kernel_hash={
         be: rt.backend_kernel_hash(be) for be in ("wgmma", "wgmma_km")}))
     va = VerifyAttention.from_defaults(tuned, tp=TP, max_batch=2, max_context=MAX_CONTEXT, device="cuda",
                                        check_values=False)   # warmup: each kernel, then both in turn
     plan = va.plan_for(2)
-    assert [be.name for _, _, be in plan.launches()] == ["wgmma", "wgmma_km"]
-    _replays_follow_the_batch(va, seed=11, also=lambda keys, km_serves: (
-        plan.launch_for_keys(keys, T)[2].name == "wgmma_km") is km_serves)
+    assert [be.name for _, _, be in plan.launches()] == [primary, other]
+    _replays_follow_the_batch(va, seed=11, also=lambda keys, other_serves: (
+        plan.launch_for_keys(keys, T)[2].name == other) is other_serves)
+
+
+def test_two_wgmma_km_configs_chain_in_one_graph():
+    """Both launches chainable: the first runs plainly, the second chained after it, one merge."""
+    _backend_or_skip("wgmma_km")
+    p, q = _two_configs("wgmma_km")
+    other = {k: v for k, v in q.items() if k != "NSPLIT" and v != p[k]}
+    buckets = [{"max_context": 2048, "NSPLIT": 8},
+               {"max_context": 16384, "NSPLIT": 16, "params": other},
+               {"max_context": MAX_CONTEXT, "NSPLIT": p["NSPLIT"]}]
+    va = VerifyAttention.from_defaults(tuned_for("wgmma_km", p, buckets), tp=TP, max_batch=2,
+                                       max_context=MAX_CONTEXT, device="cuda", check_values=False)
+    _replays_follow_the_batch(va, seed=5)
+
+
+def _meta_watch(va):
+    """Where the device shows which launch of batch 2's dispatch served: (int32 view of a [2][2]
+    meta, True when its item counts are >= 1 exactly when the other config serves, the counts it
+    holds when that launch was idle). Chained (`kernels.cuda.backend.launch_dispatch`; wgmma_km
+    after the plain launch): the chained launch's own meta after the shared one, written only
+    when it serves (the poison, -7, stays). Not chained: the other config's meta, marked -1 when
+    it was idle (verify.cu: mark_idle)."""
+    import os
+    plan = va.plan_for(2)
+    launches = plan.launches()
+    names = [be.name for _, _, be in launches]
+    chain = os.environ.get("KVTUNE_DISPATCH_CHAIN", "1") != "0" and names.count("wgmma") + names.count("cuda") <= 1
+    if not chain:
+        rows = work_items(launches[1][0], 2) * T * H
+        return va.workspace[rows * (2 * DV + 4): rows * (2 * DV + 4) + 16].view(torch.int32), True, -1
+    order = [i for i, n in enumerate(names) if n != "wgmma_km"] + [i for i, n in enumerate(names) if n == "wgmma_km"]
+    rows = max(work_items(c, 2) for c, _, _ in launches) * T * H
+    off = rows * (2 * DV + 4) + 16   # after the shared [2][2] meta: the second launch's own
+    return va.workspace[off: off + 16].view(torch.int32), order[1] == 1, -7
 
 
 def _replays_follow_the_batch(va, seed: int, also=None) -> None:
     """`va` (batch 2; buckets 2048, 16384 on the other config, MAX_CONTEXT), captured once: as the
     replays' prefixes cross the buckets, the host mirror names the launch that serves, the output
-    matches the oracle, and the other launch's merge meta says on the device whether it served.
+    matches the oracle, and a meta on the device says which launch served (`_meta_watch`).
     `also(keys, other_serves)`: a further host-side check, true when right."""
     plan = va.plan_for(2)
     alt = plan.others[0][0]
-    # the item counts the last launch (the other config) writes for the merge: -1 when it was
-    # idle (verify.cu: mark_idle)
-    rows = work_items(alt, 2) * T * H
-    meta = va.workspace[rows * (2 * DV + 4): rows * (2 * DV + 4) + 16].view(torch.int32)
+    meta, counts_when_other, idle = _meta_watch(va)
     req = Requests(seed=seed)
     req.fill((1000, 1))
     g, out = _capture(lambda: va(*req.args))
@@ -164,10 +200,10 @@ def _replays_follow_the_batch(va, seed: int, also=None) -> None:
         assert (va.params_for(2, keys) == alt) is alt_serves, prefixes
         assert also is None or also(keys, alt_serves), prefixes
         out.fill_(float("nan"))
-        meta.fill_(7)
+        meta.fill_(-7)
         g.replay()
         ref, _ = reference_attention(*req.args, va.sm_scale)
         assert rel_error(out, ref) < TOL, (prefixes, alt_serves)
         counts = meta[1::2].tolist()   # requests 0 and 1: (first item, item count) pairs
-        assert (counts == [-1, -1]) is (not alt_serves) and all(c >= 1 for c in counts) is alt_serves, \
-            (prefixes, counts)
+        watched_serves = alt_serves is counts_when_other
+        assert (all(c >= 1 for c in counts) if watched_serves else counts == [idle, idle]), (prefixes, counts)

@@ -29,6 +29,8 @@ import torch
 
 from kvtune.kernels import (SplitTable, VerifyInputs, get_backend, make_inputs, params_from_dict, rel_error,
                             verify_attention)
+from kvtune.kernels.api import verify_attention_dispatch
+from kvtune.kernels.backends import call_workspace_bytes
 from kvtune.kernels.reference import reference_attention
 from kvtune.kernels.shapes import VerifyProblem
 
@@ -298,7 +300,7 @@ class Measurer:
             return Measurement("pruned", str(e))
         if why:
             return Measurement("pruned", why)
-        ws_bytes = max(b.workspace_bytes(problem, c) for c, b in ((p, be), *((o[0], o[2]) for o in others)))
+        ws_bytes = call_workspace_bytes(problem, [(p, be), *((o[0], o[2]) for o in others)])
         if ws_bytes > opts.workspace_budget_bytes:
             return Measurement("pruned", f"workspace {ws_bytes / 2**20:.1f} MiB at batch {spec.batch} exceeds the "
                                          f"budget of {opts.workspace_budget_bytes / 2**20:.0f} MiB")
@@ -322,10 +324,13 @@ class Measurer:
         st = SplitTable.build(list(opts.split_table[0]), list(opts.split_table[1]), dev) if opts.split_table else None
         launches = [(p, st, be), *others]
 
-        def launch(inp, lse=None):
-            for c, t, b in launches:
-                verify_attention(*inp.args, backend=b, params=c, out=out, lse=lse, workspace=ws,
-                                 kv_lora_rank=spec.kv_lora_rank, check_values_=False, split_table=t)
+        def launch(inp, lse=None):   # as the runtime's run launches them (one chain where it can)
+            if len(launches) == 1:
+                verify_attention(*inp.args, backend=be, params=p, out=out, lse=lse, workspace=ws,
+                                 kv_lora_rank=spec.kv_lora_rank, check_values_=False, split_table=st)
+            else:
+                verify_attention_dispatch(*inp.args, [(b, c, t) for c, t, b in launches], out, lse=lse,
+                                          workspace=ws, kv_lora_rank=spec.kv_lora_rank, check_values_=False)
 
         # -- 2. correctness gate: fresh values, poisoned outputs, fp32 oracle
         self._refresh_check()
