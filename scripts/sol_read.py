@@ -57,9 +57,14 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 def parse_kv(text: str) -> dict:
     """"NAME=VALUE,NAME=VALUE" -> {NAME: int(VALUE)} (config overrides on the command line)."""
     out = {}
-    for part in text.split(","):
-        k, v = part.split("=")
-        out[k.strip()] = int(v)
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        k, sep, v = part.partition("=")
+        if not sep or not k.strip():
+            raise SystemExit(f"override {part!r}: expected NAME=VALUE")
+        try:
+            out[k.strip()] = int(v)
+        except ValueError:
+            raise SystemExit(f"override {part!r}: {v.strip()!r} is not an integer") from None
     return out
 
 
