@@ -260,7 +260,7 @@ KM_VARIANTS = {
     "full": [],
     "no_tiles": [("const int n_tiles = (hi - lo + BN - 1) / BN;",
                   "const int n_tiles = 0 * ((hi - lo + BN - 1) / BN);")],
-    "exit_early": [("if (b < 0) return;  // no work", "if (b < 0 || a.H > 0) return;  // no work")],
+    "exit_early": [("if (b < 0) {  // no work", "if (b < 0 || a.H > 0) {  // no work")],
     "no_q": [("  if (a.q_vec16) {  // 8 lanes per row", "  if (a.H > 0) {\n  } else if (a.q_vec16) {  //")],
     "no_o_store": [("    if (rg < HT)\n      *reinterpret_cast<uint4*>(a.part_o",
                     "    if (rg < HT && a.H < 0)\n      *reinterpret_cast<uint4*>(a.part_o")],
