@@ -31,7 +31,7 @@ from kvtune.kernels import get_backend  # noqa: E402
 from kvtune.tuner.config import load_deployment  # noqa: E402
 from kvtune.tuner.measure import Ceilings, MeasureOptions, Measurer, ProblemSpec  # noqa: E402
 
-BIG = 10**9   # one bucket holding every batch
+BIG = 10**9   # bucket bounds far above every request
 
 
 def main() -> int:
@@ -57,10 +57,13 @@ def main() -> int:
         cases = [("wgmma", "-", "wgmma", w, None, None),
                  ("wgmma_km", "-", "wgmma_km", k, None, None)]
         for chain in ("1", "0"):
-            cases += [("wgmma+idle km", chain, "wgmma", w, [[BIG], [w["NSPLIT"]]],
-                       [[k, [[BIG], [0]], "wgmma_km"]]),
-                      ("km+idle wgmma", chain, "wgmma", w, [[BIG], [0]],
-                       [[k, [[BIG], [k["NSPLIT"]]], "wgmma_km"]])]
+            # two buckets: every request falls in the first; a table needs one bucket it serves
+            serve = lambda n: [[BIG // 2, BIG], [n, 1]]  # noqa: E731
+            idle = lambda n: [[BIG // 2, BIG], [0, n]]  # noqa: E731
+            cases += [("wgmma+idle km", chain, "wgmma", w, serve(w["NSPLIT"]),
+                       [[k, idle(k["NSPLIT"]), "wgmma_km"]]),
+                      ("km+idle wgmma", chain, "wgmma", w, idle(w["NSPLIT"]),
+                       [[k, serve(k["NSPLIT"]), "wgmma_km"]])]
         for label, chain, be, params, table, dispatch in cases:
             os.environ["KVTUNE_DISPATCH_CHAIN"] = chain if chain != "-" else "1"
             opts = MeasureOptions(timing="graph", split_table=table, dispatch=dispatch)

@@ -158,8 +158,9 @@ dispatch)
       tests/test_cuda_gpu.py tests/test_contract.py >> $OUT/pytest.log 2>&1
   echo "pytest rc=$?" >> $OUT/pytest.log; grep -E "passed|failed|rc=" $OUT/pytest.log
   r=/tmp/res; rm -rf $r; mkdir -p $r; cp -r results/kimi-k2-h200 $r/
-  # the shipped sweep's rows and the wgmma_km sweep's (results/kernel/wgmma-km/sweep/), one table
-  python3 scripts/merge_trials.py results/kimi-k2-h200/trials.csv results/kernel/wgmma-km/sweep/trials-wgmma_km.csv \
+  # the shipped sweep's rows and the wgmma_km sweep's on its current source (with that export's
+  # recorded checks: results/serving/dispatch-chain/export/), one table
+  python3 scripts/merge_trials.py results/kimi-k2-h200/trials.csv results/serving/dispatch-chain/export/trials-wgmma_km.csv \
       --out $r/kimi-k2-h200/trials.csv
   timeout ${EXPORT_S:-200} $kv export $dep --out $r > $OUT/export.log 2>&1
   echo "export rc=$?" >> $OUT/export.log

@@ -5,7 +5,7 @@ their columns, in the order of the table that has the most (a backend adds its p
 columns), rows in the order given.
 
     python scripts/merge_trials.py results/kimi-k2-h200/trials.csv \
-        results/kernel/wgmma-km/sweep/trials-wgmma_km.csv --out /tmp/res/kimi-k2-h200/trials.csv
+        results/serving/dispatch-chain/export/trials-wgmma_km.csv --out /tmp/res/kimi-k2-h200/trials.csv
 """
 from __future__ import annotations
 

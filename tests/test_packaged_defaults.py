@@ -54,3 +54,32 @@ def test_packaged_kimi_defaults_are_the_export_of_the_committed_sweep():
     dep = load_deployment(root / "configs" / "deployments" / "kimi-k2-h200.yaml")
     trials = read_trials(root / "results" / "kimi-k2-h200" / "trials.csv")
     check_export(yaml.safe_load(packaged.read_text()), trials, ragged_round(dep.ragged_spread))
+
+
+def test_dispatch_chain_export_is_the_oracle_choice_on_its_trials(tmp_path):
+    """The export across backends with the dispatch chain (results/serving/dispatch-chain/export/,
+    not packaged) is the brute-force choice on the trials it was exported from: the shipped table
+    joined with the rows that sweep and its serving checks added (scripts/merge_trials.py), so its
+    per-context dispatches across wgmma and wgmma_km follow the README's rule on H200 timings."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+    from export_oracle import check_export
+
+    from kvtune.tuner.config import load_deployment
+    from kvtune.tuner.ragged import ragged_round
+    from kvtune.tuner.table import read_trials
+
+    root = Path(__file__).parents[1]
+    here = root / "results" / "serving" / "dispatch-chain" / "export"
+    joined = tmp_path / "trials.csv"
+    subprocess.run([sys.executable, str(root / "scripts" / "merge_trials.py"),
+                    str(root / "results" / "kimi-k2-h200" / "trials.csv"), str(here / "trials-wgmma_km.csv"),
+                    "--out", str(joined)], check=True, capture_output=True)
+    exported = yaml.safe_load((here / "kimi-k2-h200.yaml").read_text())
+    assert any(b.get("backend") for e in exported["entries"] for b in e["buckets"]), \
+        "the export holds a dispatch across backends"
+    dep = load_deployment(root / "configs" / "deployments" / "kimi-k2-h200.yaml")
+    check_export(exported, read_trials(joined), ragged_round(dep.ragged_spread))
