@@ -31,6 +31,9 @@ from .study import compile_key
 #: what a per-context dispatch adds to every call of an entry, per compile-time config beyond the
 #: first: one early-exit split launch and one early-exit merge launch inside the graph. Measured
 #: 2.71-2.93 us on the H200 at batch 1, H 8, 4k-128k (results/serving/dispatch/dispatch.csv).
+#: A wgmma_km launch beside wgmma chains instead (one merge; results/serving/dispatch-chain/):
+#: 0.7-4.2 us idle behind a serving wgmma, 2.7-10.6 us behind an idle one, so the same estimate
+#: stands for the trials' first cut and the dispatch's own check measures what it really costs.
 DISPATCH_COST_US = 2.9
 
 
