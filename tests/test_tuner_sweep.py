@@ -262,6 +262,40 @@ def test_ctrl_c_loses_no_finished_trial(tmp_path, sig):
     assert (s["outcome"] != "pruned").sum() >= 6
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")   # the swallowed one, on purpose
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_stop_that_lands_in_a_finalizer_is_not_lost(sig):
+    """A signal whose KeyboardInterrupt is raised inside a garbage-collector callback is
+    swallowed by Python ("Exception ignored"): CI once saw a Ctrl-C end a sweep as 'complete'
+    that way (in SQLAlchemy's weakref finalizer). The sweep's stop handler remembers it and
+    raises it again at its next check."""
+    import gc
+    import os
+    import signal
+
+    from kvtune.tuner.sweep import _StopSignals
+
+    stops = _StopSignals()
+    stops.install()
+    try:
+        class Finalized:
+            def __del__(self):
+                os.kill(os.getpid(), getattr(signal, sig))
+                for _ in range(100_000):   # the handler runs between bytecodes, here, inside __del__
+                    pass
+
+        a = Finalized()
+        a.self = a                          # a cycle: freed by the collector, as SQLAlchemy's are
+        del a
+        gc.collect()                        # the KeyboardInterrupt is raised and ignored in __del__
+        assert stops.signum == getattr(signal, sig)
+        with pytest.raises(KeyboardInterrupt):
+            stops.check()
+    finally:
+        stops.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_timing_pools_are_valid_disjoint_inputs():
     """The GPU's cold-L2 pools (built here on the CPU): disjoint slot regions, together at
     least cold_l2_factor x L2, and each a correct verify input for the oracle."""

@@ -43,16 +43,37 @@ from .table import TrialsTable, append_jsonl, scan_table
 log = get_logger(__name__)
 
 
-def _term_as_interrupt():
-    """SIGTERM (a scheduler's stop, `timeout`, `kill`) handled as Ctrl-C: the sweep records
-    'interrupted' and closes its studies instead of dying mid-trial. Returns the previous
-    handler to restore (None outside the main thread, where signals cannot be set)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
+class _StopSignals:
+    """Ctrl-C (SIGINT) and SIGTERM (a scheduler's stop, `timeout`, `kill`) end the sweep as
+    'interrupted', its studies closed, instead of killing it mid-trial.
 
-    def handler(signum, frame):
+    The handler raises KeyboardInterrupt where the signal lands; when it lands inside a
+    garbage-collector callback (SQLAlchemy's weakref finalizers, under Optuna) Python prints
+    "Exception ignored" and carries on, so the signal is also remembered and `check` raises
+    it again before the next measurement and at the end of the work: a stop is never lost."""
+
+    def __init__(self):
+        self.signum = None
+        self.previous = {}
+
+    def install(self):
+        if threading.current_thread() is not threading.main_thread():
+            return           # signals can only be set in the main thread; the caller handles them there
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self.previous[s] = signal.signal(s, self._handler)
+
+    def restore(self):
+        for s, h in self.previous.items():
+            signal.signal(s, h)
+        self.previous = {}
+
+    def _handler(self, signum, frame):
+        self.signum = signum
         raise KeyboardInterrupt
-    return signal.signal(signal.SIGTERM, handler)
+
+    def check(self):
+        if self.signum is not None:
+            raise KeyboardInterrupt
 
 
 class SweepStopped(Exception):
@@ -77,6 +98,7 @@ class Sweep(StudyLoop):
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         self.dep = dep
         self.o = opts
+        self.stops = _StopSignals()
         check_options(opts, dep)
         self.runner = Runner(dep, opts.device, opts.timing, opts.isolate, opts.trial_timeout_s,
                              opts.compile_workers, opts.measure_overrides)
@@ -178,6 +200,7 @@ class Sweep(StudyLoop):
 
     # -- one measurement ------------------------------------------------------------------
     def _measure(self, backend, params, spec, seed, extra: dict | None = None) -> dict:
+        self.stops.check()
         if self.o.max_measurements is not None and self.measured_now >= self.o.max_measurements:
             raise SweepStopped("measurement limit")
         if self.o.max_minutes is not None and time.time() - self.t0 > 60 * self.o.max_minutes:
@@ -331,15 +354,15 @@ class Sweep(StudyLoop):
     def run(self) -> list:
         t0 = self.t0 = time.time()
         status = "complete"
-        term = _term_as_interrupt()
+        self.stops.install()
         try:
             status = self._work()
+            self.stops.check()
         except (KeyboardInterrupt, SweepStopped) as e:
             status = "interrupted" if isinstance(e, KeyboardInterrupt) else f"stopped ({e})"
             log.warning("sweep %s: every finished trial is saved; re-run the same command to resume", status)
         finally:
-            if term is not None:
-                signal.signal(signal.SIGTERM, term)
+            self.stops.restore()
             self._close(status)
         self.status = status
         self.wall_s = time.time() - t0
