@@ -202,13 +202,18 @@ def test_where_only_some_moved_buckets_win_those_alone_are_checked_in_turn(alone
     moves64 = {65536: Bucket(33, 2900.0, 3200.0, 10.0)}
     p64, t64, o64 = dispatch_tables("wgmma", dict(LANES4), _pick(SERVED)[2], moves64, dict(LANES8), CTXS, 9, 64)
     assert t64[1] == [66, 66, 0] and o64[0][1][1] == [0, 0, 33]
-    calls = []
+    calls, beside = [], []
 
     def check(be, p, t, tp, bs, contexts, k, dispatch=None):
+        if dispatch is None:   # the pick, measured again beside the dispatch about to be measured
+            beside.append(k)
+            return _serve_rows(k, {c: SERVED[c] for c in contexts}, "export")
         calls.append((p, t, contexts, k, dispatch))
         return _serve_rows(k, {c: alone[c] for c in contexts})
     moves, alt, _, lat, notes = with_dispatch(df, _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED), check)
     assert calls == [(p64, t64, CTXS, serve_key("wgmma", p64, t64, o64), o64)]
+    # the 16k + 64k dispatch was recorded, so only the 64k one needed the pick beside it
+    assert len(beside) == 1 and beside[0].endswith(" beside " + serve_key("wgmma", p64, t64, o64))
     assert (sorted(moves) == [65536]) is kept and (lat == alone) is kept and (alt == LANES8) is kept
     assert len(notes) == 2
     assert "no dispatch" in notes[0] and ("per-context dispatch" if kept else "no dispatch") in notes[1]
@@ -217,13 +222,17 @@ def test_where_only_some_moved_buckets_win_those_alone_are_checked_in_turn(alone
 def test_a_dispatch_check_is_measured_when_missing_and_a_failed_one_keeps_the_pick():
     key, (params, table, others) = _dispatch_key()
     df = _table(_search({16384: (44, 700.0), 65536: (33, 2900.0)}))
-    calls = []
+    calls, beside = [], []
 
     def check(be, p, t, tp, bs, contexts, k, dispatch=None):
+        if dispatch is None:
+            beside.append(k)
+            return _serve_rows(k, {c: SERVED[c] for c in contexts}, "export")
         calls.append((p, t, contexts, k, dispatch))
-        return [dict(r, ctx=r["ctx"]) for r in _serve_rows(k, {c: SERVED[c] * 0.9 for c in contexts})]
+        return _serve_rows(k, {c: SERVED[c] * 0.9 for c in contexts})
     moves, _, _, lat, _ = with_dispatch(df, _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED), check)
     assert calls == [(params, table, CTXS, key, others)] and sorted(moves) == [16384, 65536]
+    assert len(beside) == 1 and beside[0].endswith(" beside " + key)
     wrong = _table(_search({16384: (44, 700.0), 65536: (33, 2900.0)}) +
                    _serve_rows(key, {c: 1.0 for c in CTXS}, outcome="wrong"))
     moves, _, _, lat, notes = with_dispatch(wrong, _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED))
@@ -278,6 +287,9 @@ class _Check:
         self.equal, self.rag, self.calls = equal, ragged, []
 
     def __call__(self, be, p, t, tp, bs, contexts, k, dispatch=None):
+        if dispatch is None:   # the pick beside the dispatch: served as its own check had it
+            self.calls.append(("beside", list(contexts), k))
+            return _serve_rows(k, {c: SERVED[c] for c in contexts}, "export")
         lat = self.equal[sum(c[0] == "equal" for c in self.calls)]
         self.calls.append(("equal", list(contexts), k))
         return _serve_rows(k, {c: lat[c] for c in contexts})
@@ -301,8 +313,9 @@ def test_a_moved_bucket_must_not_serve_its_ragged_batch_slower_than_the_default(
     moves, alt, _, lat, notes = with_dispatch(_table(rows), _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED), check, "x8")
     assert sorted(moves) == moved and alt == LANES8
     kinds = [c[0] for c in check.calls]
-    assert kinds == (["equal", "ragged"] if len(moved) == 2 else ["equal", "ragged", "equal"])
-    assert check.calls[1][1] == [65536] and check.calls[1][2].endswith("ragged x8")
+    assert kinds == (["beside", "equal", "ragged"] if len(moved) == 2 else
+                     ["beside", "equal", "ragged", "beside", "equal"])
+    assert check.calls[2][1] == [65536] and check.calls[2][2].endswith("ragged x8")
     assert f"ragged at 65536: {ragged64:.1f} vs the default's 1000.0 us" in notes[0]
     # no ragged measurement (a check without that method, nothing recorded): the bucket cannot move
     plain = _Check(check.equal, {})
@@ -316,4 +329,5 @@ def test_a_dispatch_that_wins_every_moved_bucket_but_loses_in_total_is_not_tried
     check = _Check([{4096: 600.0, 16384: 705.0, 65536: 2910.0}], {})
     df = _table(_search({16384: (44, 700.0), 65536: (33, 2900.0)}))
     moves, alt, _, lat, notes = with_dispatch(df, _pick(SERVED), 4, 64, CTXS, 9, dict(SERVED), check)
-    assert moves == {} and lat is None and len(check.calls) == 1 and "no dispatch" in notes[0]
+    assert moves == {} and lat is None and [c[0] for c in check.calls] == ["beside", "equal"]
+    assert "no dispatch" in notes[0]

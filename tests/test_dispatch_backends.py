@@ -225,3 +225,102 @@ def test_a_dispatch_whose_check_loses_at_the_moved_bucket_is_dropped(tmp_path):
     (e,), _ = _entries(df, load_deployment(str(path)), ["wgmma", "wgmma_km"], check)
     assert e.backend == "wgmma" and all(b.backend is None and b.params is None for b in e.buckets)
     assert any(c[3] for c in check.calls)   # the dispatch was measured, and lost
+
+
+def _dep(tmp_path):
+    from kvtune.tuner.config import load_deployment
+    path = tmp_path / "d.yaml"
+    path.write_text(yaml.safe_dump({"name": "d", "model": {"name": "m", "num_heads": 64, "draft_tokens": 9},
+                                    "device": "h200", "tp": [8], "contexts": CTXS, "batches": [16],
+                                    "backends": ["wgmma", "wgmma_km"], "trials": 1}))
+    return load_deployment(str(path))
+
+
+def test_a_dispatch_measured_now_is_compared_with_the_pick_measured_beside_it(tmp_path):
+    """A pick check recorded a session earlier (8 us slower at 64k than this machine serves it)
+    against a dispatch measured now would pass a dispatch that does not pay: 42 + 1.5 + 7 us
+    served against the recorded 60, but against the pick measured in the same call, 52, it wins
+    2.5 us, under the 2.9-us cost. The export measures the pick again beside the dispatch, under a
+    round of its own, and keeps the entry as it is."""
+    from kvtune.tuner.export import _entries
+    dep = _dep(tmp_path)
+    df = _trials({4096: 18.0, 65536: 52.0}, {4096: 30.0, 65536: 42.0})
+    first = _Check(df)
+    _entries(df, dep, ["wgmma", "wgmma_km"], first)
+    # the earlier session's table: the pick's check only (8 us slower at 64k), no dispatch check yet
+    pick_only = first.calls[:1]
+    be, params, table, _ = pick_only[0]
+    stale = [dict(r, median_us=r["median_us"] + (8.0 if r["ctx"] == 65536 else 0.0))
+             for r in _Check(df)(be, params, table, 8, 16, CTXS, serve_key(be, params, table))]
+    old = pd.concat([df, pd.DataFrame(stale)], ignore_index=True)
+    now = _Check(df, slower=7.0)
+    (e,), _ = _entries(old, dep, ["wgmma", "wgmma_km"], now)
+    assert e.backend == "wgmma" and all(b.backend is None for b in e.buckets)
+    beside = [c for c in now.calls if c[3] is None]
+    assert len(beside) == 1 and beside[0][:3] == pick_only[0][:3], "the pick was measured again, once"
+    assert any(c[3] for c in now.calls), "and the dispatch after it"
+
+
+def test_recorded_checks_of_both_export_again_without_measuring(tmp_path):
+    """Once the table holds the dispatch's check and the pick's beside it, a second export
+    measures nothing and makes the same file."""
+    from kvtune.tuner.export import _entries
+    dep = _dep(tmp_path)
+    df = _trials({4096: 18.0, 65536: 52.0}, {4096: 30.0, 65536: 42.0})
+    first = _Check(df)
+    (e1,), _ = _entries(df, dep, ["wgmma", "wgmma_km"], first)
+    assert {b.max_context: b.backend for b in e1.buckets if b.params} == {65536: "wgmma_km"}
+    assert len([c for c in first.calls if c[3] is None]) == 2   # the pick, then the pick beside the dispatch
+    rows = []
+    for n, (be, params, table, dispatch) in enumerate(list(first.calls)):
+        key = serve_key(be, params, table, dispatch)
+        if n == 1:   # the pick beside the dispatch: its own round
+            dkey = serve_key(*[c for c in first.calls if c[3]][0])
+            key = f"{serve_key(be, params, table)} beside {dkey}"
+        rows += first(be, params, table, 8, 16, CTXS, key, dispatch=dispatch)
+    again = _Check(df)
+    (e2,), _ = _entries(pd.concat([df, pd.DataFrame(rows)], ignore_index=True), dep, ["wgmma", "wgmma_km"], again)
+    assert e2 == e1 and again.calls == []
+
+
+class _WrongBeside(_Check):
+    """A serving check whose wgmma pick comes back wrong when it is measured again beside a
+    dispatch (a config that passed once and fails now must not ship). Keeps the rows it returns,
+    as the trials table would."""
+
+    def __init__(self, df):
+        super().__init__(df)
+        self.rows = []
+
+    def __call__(self, be, params, table, tp, bs, contexts, key, dispatch=None):
+        rows = super().__call__(be, params, table, tp, bs, contexts, key, dispatch)
+        if " beside " in key and be == "wgmma":
+            rows = [dict(r, outcome="wrong", reason="mismatch at head 3") for r in rows]
+        self.rows += rows
+        return rows
+
+
+def test_a_pick_wrong_when_measured_beside_its_dispatch_gives_way_here_and_in_later_exports(tmp_path):
+    """wgmma's pick passed its check, then came back wrong measured beside its dispatch: the
+    export serves the next pick (wgmma_km's; its own dispatch check may still run a bucket on
+    wgmma's kernel, which that check proves correct), and a later export from the table, which
+    now holds the wrong row, makes the same entry without measuring."""
+    from kvtune.tuner.export import _entries
+    dep = _dep(tmp_path)
+    df = _trials({4096: 18.0, 65536: 52.0}, {4096: 30.0, 65536: 42.0})
+    first = _WrongBeside(df)
+    (e1,), _ = _entries(df, dep, ["wgmma", "wgmma_km"], first)
+    assert [c[0] for c in first.calls][:2] == ["wgmma", "wgmma"] and first.calls[1][3] is None
+    assert e1.backend == "wgmma_km", "the wgmma pick failed beside its dispatch and was served anyway"
+    again = _Check(df)
+    (e2,), _ = _entries(pd.concat([df, pd.DataFrame(first.rows)], ignore_index=True), dep,
+                        ["wgmma", "wgmma_km"], again)
+    assert e2 == e1 and again.calls == []
+    # the brute-force oracle, on that table: a group with a wrong serving row never serves an entry
+    doc = {"schema_version": 1, "deployment": "d", "model": _doc([])["model"],
+           "provenance": {"device_name": "NVIDIA H200", "arch": "sm_90",
+                          "kernel_hash": {be: "x" for be in e2.backends()}, "date": "2026-12-02T00:00:00Z"},
+           "entries": [{"tp": 8, "heads_per_rank": 8, "max_batch": 16, "backend": e2.backend, "params": e2.params,
+                        "buckets": [{k: v for k, v in vars(b).items() if v is not None} for b in e2.buckets]}]}
+    parse_tuned(doc)
+    check_export(doc, pd.concat([df, pd.DataFrame(first.rows)], ignore_index=True))

@@ -158,16 +158,18 @@ def with_dispatch(df, pick, tp, bs, contexts, T, served_lat, check=None, rnd: st
         return {}, {}, None, None, []   # no move, or the pick's own check is incomplete: nothing to compare with
     notes = []
     while True:
+        own = _pick_beside(df, pick, tp, bs, contexts, T, moves, alt, alt_be, check) or served_lat
         lat, ragged, what, failed = _dispatch_served(df, pick, tp, bs, contexts, T, moves, alt, alt_be, check, rnd)
         if lat is None:
             return {}, {}, None, None, notes + [f"{what}: no dispatch, its serving check {failed}"]
         passed = {c: b for c, b in moves.items()
-                  if lat[c] * (1 + NSPLIT_MARGIN) < served_lat[c] and served_lat[c] - lat[c] > DISPATCH_COST_US
+                  if lat[c] * (1 + NSPLIT_MARGIN) < own[c] and own[c] - lat[c] > DISPATCH_COST_US
                   and (b.default_ragged is None or
                        ragged.get(c, float("inf")) <= b.default_ragged * (1 + BUCKET_LOSS_MARGIN))}
-        kept = len(passed) == len(moves) and sum(served_lat[c] - lat[c] for c in contexts) > 0
+        kept = len(passed) == len(moves) and sum(own[c] - lat[c] for c in contexts) > 0
         notes.append(f"{what}: " + ("a per-context dispatch, served " if kept else "no dispatch, served it measured ") +
-                     ", ".join(f"{c}: {lat[c]:.1f} vs {served_lat[c]:.1f} us" for c in contexts) +
+                     ", ".join(f"{c}: {lat[c]:.1f} vs {own[c]:.1f} us" for c in contexts) +
+                     (" (the pick measured beside it)" if own is not served_lat else "") +
                      "".join(f"; ragged at {c}: " + (f"{ragged[c]:.1f}" if c in ragged else "not measured") +
                              f" vs the default's {b.default_ragged:.1f} us"
                              for c, b in moves.items() if b.default_ragged is not None))
@@ -176,6 +178,36 @@ def with_dispatch(df, pick, tp, bs, contexts, T, served_lat, check=None, rnd: st
         if not passed or len(passed) == len(moves):   # a smaller dispatch gains less for the same idle launches
             return {}, {}, None, None, notes
         moves = passed
+
+
+def _pick_beside(df, pick, tp, bs, contexts, T, moves, alt, alt_be, check):
+    """The pick's own serving check timed in the same call as the dispatch's ({ctx: us}), or None
+    where the recorded checks suffice. A dispatch check measured now against a pick check that a
+    table recorded a session earlier compares two machines (up to 11% apart at 64k-128k on the
+    H200: results/kernel/wgmma-km/README.md), so where the dispatch still has to be measured the
+    pick is measured again first, under a round of its own (`<pick key> beside <dispatch key>`)
+    that a later export reads back. Raises PickFailedBeside where that check came back wrong or
+    failed at some bucket: the pick does not ship (`tuner.export.pick_served` then skips it,
+    here and in any later export from the table)."""
+    from .export import served
+    be, cparams, buckets, _ = pick
+    params, table = served(cparams, buckets, contexts, T, be, bs)
+    dparams, dtable, others = dispatch_tables(be, cparams, buckets, moves, alt, contexts, T, bs, alt_be)
+    dkey = serve_key(be, dparams, dtable, others)
+    key = f"{serve_key(be, params, table)} beside {dkey}"
+    recorded = {int(r["ctx"]) for r in _served_rows(df, tp, bs, contexts, dkey)[0]}
+    paired, _ = _served_rows(df, tp, bs, contexts, key, check and not set(contexts) <= recorded and (
+        lambda todo: check(be, params, table, tp, bs, todo, key)))
+    bad = [r for r in paired if r["outcome"] != "ok"]
+    if bad:
+        raise PickFailedBeside(f"tp={tp} bs={bs}: {be} {params} failed its serving check measured again beside "
+                               f"the dispatch ({bad[0]['outcome']}: {bad[0]['reason']}); next best")
+    lat = {int(r["ctx"]): float(r["median_us"]) for r in paired}
+    return lat if not set(contexts) - set(lat) else None
+
+
+class PickFailedBeside(Exception):
+    """The served pick, measured again beside a dispatch, came back wrong or failed."""
 
 
 def _dispatch_served(df, pick, tp, bs, contexts, T, moves, alt, alt_be, check, rnd):

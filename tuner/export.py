@@ -260,12 +260,13 @@ def _served_rows(df, tp, bs, contexts, key, measure=None) -> tuple[list[dict], b
     return rows + (measure(unchecked) or []), True
 
 
-def pick_served(df, backends, tp, bs, contexts, T, check=None, rnd: str | None = None):
+def pick_served(df, backends, tp, bs, contexts, T, check=None, rnd: str | None = None, exclude=()):
     """`choose`, skipping configs whose serving check (one graph-capturable launch with the
-    split table, at every bucket) was recorded wrong or failed. `check` (a `ServingCheck`)
-    measures a pick no recorded check covers. Returns (pick, notes, {ctx: served latency} or
-    None when not checked)."""
-    exclude = set()
+    split table, at every bucket), or that check measured again beside a dispatch, was recorded
+    wrong or failed, and the groups in `exclude` ((backend, compile-params JSON)). `check` (a
+    `ServingCheck`) measures a pick no recorded check covers. Returns (pick, notes, {ctx:
+    served latency} or None when not checked)."""
+    exclude = set(exclude)
     notes = []
     measured = 0
     while True:
@@ -280,7 +281,10 @@ def pick_served(df, backends, tp, bs, contexts, T, check=None, rnd: str | None =
         rows, ran = _served_rows(df, tp, bs, contexts, key, check and measured < MAX_CHECKS and (
             lambda todo: check(be, params, table, tp, bs, todo, key)))
         measured += ran
-        bad = [r for r in rows if r["outcome"] != "ok"]
+        again = df[(df["phase"] == "serve") & df["round"].astype(str).str.startswith(f"{key} beside ") &
+                   (df["tp"] == tp) & (df["bs"] == bs)]
+        bad = [r for r in rows + again[["ctx", "outcome", "reason", "median_us"]].to_dict("records")
+               if r["outcome"] != "ok"]
         if bad:
             notes.append(f"tp={tp} bs={bs}: {be} {params} failed its serving check ({bad[0]['outcome']}: "
                          f"{bad[0]['reason']}); next best")
@@ -428,6 +432,30 @@ def _contexts(df, dep: Deployment, backends, tp, bs) -> list[int]:
     return contexts
 
 
+def _pick_with_dispatch(df, backends, tp, bs, contexts, T, checker, rnd):
+    """`pick_served`, then `tuner.dispatch.with_dispatch` on it; a pick that fails when measured
+    again beside its dispatch gives way to the next. Returns (pick, its served latency, moves,
+    alt, alt_be, the dispatch's served latency), or None where no config can serve."""
+    from .dispatch import PickFailedBeside, with_dispatch   # it imports this module
+    exclude = set()
+    while True:
+        pick, notes, served_lat = pick_served(df, backends, tp, bs, contexts, T, checker, rnd, exclude)
+        for n in notes:
+            log.info("note: %s", n)
+        if pick is None:
+            return None
+        try:
+            moves, alt, alt_be, dispatch_lat, notes = with_dispatch(df, pick, tp, bs, contexts, T, served_lat,
+                                                                    checker, rnd)
+        except PickFailedBeside as e:
+            log.info("note: %s", e)
+            exclude.add((pick[0], json.dumps(pick[1], sort_keys=True)))
+            continue
+        for n in notes:
+            log.info("note: %s", n)
+        return pick, served_lat, moves, alt, alt_be, dispatch_lat
+
+
 def _entries(df, dep: Deployment, backends, checker):
     """(entries, report rows): per (tp, batch bucket) the served pick."""
     entries, report = [], []
@@ -440,19 +468,13 @@ def _entries(df, dep: Deployment, backends, checker):
             contexts = _contexts(df, dep, backends, tp, bs)
             if not contexts:
                 continue
-            pick, notes, served_lat = pick_served(df, backends, tp, bs, contexts, T, checker, rnd)
-            for n in notes:
-                log.info("note: %s", n)
-            if pick is None:
+            picked = _pick_with_dispatch(df, backends, tp, bs, contexts, T, checker, rnd)
+            if picked is None:
                 log.warning("tp=%s bs=%s: no config measured correct at every context bucket %s; no entry exported",
                             tp, bs, contexts)
                 continue
+            pick, served_lat, moves, alt, alt_be, dispatch_lat = picked
             be, cparams, buckets, is_default = pick
-            from .dispatch import with_dispatch   # it imports this module
-            moves, alt, alt_be, dispatch_lat, notes = with_dispatch(df, pick, tp, bs, contexts, T, served_lat,
-                                                                    checker, rnd)
-            for n in notes:
-                log.info("note: %s", n)
             served_lat = dispatch_lat or served_lat
             params, _ = served(cparams, {c: b for c, b in buckets.items() if c not in moves},
                                [c for c in contexts if c not in moves], T)
