@@ -158,8 +158,11 @@ def with_dispatch(df, pick, tp, bs, contexts, T, served_lat, check=None, rnd: st
         return {}, {}, None, None, []   # no move, or the pick's own check is incomplete: nothing to compare with
     notes = []
     while True:
-        own = _pick_beside(df, pick, tp, bs, contexts, T, moves, alt, alt_be, check) or served_lat
-        lat, ragged, what, failed = _dispatch_served(df, pick, tp, bs, contexts, T, moves, alt, alt_be, check, rnd)
+        launches = dispatch_tables(be, cparams, buckets, moves, alt, contexts, T, bs, alt_be)
+        dkey = serve_key(be, *launches)
+        own = _pick_beside(df, pick, tp, bs, contexts, T, dkey, check) or served_lat
+        lat, ragged, what, failed = _dispatch_served(df, pick, tp, bs, contexts, moves, alt, alt_be, launches, dkey,
+                                                     check, rnd)
         if lat is None:
             return {}, {}, None, None, notes + [f"{what}: no dispatch, its serving check {failed}"]
         passed = {c: b for c, b in moves.items()
@@ -180,21 +183,19 @@ def with_dispatch(df, pick, tp, bs, contexts, T, served_lat, check=None, rnd: st
         moves = passed
 
 
-def _pick_beside(df, pick, tp, bs, contexts, T, moves, alt, alt_be, check):
+def _pick_beside(df, pick, tp, bs, contexts, T, dkey, check):
     """The pick's own serving check timed in the same call as the dispatch's ({ctx: us}), or None
     where the recorded checks suffice. A dispatch check measured now against a pick check that a
     table recorded a session earlier compares two machines (up to 11% apart at 64k-128k on the
     H200: results/kernel/wgmma-km/README.md), so where the dispatch still has to be measured the
-    pick is measured again first, under a round of its own (`<pick key> beside <dispatch key>`)
-    that a later export reads back. Raises PickFailedBeside where that check came back wrong or
+    pick is measured again first, under a round of its own (`export.beside_key`; `dkey`: the
+    dispatch's serve_key) that a later export reads back. Raises PickFailedBeside where that check came back wrong or
     failed at some bucket: the pick does not ship (`tuner.export.pick_served` then skips it,
     here and in any later export from the table)."""
-    from .export import served
+    from .export import beside_key, served
     be, cparams, buckets, _ = pick
     params, table = served(cparams, buckets, contexts, T, be, bs)
-    dparams, dtable, others = dispatch_tables(be, cparams, buckets, moves, alt, contexts, T, bs, alt_be)
-    dkey = serve_key(be, dparams, dtable, others)
-    key = f"{serve_key(be, params, table)} beside {dkey}"
+    key = beside_key(serve_key(be, params, table), dkey)
     recorded = {int(r["ctx"]) for r in _served_rows(df, tp, bs, contexts, dkey)[0]}
     paired, _ = _served_rows(df, tp, bs, contexts, key, check and not set(contexts) <= recorded and (
         lambda todo: check(be, params, table, tp, bs, todo, key)))
@@ -210,15 +211,14 @@ class PickFailedBeside(Exception):
     """The served pick, measured again beside a dispatch, came back wrong or failed."""
 
 
-def _dispatch_served(df, pick, tp, bs, contexts, T, moves, alt, alt_be, check, rnd):
-    """The dispatch of `moves` to the group `alt` (of backend `alt_be`) beside `pick`, recorded or
-    measured by `check`:
+def _dispatch_served(df, pick, tp, bs, contexts, moves, alt, alt_be, launches, key, check, rnd):
+    """The dispatch of `moves` to the group `alt` (of backend `alt_be`) beside `pick` (its
+    `dispatch_tables`, `launches`; their serve_key, `key`), recorded or measured by `check`:
     its served latency {ctx: us} on equal requests (None where some bucket has none); on the
     ragged batch of each moved bucket the sweep timed one at (round `rnd`; `check.ragged`), {ctx:
     us}; what it is, and why its check is missing."""
-    be, cparams, buckets, _ = pick
-    params, table, others = dispatch_tables(be, cparams, buckets, moves, alt, contexts, T, bs, alt_be)
-    key = serve_key(be, params, table, others)
+    be, cparams, _, _ = pick
+    params, table, others = launches
 
     def served(ctxs, key, measure):
         rows, _ = _served_rows(df, tp, bs, ctxs, key, measure and (

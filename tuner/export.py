@@ -248,6 +248,12 @@ def serve_key(backend: str, params: dict, table, dispatch: list | None = None) -
     return "serve-" + hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:10]
 
 
+def beside_key(pick_key: str, dispatch_key: str = "") -> str:
+    """Names the pick's serving check measured again in the call that measures a dispatch (the
+    dispatch's serve_key); with no `dispatch_key`, the prefix every such round of the pick has."""
+    return f"{pick_key} beside {dispatch_key}"
+
+
 def _served_rows(df, tp, bs, contexts, key, measure=None) -> tuple[list[dict], bool]:
     """The serving-check rows of `key` at (tp, bs): those the trials table recorded, then, for the
     contexts none covers, `measure(contexts)`'s (`measure` None or False: not measured). Returns
@@ -281,7 +287,7 @@ def pick_served(df, backends, tp, bs, contexts, T, check=None, rnd: str | None =
         rows, ran = _served_rows(df, tp, bs, contexts, key, check and measured < MAX_CHECKS and (
             lambda todo: check(be, params, table, tp, bs, todo, key)))
         measured += ran
-        again = df[(df["phase"] == "serve") & df["round"].astype(str).str.startswith(f"{key} beside ") &
+        again = df[(df["phase"] == "serve") & df["round"].astype(str).str.startswith(beside_key(key)) &
                    (df["tp"] == tp) & (df["bs"] == bs)]
         bad = [r for r in rows + again[["ctx", "outcome", "reason", "median_us"]].to_dict("records")
                if r["outcome"] != "ok"]
