@@ -323,6 +323,23 @@ def cold_pools(heads: int, prefix, batch: int = 1) -> list:
             for i in range(max(2, min(48, math.ceil(3 * l2 / nbytes))))]
 
 
+def lpt_order(prefixes: list[int], nsplit: int, T: int = 9, bn: int = 32) -> list[int]:
+    """`prefixes` sorted by the size of their items in verify.cu's items schedule at `nsplit`
+    (find_item: each request cut into ceil(L / chunk) equal pieces of whole tiles), largest first:
+    the order in which the GPU's block scheduler, filling SMs as they free, would run the
+    longest-processing-time-first list schedule."""
+    lens = [p + T for p in prefixes]
+    cap = max(nsplit, len(lens))
+    tiles = max(math.ceil(sum(lens) / cap / bn), 1)
+    while sum(max(math.ceil(n / (tiles * bn)), 1) for n in lens) > cap:
+        tiles += 1
+
+    def piece(n: int) -> int:
+        parts = max(math.ceil(n / (tiles * bn)), 1)
+        return max(math.ceil(math.ceil(n / parts) / bn), 1)
+    return [p for _, p in sorted(((-piece(n), p) for n, p in zip(lens, prefixes)), key=lambda t: t[0])]
+
+
 def variants_of(backend: str) -> tuple[dict, str]:
     """(the variant table, the source part it patches) of `backend`."""
     return {"wgmma": (WGMMA_VARIANTS, "verify_wgmma.cu"), "wgmma_km": (KM_VARIANTS, "verify_km.cu")}.get(
@@ -402,6 +419,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1, help="requests per call, each with the prefix's keys")
     ap.add_argument("--ragged", default="", help="in place of --prefixes: bench_serving.py's ragged batches by name "
                     "(ragged16, ragged64)")
+    ap.add_argument("--order", choices=("given", "lpt"), default="given",
+                    help="with --ragged: the requests as generated, or sorted largest item first (lpt) for the "
+                         "items schedule at the run's NSPLIT (what a host-side permutation of the batch buys)")
     ap.add_argument("--merge", choices=("auto", "warp", "block"), default="auto",
                     help="wgmma: the merge kernel (auto: wgmma.uses_warp_merge's choice)")
     ap.add_argument("--backend", default="cuda", choices=["cuda", "wgmma", "wgmma_km"])
@@ -439,6 +459,9 @@ def main(argv=None) -> int:
         if set(args.ragged.split(",")) - set(known):
             raise SystemExit(f"--ragged: unknown {args.ragged}; known: {sorted(known)}")
         cases = [(name, log_uniform(*known[name], seed=known[name][0])) for name in args.ragged.split(",")]
+        if args.order == "lpt":
+            nsplit = over.get("NSPLIT", 132)
+            cases = [(f"{name} lpt", lpt_order(keys, nsplit)) for name, keys in cases]
     for prefix, keys in cases:
         pools = cold_pools(args.heads, keys, args.batch)
         n_req = len(keys) if isinstance(keys, list) else args.batch
