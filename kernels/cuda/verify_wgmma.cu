@@ -570,7 +570,11 @@ constexpr int FUSE_LEVELS = 6;  // counter levels: trees of up to 4^6 items per 
 // writes: canonical NaNs only); the last arrival at a node puts back the tag with 0 arrivals.
 constexpr unsigned long long FUSE_TAG = 0x7fc17fc3ull << 32;
 
-// One arrival at counter `ctr`: the arrivals so far, this one included.
+// Release and acquire at GPU scope by one thread, for the whole CTA's writes before (after) a
+// block barrier (PTX fences are cumulative): cheaper than a fence in every writing thread.
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
+
+// One arrival at counter `ctr` (after fence_acq_rel_gpu): the arrivals so far, this one included.
 __device__ __forceinline__ int fuse_arrive(unsigned long long* ctr) {
   unsigned long long cur = *reinterpret_cast<volatile unsigned long long*>(ctr);
   for (;;) {
@@ -611,6 +615,21 @@ __device__ void fuse_merge(const SplitArgs& a, unsigned char* smem, int b, int r
   static_assert(RB * (F + 1) * 4 <= 2048 && 2048 + F * RB * HALF * 2 <= K_OFF + NBUF * KBUF,
                 "the fused merge's weights and staged children fit Q's and the key buffers' shared memory");
   const i64 crow = (i64)step * T * a.H;  // partial rows from one child to the next
+  const u32 st = smem_u32(stage);
+  // every child's half-rows h into the stage (a child of weight 0 is read too, and skipped: its rows
+  // were written, o = 0 where it saw no key); half 0's copies fly while the weights are worked out
+  auto stage_half = [&](int h) {
+    for (int i = tid; i < c * RB * CH; i += NTH) {
+      const int k = i / (RB * CH), r = (i / CH) % RB, q = i % CH, rg = rb + r;
+      const bool use = rg < HT;
+      const u16* src = use ? a.part_o + ((((i64)slot0 + (i64)k * step) * T + rg % T) * a.H + rg / T) * DV +
+                                 h * HALF + 8 * q
+                           : a.part_o;
+      cp_async<16>(st + ((k * RB + r) * CH + q) * 16, src, use ? 16 : 0);
+    }
+    cp_async_commit();
+  };
+  stage_half(0);
   for (int r = tid; r < RB; r += NTH) {
     const int rg = rb + r;
     if (rg >= HT) continue;
@@ -632,42 +651,49 @@ __device__ void fuse_merge(const SplitArgs& a, unsigned char* smem, int b, int r
     for (int k = 0; k < F; ++k) wts[r * F + k] = w[k] == 0.f ? 0.f : w[k] * inv;
     nlse[r] = sum == 0.f ? NEG_INF : m + __logf(sum);
   }
-  bar_sync(11, NTH);
-  const u32 st = smem_u32(stage);
   for (int h = 0; h < 2; ++h) {
-    for (int i = tid; i < c * RB * CH; i += NTH) {
-      const int k = i / (RB * CH), r = (i / CH) % RB, q = i % CH, rg = rb + r;
-      const bool use = rg < HT && wts[r * F + k] != 0.f;
-      const u16* src = use ? a.part_o + ((((i64)slot0 + (i64)k * step) * T + rg % T) * a.H + rg / T) * DV +
-                                 h * HALF + 8 * q
-                           : a.part_o;
-      cp_async<16>(st + ((k * RB + r) * CH + q) * 16, src, use ? 16 : 0);
-    }
-    cp_async_commit();
+    if (h > 0) stage_half(h);
     cp_async_wait<0>();
     bar_sync(11, NTH);
-    for (int u = tid; u < RB * CH; u += NTH) {
-      const int r = u / CH, q = u % CH, rg = rb + r;
-      if (rg >= HT) continue;
-      float acc[8];
+    // U units per thread at a time, every shared-memory load of them before any use: one warp per
+    // scheduler (the tail) otherwise waits out each load's latency
+    constexpr int U = 3;
+    for (int u0 = tid; u0 < RB * CH; u0 += U * NTH) {
+      uint4 v[U][F];
+      float w[U][F];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-      for (int k = 0; k < c; ++k) {
-        const float w = wts[r * F + k];
-        if (w == 0.f) continue;
-        const uint4 v = *reinterpret_cast<const uint4*>(stage + ((k * RB + r) * CH + q) * 16);
-        const u32 pw[4] = {v.x, v.y, v.z, v.w};
+      for (int j = 0; j < U; ++j) {
+        const int u = u0 + j * NTH, r = min(u / CH, RB - 1), q = u % CH;
+        const bool ok = u < RB * CH && rb + r < HT;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          acc[2 * e] += w * __uint_as_float(pw[e] << 16);
-          acc[2 * e + 1] += w * __uint_as_float(pw[e] & 0xffff0000u);
+        for (int k = 0; k < F; ++k) {
+          w[j][k] = ok && k < c ? wts[r * F + k] : 0.f;
+          v[j][k] = w[j][k] != 0.f ? *reinterpret_cast<const uint4*>(stage + ((k * RB + r) * CH + q) * 16)
+                                   : make_uint4(0u, 0u, 0u, 0u);
         }
       }
-      const uint4 v = make_uint4(pack_bf16(acc[0], acc[1]), pack_bf16(acc[2], acc[3]), pack_bf16(acc[4], acc[5]),
-                                 pack_bf16(acc[6], acc[7]));
-      u16* dst = root ? a.out + (i64)(b * T + rg % T) * a.out_stride_m + (i64)(rg / T) * a.out_stride_h
-                      : a.part_o + (((i64)slot0 * T + rg % T) * a.H + rg / T) * DV;
-      store8(dst + h * HALF + 8 * q, v);
+#pragma unroll
+      for (int j = 0; j < U; ++j) {
+        const int u = u0 + j * NTH, r = u / CH, q = u % CH, rg = rb + r;
+        if (u >= RB * CH || rg >= HT) continue;
+        float acc[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+#pragma unroll
+        for (int k = 0; k < F; ++k) {
+          const u32 pw[4] = {v[j][k].x, v[j][k].y, v[j][k].z, v[j][k].w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {  // a child of weight 0 was not read: its zeros add nothing
+            acc[2 * e] += w[j][k] * __uint_as_float(pw[e] << 16);
+            acc[2 * e + 1] += w[j][k] * __uint_as_float(pw[e] & 0xffff0000u);
+          }
+        }
+        const uint4 o = make_uint4(pack_bf16(acc[0], acc[1]), pack_bf16(acc[2], acc[3]), pack_bf16(acc[4], acc[5]),
+                                   pack_bf16(acc[6], acc[7]));
+        u16* dst = root ? a.out + (i64)(b * T + rg % T) * a.out_stride_m + (i64)(rg / T) * a.out_stride_h
+                        : a.part_o + (((i64)slot0 * T + rg % T) * a.H + rg / T) * DV;
+        store8(dst + h * HALF + 8 * q, o);
+      }
     }
     bar_sync(11, NTH);  // the stage is refilled by the next half
   }
@@ -699,10 +725,11 @@ __device__ void fuse_climb(const SplitArgs& a, unsigned char* smem, int* flag, i
       if (tid_x() == FT) {
         if (level >= FUSE_LEVELS) __trap();  // the backend fuses only launches of at most 4^6 items
         unsigned long long* ctr = a.counters + ((i64)level * gridDim.y + slot0) * gridDim.x + mb;
+        fence_acq_rel_gpu();  // release: the CTA's partial (every writer passed a block barrier since)
         const int last = fuse_arrive(ctr) >= c;
         if (last) {
           atomicExch(ctr, FUSE_TAG);
-          __threadfence();  // the children's partials, fenced before their arrivals, are read after this
+          fence_acq_rel_gpu();  // acquire: the other children's partials, released before their arrivals
         }
         *flag = last;
       }
@@ -710,8 +737,7 @@ __device__ void fuse_climb(const SplitArgs& a, unsigned char* smem, int* flag, i
       if (!*flag) return;
       fuse_merge<T, RB, NTH, FT>(a, smem, b, mb * RB, slot0, stride, c, up == 1);
       if (up == 1) return;
-      __threadfence();  // the node's partial before its arrival at its parent
-      bar_sync(11, NTH);
+      bar_sync(11, NTH);  // the node's partial is out (released by the next arrival)
     }
     stride *= FUSE_FANIN;
     n = up;
@@ -895,7 +921,6 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
                 bf16_bits(o8[j][i] * inv[i & 1]);
         __syncthreads();  // (3) o staged
         store_o(item);
-        if (a.fused) __threadfence();  // the partial, before the arrival that follows (4)
         // the segment, read before (4): after it the 64-row warpgroups publish the next one
         const int f_b = work_s[0], f_first = work_s[8], f_count = work_s[9];
         __syncthreads();  // (4) o stored: Q's shared memory and the key buffers are free
@@ -1109,7 +1134,6 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
   }
   __syncthreads();  // (3) o staged
   store_o(item);
-  if (a.fused) __threadfence();  // the partial, before the arrival that follows (4)
   __syncthreads();  // (4) o stored: Q's shared memory and the key buffers are free
   if (XR == 0 && a.fused && work_s[9] > 1)  // with a tail warpgroup, the tail climbs
     fuse_climb<T, RB, 256, 0>(a, smem, work_s + 10, work_s[0], ctaid_x(), work_s[8], work_s[9], work_s[3]);
