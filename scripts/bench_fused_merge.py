@@ -26,6 +26,15 @@ from sol_read import graph_us, write_csv  # noqa: E402
 
 CASES = "1:4096,1:16384,4:16384,8:4096,8:16384,16:4096,16:16384,32:4096,32:16384,64:4096,64:16384"
 MODES = ("separate", "fused")
+#: what the fused merge costs, taken apart (timing only: the outputs are wrong, no oracle check):
+#: no_merge keeps every arrival and climb but merges nothing; no_climb writes the partials and stops
+VARIANTS = {
+    "full": [],
+    "no_merge": [("      fuse_merge<T, RB, NTH, FT>(a, smem, b, mb * RB, slot0, stride, c, up == 1);\n", "")],
+    "no_climb": [("if (a.fused && f_count > 1) fuse_climb<T, RB, 128, 256>", "if (false) fuse_climb<T, RB, 128, 256>")],
+    # right outputs: the merge's accumulation one unit at a time (a third of its code)
+    "one_unit": [("    constexpr int U = 3;\n", "    constexpr int U = 1;\n")],
+}
 
 
 def oracle_check(B: int, prefix, heads: int, p) -> dict:
@@ -68,6 +77,9 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--params", default="NSPLIT=132,ROWS=72,COPY_LANES=8", help="WgmmaParams fields NAME=VALUE,...")
     ap.add_argument("--reps", type=int, default=2, help="interleaved rounds of both modes")
+    ap.add_argument("--hot", action="store_true", help="one input set (hot L2, code in L2) instead of cold pools")
+    ap.add_argument("--variant", default="full", choices=sorted(VARIANTS),
+                    help="the fused merge taken apart (ROWS 72: the tail warpgroup climbs)")
     args = ap.parse_args(argv)
     from bench_serving import RAGGED, floor_us, log_uniform
     from time_phases import cold_pools
@@ -81,15 +93,38 @@ def main(argv=None) -> int:
     cases = [(int(b), int(n)) for b, n in (c.split(":") for c in args.cases.split(",") if c)]
     known = {name: (n, lo, hi) for name, n, lo, hi in RAGGED}
     named = [(name, log_uniform(*known[name], seed=known[name][0])) for name in args.ragged.split(",") if name]
+    from kvtune.kernels.cuda import nvrtc
+    src = nvrtc.SOURCE_PATH.with_name("verify_wgmma.cu").read_text()
+    for anchor, repl in VARIANTS[args.variant]:
+        if src.count(anchor) != 1:
+            raise SystemExit(f"--variant {args.variant}: anchor {anchor!r} occurs {src.count(anchor)} times")
+        src = src.replace(anchor, repl)
+    with nvrtc.source_override(src, "verify_wgmma.cu"):
+        rows = _run(args, cases, named, over, ceil, ProblemSpec, floor_us, cold_pools, WgmmaParams)
+    name = "fused-merge.csv" if args.variant == "full" else f"fused-merge-{args.variant}.csv"
+    name = name.replace(".csv", "-hot.csv") if args.hot else name
+    write_csv(Path(args.out) / name, rows)
+    print(f"\n{'case':>12} {'items/req':>9} {'floor':>7} {'separate':>9} {'fused':>9} {'f/s':>6} "
+          f"{'% floor s':>9} {'% floor f':>9} auto")
+    for r in rows:
+        print(f"{r['case']:>12} {r['items_per_request']:>9} {r['floor_us']:>7.2f} {r['separate_us']:>9.2f} "
+              f"{r['fused_us']:>9.2f} {r['fused_over_separate']:>6.3f} {100 * r['floor_us'] / r['separate_us']:>9.1f} "
+              f"{100 * r['floor_us'] / r['fused_us']:>9.1f} {r['auto']}")
+    return 0
+
+
+def _run(args, cases, named, over, ceil, ProblemSpec, floor_us, cold_pools, WgmmaParams) -> list[dict]:
     rows = []
     for label, B, prefix in [(f"{b} x {n}", b, n) for b, n in cases] + [(nm, len(ks), ks) for nm, ks in named]:
         p = replace(WgmmaParams(NSPLIT=132, ROWS=72), **over)
-        errs = oracle_check(B, prefix, args.heads, p)
-        pools = cold_pools(args.heads, prefix, B)
+        right = args.variant in ("full", "one_unit")
+        errs = oracle_check(B, prefix, args.heads, p) if right else {m: float("nan") for m in MODES}
+        pools = cold_pools(args.heads, prefix, B)[:1 if args.hot else None]
         got = time_case(pools, p, args.reps)
         prefixes = prefix if isinstance(prefix, list) else [prefix] * B
         floor = floor_us(ceil, ProblemSpec(heads=args.heads, batch=B, context=max(prefixes), draft_tokens=9), prefixes)
-        row = {"case": label, "B": B, "params": str(p), "floor_us": round(floor, 2),
+        row = {"case": label, "B": B, "variant": args.variant + (", hot L2" if args.hot else ""), "params": str(p),
+               "floor_us": round(floor, 2),
                "items_per_request": -(-max(p.NSPLIT, B) // B), "auto": "fused" if _auto(p, B) else "separate"}
         for mode in MODES:
             row[f"{mode}_us"] = round(statistics.median(got[mode]), 2)
@@ -100,14 +135,7 @@ def main(argv=None) -> int:
         print(row, flush=True)
         del pools
         torch.cuda.empty_cache()
-    write_csv(Path(args.out) / "fused-merge.csv", rows)
-    print(f"\n{'case':>12} {'items/req':>9} {'floor':>7} {'separate':>9} {'fused':>9} {'f/s':>6} "
-          f"{'% floor s':>9} {'% floor f':>9} auto")
-    for r in rows:
-        print(f"{r['case']:>12} {r['items_per_request']:>9} {r['floor_us']:>7.2f} {r['separate_us']:>9.2f} "
-              f"{r['fused_us']:>9.2f} {r['fused_over_separate']:>6.3f} {100 * r['floor_us'] / r['separate_us']:>9.1f} "
-              f"{100 * r['floor_us'] / r['fused_us']:>9.1f} {r['auto']}")
-    return 0
+    return rows
 
 
 def _auto(p, B: int) -> bool:
