@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -402,26 +401,14 @@ class Phases:
         ws = torch.empty(self.be.workspace_bytes(problem, p), dtype=torch.uint8, device="cuda")
         reps = max(len(pools), 96 // len(pools) * len(pools))
         row = {"params": str(p)}
-        fused = self.name == "wgmma" and wgmma_fused(p.NSPLIT, problem.B)
-        phases = (("both", None),) if fused else (
-            ("both", None), ("split", int(merge_k.function)), ("merge", int(split_k.function)))
-        if fused:  # no merge kernel: the split kernel is the call
-            row["merge_kind"] = "fused"
-        for what, skip in phases:
+        for what, skip in (("both", None), ("split", int(merge_k.function)), ("merge", int(split_k.function))):
             self.skip = skip
             fns = [lambda x=x, p=p, out=out, ws=ws: verify_attention(*x.args, backend=self.name, params=p, out=out,
                                                                     workspace=ws, check_values_=False)
                    for x in pools]
             row[f"{what}_us"] = round(graph_us([fns[i % len(fns)] for i in range(reps)]), 2)
         self.skip = None
-        if fused:
-            row["split_us"], row["merge_us"] = row["both_us"], 0.0
         return row
-
-
-def wgmma_fused(NSPLIT: int, B: int) -> bool:
-    from kvtune.kernels.cuda.wgmma import uses_fused_merge
-    return uses_fused_merge(NSPLIT, B)
 
 
 def main(argv=None) -> int:
@@ -435,9 +422,8 @@ def main(argv=None) -> int:
     ap.add_argument("--order", choices=("given", "lpt"), default="given",
                     help="with --ragged: the requests as generated, or sorted largest item first (lpt) for the "
                          "items schedule at the run's NSPLIT (what a host-side permutation of the batch buys)")
-    ap.add_argument("--merge", choices=("auto", "warp", "block", "separate", "fused"), default="auto",
-                    help="wgmma: the merge (auto: wgmma.uses_fused_merge's, then uses_warp_merge's choice; warp and "
-                         "block: that merge kernel; separate: uses_warp_merge's; fused: the split kernel's tree)")
+    ap.add_argument("--merge", choices=("auto", "warp", "block"), default="auto",
+                    help="wgmma: the merge kernel (auto: wgmma.uses_warp_merge's choice)")
     ap.add_argument("--backend", default="cuda", choices=["cuda", "wgmma", "wgmma_km"])
     ap.add_argument("--params", default="", help="NAME=VALUE,... over the backend's default (e.g. NUM_WARPS=4)")
     ap.add_argument("--variants", default="", help="'all', or a comma-separated list of the variants above to time")
@@ -460,9 +446,7 @@ def main(argv=None) -> int:
                          "(a+b: both)")
     if args.merge != "auto":
         from kvtune.kernels.cuda import wgmma
-        os.environ["KVTUNE_WGMMA_MERGE"] = "fused" if args.merge == "fused" else "separate"
-        if args.merge in ("warp", "block"):
-            wgmma.WARP_MERGE_MAX_SPLITS = 10**6 if args.merge == "warp" else 0
+        wgmma.WARP_MERGE_MAX_SPLITS = 10**6 if args.merge == "warp" else 0
     source = nvrtc.SOURCE_PATH.with_name(part).read_text()
     if args.oracle:
         oracle_check(source, names, args.backend, over)

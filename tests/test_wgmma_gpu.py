@@ -207,7 +207,6 @@ def merge(request, monkeypatch):
     verify_wgmma.cu's warp merge, or verify.cu's block merge; after the test, every launch is
     checked to have used it (the warp merge is launched with its own grid, `merge_launch`)."""
     from kvtune.kernels.cuda import backend, wgmma
-    monkeypatch.setenv("KVTUNE_WGMMA_MERGE", "separate")  # a merge kernel, not the split kernel's tree
     monkeypatch.setattr(wgmma, "WARP_MERGE_MAX_SPLITS", 10**6 if request.param == "warp" else 0)
     used = []
     launch = backend.launch_split_merge

@@ -131,10 +131,7 @@ class _SplitArgs(ctypes.Structure):
                 ("q_stride_m", ctypes.c_int64), ("q_stride_h", ctypes.c_int64), ("kv_stride", ctypes.c_int64),
                 ("qk_scale", ctypes.c_float),
                 ("H", ctypes.c_int), ("B", ctypes.c_int), ("num_buckets", ctypes.c_int),
-                ("grid_nsplit", ctypes.c_int), ("indices_64", ctypes.c_int), ("q_vec16", ctypes.c_int),
-                ("out", ctypes.c_void_p), ("lse_out", ctypes.c_void_p), ("out_stride_m", ctypes.c_int64),
-                ("out_stride_h", ctypes.c_int64), ("lse_stride_m", ctypes.c_int64), ("counters", ctypes.c_void_p),
-                ("fused", ctypes.c_int), ("pad_", ctypes.c_int)]
+                ("grid_nsplit", ctypes.c_int), ("indices_64", ctypes.c_int), ("q_vec16", ctypes.c_int)]
 
 
 class _MergeArgs(ctypes.Structure):
@@ -145,7 +142,7 @@ class _MergeArgs(ctypes.Structure):
 
 
 # sizes static_assert'ed in verify.cu: a layout change on either side fails loudly
-assert ctypes.sizeof(_SplitArgs) == 192 and ctypes.sizeof(_MergeArgs) == 72
+assert ctypes.sizeof(_SplitArgs) == 136 and ctypes.sizeof(_MergeArgs) == 72
 
 
 def work_items(p, B: int) -> int:
@@ -160,16 +157,6 @@ def split_workspace_bytes(p, problem: VerifyProblem) -> int:
     in bf16 (half the split-K traffic of fp32) and lse in fp32 for its T x H rows; then the
     per-request (first item, count) table."""
     return work_items(p, problem.B) * problem.T * problem.H * (2 * problem.Dv + 4) + 8 * problem.B
-
-
-#: verify_wgmma.cu's FUSE_LEVELS: the fused merge's counters per (work item, row block)
-FUSE_LEVELS = 6
-
-
-def counter_bytes(p, problem: VerifyProblem, row_blocks: int) -> int:
-    """The fused merge's arrival counters (u64 per tree level, work item and row block), after
-    the split workspace from a 16-byte boundary."""
-    return 16 + FUSE_LEVELS * work_items(p, problem.B) * row_blocks * 8
 
 
 def merge_shape(B: int, T: int, H: int) -> tuple[tuple, tuple]:
@@ -354,12 +341,9 @@ class SplitLaunch:
     merge_launch: tuple
     pdl: bool
     chainable: bool = False
-    fused: bool = False
 
 
-def _split_args(a: LaunchArgs, sl: SplitLaunch, part_o: int, part_lse: int, meta: int,
-                counters: int = 0) -> _SplitArgs:
-    """The split kernel's arguments; `counters` (the fused merge's, `sl.fused` only): their address."""
+def _split_args(a: LaunchArgs, sl: SplitLaunch, part_o: int, part_lse: int, meta: int) -> _SplitArgs:
     pb, q, kv, st = a.problem, a.q, a.kv_cache, a.split_table
     if kv.stride(0) % sl.vec or kv.data_ptr() % (2 * sl.vec):
         raise ValueError(f"kv_cache: row stride {kv.stride(0)} / base address must be multiples of "
@@ -368,13 +352,10 @@ def _split_args(a: LaunchArgs, sl: SplitLaunch, part_o: int, part_lse: int, meta
     nb = st.num_buckets if st is not None else 0
     smk = st.max_keys.data_ptr() if st is not None else a.kv_indptr.data_ptr()
     sv = st.nsplit.data_ptr() if st is not None else a.kv_indptr.data_ptr()
-    out, lse = a.out, a.lse
     return _SplitArgs(q.data_ptr(), kv.data_ptr(), a.kv_indptr.data_ptr(), a.kv_indices.data_ptr(),
                       a.tree_mask.data_ptr(), part_o, part_lse, meta, smk, sv,
                       q.stride(0), q.stride(1), kv.stride(0), a.sm_scale * LOG2E,
-                      pb.H, pb.B, nb, sl.params.NSPLIT, int(a.kv_indices.dtype == torch.int64), q_vec16,
-                      out.data_ptr(), lse.data_ptr() if lse is not None else 0, out.stride(0), out.stride(1),
-                      lse.stride(0) if lse is not None else 0, counters if sl.fused else 0, int(sl.fused), 0)
+                      pb.H, pb.B, nb, sl.params.NSPLIT, int(a.kv_indices.dtype == torch.int64), q_vec16)
 
 
 def _layout(a: LaunchArgs, items: int) -> tuple[int, int, int]:
@@ -384,11 +365,6 @@ def _layout(a: LaunchArgs, items: int) -> tuple[int, int, int]:
     n_rows = items * pb.T * pb.H   # partial rows
     base = a.workspace.data_ptr()
     return base, base + 2 * n_rows * pb.Dv, base + 2 * n_rows * pb.Dv + 4 * n_rows
-
-
-def _counters(meta: int, B: int) -> int:
-    """The fused merge's counters: after the meta, from a 16-byte boundary (counter_bytes)."""
-    return (meta + 8 * B + 15) // 16 * 16
 
 
 def _launch_split(sl: SplitLaunch, sa: _SplitArgs, stream, chained_meta: int | None = None) -> None:
@@ -436,11 +412,10 @@ def launch_split_merge(a: LaunchArgs, sl: SplitLaunch) -> None:
     """Launch `sl`'s split kernel and then its merge on torch's current stream: no allocation, no
     host sync (a CUDA graph can capture it)."""
     part_o, part_lse, meta = _layout(a, sl.items)
-    sa = _split_args(a, sl, part_o, part_lse, meta, _counters(meta, a.problem.B))
+    sa = _split_args(a, sl, part_o, part_lse, meta)
     stream = _stream(a)
     _launch_split(sl, sa, stream)
-    if not sl.fused:  # fused: the split kernel merged (verify_wgmma.cu's merge tree)
-        _launch_merge(a, sl, part_o, part_lse, meta, stream)
+    _launch_merge(a, sl, part_o, part_lse, meta, stream)
 
 
 def chain_order(launches: list[SplitLaunch]) -> list[int] | None:
@@ -474,9 +449,7 @@ def chain_workspace_bytes(problem: VerifyProblem, items: list[int]) -> int:
 def launch_dispatch(calls: list[tuple[LaunchArgs, SplitLaunch]]) -> None:
     """A per-context dispatch's launches (each (args, launch), the same call but for its split
     table): as one chain where `chain_order` allows (the idle split grids overlap the active one
-    and one merge runs), else each split + merge in turn. The launches merge with merge kernels:
-    the fused merge is for a launch of its own."""
-    calls = [(a, replace(sl, fused=False)) for a, sl in calls]
+    and one merge runs), else each split + merge in turn."""
     order = chain_order([sl for _, sl in calls])
     if order is None:
         for a, sl in calls:

@@ -207,16 +207,8 @@ struct SplitArgs {
   i64 q_stride_m, q_stride_h, kv_stride;  // in elements
   float qk_scale;           // sm_scale * log2(e)
   int H, B, num_buckets, grid_nsplit, indices_64, q_vec16;
-  // The merge in the split kernel (verify_wgmma.cu's fused merge; fused = 0 everywhere else, and
-  // these are then unused): the output, its lse (or null), their strides in elements, and the
-  // arrival counters of the merge tree ([FUSE_LEVELS][items][row blocks] u64, in the workspace).
-  u16* out;                 // [B*T, H, DV] bf16
-  float* lse_out;           // [B*T, H] fp32 or null
-  i64 out_stride_m, out_stride_h, lse_stride_m;
-  unsigned long long* counters;
-  int fused, pad_;
 };
-static_assert(sizeof(SplitArgs) == 192, "SplitArgs must match backend._SplitArgs");
+static_assert(sizeof(SplitArgs) == 136, "SplitArgs must match backend._SplitArgs");
 
 // The work item `item` of the key-balanced schedule (see the top of this file), found by one
 // warp (find_work): a binary search for the chunk (chunk_tiles), then a scan of the requests'
@@ -224,7 +216,7 @@ static_assert(sizeof(SplitArgs) == 192, "SplitArgs must match backend._SplitArgs
 // request's (first item, item count) for the merge. b = -1: past the last item; chunk = the keys
 // per split of request b.
 struct Work {
-  int b, split, chunk, first, count;  // first, count: request b's first item and its item count
+  int b, split, chunk;
 };
 // Lane i gets v_0 + ... + v_i over the warp's lanes (all 32 lanes must call).
 __device__ __forceinline__ int warp_inclusive_sum(int v, int lane) {
@@ -282,7 +274,7 @@ __device__ __forceinline__ void mark_idle(const SplitArgs& a) {  // warp-wide
 template <int BLOCK_N>
 __device__ Work find_item(const SplitArgs& a, int item, bool write_meta, int chunk) {
   const int lane = threadIdx.x & 31;
-  Work w = {-1, 0, chunk, 0, 0};
+  Work w = {-1, 0, chunk};
   int run = 0;  // items of the requests before this group of 32
   for (int b0 = 0; b0 < a.B; b0 += 32) {
     const int b = b0 + lane;
@@ -301,10 +293,8 @@ __device__ Work find_item(const SplitArgs& a, int item, bool write_meta, int chu
     if (mine) {  // warp-uniform
       const int src = __ffs(mine) - 1;
       w.b = b0 + src;
-      w.first = __shfl_sync(0xffffffffu, start, src);
-      w.split = item - w.first;
+      w.split = item - __shfl_sync(0xffffffffu, start, src);
       w.chunk = __shfl_sync(0xffffffffu, piece, src);
-      w.count = __shfl_sync(0xffffffffu, n, src);
     }
     run += __shfl_sync(0xffffffffu, incl, 31);
   }
@@ -314,7 +304,7 @@ template <int BLOCK_N>
 __device__ Work find_work(const SplitArgs& a, int item, bool write_meta) {
   if (batch_idle(a)) {
     if (write_meta) mark_idle(a);
-    return {-1, 0, 0, 0, 0};
+    return {-1, 0, 0};
   }
   const int total = batch_keys(a);
   const int chunk = chunk_tiles<BLOCK_N>(a, total, max(batch_nsplit(a, total), a.B)) * BLOCK_N;

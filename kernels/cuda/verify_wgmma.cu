@@ -46,18 +46,16 @@ struct Layout {
   static constexpr int ALPHA_OFF = M_OFF + ROWS * 4;     // float [NPB][ROWS]: the tile's rescale factors
   static constexpr int L_OFF = ALPHA_OFF + NPB * ROWS * 4;  // float [2][ROWS]: each warpgroup's l
   static constexpr int GREW_OFF = L_OFF + 2 * ROWS * 4;  // int [NPB]: the tile moved some row's max
-  // int [12]: the segment (b, lo, hi, item), R, x, x_end, chunk, the request's first item and item
-  // count, the fused merge's "this CTA merges" flag, one spare
-  static constexpr int WORK_OFF = GREW_OFF + NPB * 4;
+  static constexpr int WORK_OFF = GREW_OFF + NPB * 4;    // int [8]: the segment (b, lo, hi, item), R, x, x_end, chunk
   // the tail's, from a 16-byte boundary
-  static constexpr int TSCR_OFF = (WORK_OFF + 48 + 15) / 16 * 16;  // float4 [4][2][32]: S^T per column quarter
+  static constexpr int TSCR_OFF = (WORK_OFF + 32 + 15) / 16 * 16;  // float4 [4][2][32]: S^T per column quarter
   static constexpr int TP_OFF = TSCR_OFF + 4 * 2 * 32 * 16;  // bf16 P^T [2 (tile parity)][4 key groups][8][8]
   static constexpr int TMAX_OFF = TP_OFF + 2 * BN * XR_ROWS * 2;  // float [2][8]: each 16-key half's row maxima
   static constexpr int TALPHA_OFF = TMAX_OFF + 2 * XR_ROWS * 4;  // float [8]: the tile's rescale factors
   static constexpr int TL_OFF = TALPHA_OFF + XR_ROWS * 4;  // float [2][8]: l of each 16-key half
   static constexpr int FULL_OFF = TL_OFF + 2 * XR_ROWS * 4;  // u64 mbarrier [NBUF]: key buffer landed
   static constexpr int EMPTY_OFF = FULL_OFF + NBUF * 8;  // u64 mbarrier [NBUF]: the tail is done with it
-  static constexpr int SMEM_BYTES = XR ? EMPTY_OFF + NBUF * 8 : WORK_OFF + 48;
+  static constexpr int SMEM_BYTES = XR ? EMPTY_OFF + NBUF * 8 : WORK_OFF + 32;
   static_assert(FULL_OFF % 8 == 0 && TSCR_OFF % 16 == 0, "mbarriers are 8-byte aligned, the S^T quarters float4s");
   static_assert(SMEM_BYTES <= 227 * 1024, "over sm_90's shared memory per block");
 };
@@ -437,7 +435,6 @@ constexpr int RANGE_RESTART_TILES = 3;
 
 struct Seg {
   int b, lo, hi, item;  // b = -1: no more work for this CTA
-  int first, count;     // request b's first item and its item count (the fused merge's tree)
 };
 
 // A thread's gather slots for one tile: one 32-bit word per key row it copies.
@@ -483,31 +480,23 @@ __device__ Schedule plan_schedule(const SplitArgs& a) {
 // (range starts c R < x, and request starts that are not range starts). Warp-wide.
 __device__ Seg range_segment(const SplitArgs& a, int R, int x, int x_end) {
   const int lane = threadIdx.x & 31, base = a.indptr[0];
-  Seg s = {-1, 0, 0, 0, 0, 0};
+  Seg s = {-1, 0, 0, 0};
   int inner = 0;  // requests with keys whose start lies inside a range, before x
-  int inner_b = 0, st_b = 0, en_b = 0;  // the same before request s.b's start; its key span
   for (int b0 = 0; b0 < a.B; b0 += 32) {
     const int b = b0 + lane;
     const int st = b < a.B ? a.indptr[b] - base : 0, en = b < a.B ? a.indptr[b + 1] - base : 0;
     const bool has = en > st;
-    const unsigned starts_inside = __ballot_sync(0xffffffffu, has && st % R != 0);
+    inner += __popc(__ballot_sync(0xffffffffu, has && st < x && st % R != 0));
     const unsigned mine = __ballot_sync(0xffffffffu, has && st <= x && x < en);
     if (mine) {  // warp-uniform
       const int src = __ffs(mine) - 1;
-      st_b = __shfl_sync(0xffffffffu, st, src);
-      en_b = __shfl_sync(0xffffffffu, en, src);
+      const int st_b = __shfl_sync(0xffffffffu, st, src), en_b = __shfl_sync(0xffffffffu, en, src);
       s.b = b0 + src;
       s.lo = x - st_b;
       s.hi = min(en_b, x_end) - st_b;
-      inner_b = inner + __popc(starts_inside & ((1u << src) - 1u));
     }
-    inner += __popc(__ballot_sync(0xffffffffu, has && st < x && st % R != 0));
   }
   s.item = (x + R - 1) / R + inner;
-  // as range_meta: request b's segments start at the range starts in [st, en), one more when it
-  // starts inside a range
-  s.first = (st_b + R - 1) / R + inner_b;
-  s.count = (en_b + R - 1) / R - (st_b + R - 1) / R + (st_b % R != 0);
   return s;
 }
 
@@ -536,229 +525,22 @@ __device__ void range_meta(const SplitArgs& a, int R) {
 // first, then -1); else ranges: x = the next key position of the CTA's range [x, x_end).
 __device__ Seg next_segment(const SplitArgs& a, int R, int chunk, int& x, int x_end, bool write_meta) {
   if (R == 0) {
-    Seg s = {-1, 0, 0, 0, 0, 0};
+    Seg s = {-1, 0, 0, 0};
     if (x == 0) {
       const Work w = find_item<BN>(a, blockIdx.y, write_meta, chunk);
       if (w.b >= 0) {
         const int L = a.indptr[w.b + 1] - a.indptr[w.b];
-        s = {w.b, w.split * w.chunk, min(w.split * w.chunk + w.chunk, L), (int)blockIdx.y, w.first, w.count};
+        s = {w.b, w.split * w.chunk, min(w.split * w.chunk + w.chunk, L), (int)blockIdx.y};
       }
     }
     x = -1;
     return s;
   }
   if (write_meta) range_meta(a, R);
-  if (x >= x_end) return {-1, 0, 0, 0, 0, 0};
+  if (x >= x_end) return {-1, 0, 0, 0};
   const Seg s = range_segment(a, R, x, x_end);
   x += s.hi - s.lo;
   return s;
-}
-
-// ---------------------------------------------------------------- the fused merge
-// With a.fused, no merge kernel runs: a request's partials meet in a tree of fan-in FUSE_FANIN
-// over its items. The CTA that finishes an item arrives at the item's parent node (a counter per
-// node and row block); the last of a node's children to arrive merges them (their o and lse, read
-// back from L2) into the node, whose partial takes its first child's slot, and climbs on; the
-// root writes the output. A request of one item writes the output straight from the tile loop.
-// No CTA waits for another, so the order in which CTAs run does not matter. Each level on the way
-// up reads at most FUSE_FANIN partials, so a request of many items costs a few levels, not one CTA
-// reading every partial.
-constexpr int FUSE_FANIN = 4;
-constexpr int FUSE_LEVELS = 6;  // counter levels: trees of up to 4^6 items per request
-// A counter is u64: a tag (high word) and the arrivals so far. A word without the tag counts as 0,
-// so a workspace of any content works (the tag's halves are NaN payloads no kernel of kvtune
-// writes: canonical NaNs only); the last arrival at a node puts back the tag with 0 arrivals.
-constexpr unsigned long long FUSE_TAG = 0x7fc17fc3ull << 32;
-
-// Release and acquire at GPU scope by one thread, for the whole CTA's writes before (after) a
-// block barrier (PTX fences are cumulative): cheaper than a fence in every writing thread.
-__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
-
-// One arrival at counter `ctr` (after fence_acq_rel_gpu): the arrivals so far, this one included.
-__device__ __forceinline__ int fuse_arrive(unsigned long long* ctr) {
-  unsigned long long cur = *reinterpret_cast<volatile unsigned long long*>(ctr);
-  for (;;) {
-    const unsigned long long nxt = (cur & ~0xffffffffull) == FUSE_TAG ? cur + 1 : FUSE_TAG | 1ull;
-    const unsigned long long prev = atomicCAS(ctr, cur, nxt);
-    if (prev == cur) return (int)(nxt & 0xffffffffull);
-    cur = prev;
-  }
-}
-
-// 8 columns as 8 bf16 at dst: one 16-byte store where aligned (the usual dense output)
-__device__ __forceinline__ void store8(u16* dst, uint4 v) {
-  if ((reinterpret_cast<u64>(dst) & 15) == 0) {
-    *reinterpret_cast<uint4*>(dst) = v;
-  } else {
-    const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      dst[2 * e] = (u16)(w[e] & 0xffffu);
-      dst[2 * e + 1] = (u16)(w[e] >> 16);
-    }
-  }
-}
-
-// Merge `c` children (partial slots slot0 + m * step, m < c) of the CTA's row block rb into slot0,
-// or into the output rows of request b where `root`. NTH threads from thread FT (named barrier 11);
-// shared memory from byte 0 is free (the segment's o has left). The weights as the merge kernels
-// take them: an empty child (lse -inf) weighs 0 and is not read; a NaN stays NaN.
-template <int T, int RB, int NTH, int FT>
-__device__ void fuse_merge(const SplitArgs& a, unsigned char* smem, int b, int rb, int slot0, int step, int c,
-                           bool root) {
-  constexpr int F = FUSE_FANIN, HALF = DV / 2, CH = HALF / 8;  // 16-byte chunks per half row
-  const float NEG_INF = -__int_as_float(0x7f800000);
-  const int tid = tid_x() - FT, HT = a.H * T;
-  float* wts = reinterpret_cast<float*>(smem);  // [RB][F]: w / sum w
-  float* nlse = wts + RB * F;                    // [RB]: the node's lse
-  unsigned char* stage = smem + 2048;            // [F][RB][HALF] bf16
-  static_assert(RB * (F + 1) * 4 <= 2048 && 2048 + F * RB * HALF * 2 <= K_OFF + NBUF * KBUF,
-                "the fused merge's weights and staged children fit Q's and the key buffers' shared memory");
-  const i64 crow = (i64)step * T * a.H;  // partial rows from one child to the next
-  const u32 st = smem_u32(stage);
-  // every child's half-rows h into the stage (a child of weight 0 is read too, and skipped: its rows
-  // were written, o = 0 where it saw no key); half 0's copies fly while the weights are worked out
-  auto stage_half = [&](int h) {
-    for (int i = tid; i < c * RB * CH; i += NTH) {
-      const int k = i / (RB * CH), r = (i / CH) % RB, q = i % CH, rg = rb + r;
-      const bool use = rg < HT;
-      const u16* src = use ? a.part_o + ((((i64)slot0 + (i64)k * step) * T + rg % T) * a.H + rg / T) * DV +
-                                 h * HALF + 8 * q
-                           : a.part_o;
-      cp_async<16>(st + ((k * RB + r) * CH + q) * 16, src, use ? 16 : 0);
-    }
-    cp_async_commit();
-  };
-  stage_half(0);
-  for (int r = tid; r < RB; r += NTH) {
-    const int rg = rb + r;
-    if (rg >= HT) continue;
-    const i64 pr = ((i64)slot0 * T + rg % T) * a.H + rg / T;
-    float l[F], m = NEG_INF;
-#pragma unroll
-    for (int k = 0; k < F; ++k) {
-      l[k] = k < c ? __ldcg(a.part_lse + pr + k * crow) : NEG_INF;
-      m = fmaxf(m, l[k]);
-    }
-    float w[F], sum = 0.f;
-#pragma unroll
-    for (int k = 0; k < F; ++k) {
-      w[k] = k >= c ? 0.f : (m == NEG_INF ? (l[k] != l[k] ? l[k] : 0.f) : __expf(l[k] - m));
-      sum += w[k];
-    }
-    const float inv = sum == 0.f ? 0.f : 1.f / sum;  // NaN stays NaN
-#pragma unroll
-    for (int k = 0; k < F; ++k) wts[r * F + k] = w[k] == 0.f ? 0.f : w[k] * inv;
-    nlse[r] = sum == 0.f ? NEG_INF : m + __logf(sum);
-  }
-  for (int h = 0; h < 2; ++h) {
-    if (h > 0) stage_half(h);
-    cp_async_wait<0>();
-    bar_sync(11, NTH);
-    // U units per thread at a time, every shared-memory load of them before any use: one warp per
-    // scheduler (the tail) otherwise waits out each load's latency
-    constexpr int U = 3;
-    for (int u0 = tid; u0 < RB * CH; u0 += U * NTH) {
-      uint4 v[U][F];
-      float w[U][F];
-#pragma unroll
-      for (int j = 0; j < U; ++j) {
-        const int u = u0 + j * NTH, r = min(u / CH, RB - 1), q = u % CH;
-        const bool ok = u < RB * CH && rb + r < HT;
-#pragma unroll
-        for (int k = 0; k < F; ++k) {
-          w[j][k] = ok && k < c ? wts[r * F + k] : 0.f;
-          v[j][k] = w[j][k] != 0.f ? *reinterpret_cast<const uint4*>(stage + ((k * RB + r) * CH + q) * 16)
-                                   : make_uint4(0u, 0u, 0u, 0u);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < U; ++j) {
-        const int u = u0 + j * NTH, r = u / CH, q = u % CH, rg = rb + r;
-        if (u >= RB * CH || rg >= HT) continue;
-        float acc[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-#pragma unroll
-        for (int k = 0; k < F; ++k) {
-          const u32 pw[4] = {v[j][k].x, v[j][k].y, v[j][k].z, v[j][k].w};
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {  // a child of weight 0 was not read: its zeros add nothing
-            acc[2 * e] += w[j][k] * __uint_as_float(pw[e] << 16);
-            acc[2 * e + 1] += w[j][k] * __uint_as_float(pw[e] & 0xffff0000u);
-          }
-        }
-        const uint4 o = make_uint4(pack_bf16(acc[0], acc[1]), pack_bf16(acc[2], acc[3]), pack_bf16(acc[4], acc[5]),
-                                   pack_bf16(acc[6], acc[7]));
-        u16* dst = root ? a.out + (i64)(b * T + rg % T) * a.out_stride_m + (i64)(rg / T) * a.out_stride_h
-                        : a.part_o + (((i64)slot0 * T + rg % T) * a.H + rg / T) * DV;
-        store8(dst + h * HALF + 8 * q, o);
-      }
-    }
-    bar_sync(11, NTH);  // the stage is refilled by the next half
-  }
-  for (int r = tid; r < RB; r += NTH) {
-    const int rg = rb + r;
-    if (rg >= HT) continue;
-    if (!root)
-      a.part_lse[((i64)slot0 * T + rg % T) * a.H + rg / T] = nlse[r];
-    else if (a.lse_out != nullptr)
-      a.lse_out[(i64)(b * T + rg % T) * a.lse_stride_m + rg / T] = nlse[r];
-  }
-}
-
-// The climb from item `item` (request b: items first .. first + count - 1, count >= 2) after its
-// partial left (every writing thread fenced, then a block barrier): arrive at each parent, merge
-// where this CTA arrives last, stop where it does not or at the root. NTH threads from thread FT:
-// the tail warpgroup where there is one (in the 64-row warpgroups' branch the same code spills at
-// ROWS 72), else the two 64-row warpgroups; flag: an int of shared memory for the verdict.
-template <int T, int RB, int NTH, int FT>
-__device__ void fuse_climb(const SplitArgs& a, unsigned char* smem, int* flag, int b, int mb, int first, int count,
-                           int item) {
-  const int i = item - first;
-  int stride = 1, n = count;  // items per node at this level, nodes at this level
-  for (int level = 0; n > 1; ++level) {
-    const int p = i / stride / FUSE_FANIN, c = min(FUSE_FANIN, n - p * FUSE_FANIN);
-    const int up = (n + FUSE_FANIN - 1) / FUSE_FANIN;
-    const int slot0 = first + p * FUSE_FANIN * stride;
-    if (c > 1) {  // one child: the parent is that child, in the same slot
-      if (tid_x() == FT) {
-        if (level >= FUSE_LEVELS) __trap();  // the backend fuses only launches of at most 4^6 items
-        unsigned long long* ctr = a.counters + ((i64)level * gridDim.y + slot0) * gridDim.x + mb;
-        fence_acq_rel_gpu();  // release: the CTA's partial (every writer passed a block barrier since)
-        const int last = fuse_arrive(ctr) >= c;
-        if (last) {
-          atomicExch(ctr, FUSE_TAG);
-          fence_acq_rel_gpu();  // acquire: the other children's partials, released before their arrivals
-        }
-        *flag = last;
-      }
-      bar_sync(11, NTH);
-      if (!*flag) return;
-      fuse_merge<T, RB, NTH, FT>(a, smem, b, mb * RB, slot0, stride, c, up == 1);
-      if (up == 1) return;
-      bar_sync(11, NTH);  // the node's partial is out (released by the next arrival)
-    }
-    stride *= FUSE_FANIN;
-    n = up;
-  }
-}
-
-// The fused merge under the ranges schedule: a request of no keys has no segment, so CTA (0, 0)
-// writes its rows (o = 0, lse = -inf) as the merges do. Warp-wide.
-template <int T>
-__device__ void fuse_empty_requests(const SplitArgs& a) {
-  const float NEG_INF = -__int_as_float(0x7f800000);
-  const int lane = threadIdx.x & 31;
-  for (int b = 0; b < a.B; ++b) {
-    if (a.indptr[b + 1] > a.indptr[b]) continue;
-    for (int i = lane; i < T * a.H * (DV / 8); i += 32) {
-      const int row = i / (a.H * (DV / 8)), head = (i / (DV / 8)) % a.H, q = i % (DV / 8);
-      store8(a.out + (i64)(b * T + row) * a.out_stride_m + (i64)head * a.out_stride_h + 8 * q, make_uint4(0u, 0u, 0u, 0u));
-    }
-    for (int i = lane; i < T * a.H && a.lse_out != nullptr; i += 32)
-      a.lse_out[(i64)(b * T + i / a.H) * a.lse_stride_m + i % a.H] = NEG_INF;
-  }
 }
 }  // namespace wg
 
@@ -803,9 +585,7 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
   // end) stays in shared memory between segments, not in registers the loop needs.
   auto publish_next = [&](bool first) {  // warp 0: the next segment into work_s
     int x = work_s[5];
-    const bool meta = first && blockIdx.y == 0 && mb == 0;
-    const Seg sg = next_segment(a, work_s[4], work_s[7], x, work_s[6], meta);
-    if (meta && a.fused && work_s[4] > 0) fuse_empty_requests<T>(a);
+    const Seg sg = next_segment(a, work_s[4], work_s[7], x, work_s[6], first && blockIdx.y == 0 && mb == 0);
     __syncwarp();
     if (lane == 0) {
       work_s[0] = sg.b;
@@ -813,8 +593,6 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
       work_s[2] = sg.hi;
       work_s[3] = sg.item;
       work_s[5] = x;
-      work_s[8] = sg.first;
-      work_s[9] = sg.count;
     }
   };
   // The tail's mbarriers start every segment at phase 0: all key buffers are idle between them.
@@ -846,28 +624,15 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
   if (work_s[0] < 0) return;  // no work: the merge never reads this CTA's items
   constexpr int OPITCH = DV * 2 + 16;  // bytes per staged o row: +16 puts a store's 8 rows on 8 bank quads
   static_assert(RB * OPITCH <= K_OFF + KBUF, "staged o fits in Q's shared memory and the first key buffer");
-  // The segment's normalised o rows leave from shared memory (staged there by both paths): to its
-  // partial slot, or, under the fused merge, a request of one item straight to the output.
+  // The segment's normalised o rows leave from shared memory (staged there by both paths).
   auto store_o = [&](int item) {
     const int rb = ctaid_x() * RB;
-    const bool direct = a.fused && work_s[9] == 1;
-    const int b = work_s[0];
     for (int c = tid_x(); c < RB * (DV / 8); c += NT) {
       const int r = c / (DV / 8), k = c % (DV / 8), rg = rb + r;
-      if (rg >= HT) continue;
-      const uint4 v = *reinterpret_cast<const uint4*>(Qs + r * OPITCH + 16 * k);
-      if (direct)
-        store8(a.out + (i64)(b * T + rg % T) * a.out_stride_m + (i64)(rg / T) * a.out_stride_h + 8 * k, v);
-      else
-        *reinterpret_cast<uint4*>(a.part_o + (((i64)item * T + rg % T) * a.H + rg / T) * DV + 8 * k) = v;
+      if (rg < HT)
+        *reinterpret_cast<uint4*>(a.part_o + (((i64)item * T + rg % T) * a.H + rg / T) * DV + 8 * k) =
+            *reinterpret_cast<const uint4*>(Qs + r * OPITCH + 16 * k);
     }
-  };
-  // A row's lse: to its partial row, or to the output's lse (if asked for) where store_o is direct.
-  auto store_lse = [&](int item, int rg, float v) {
-    if (!(a.fused && work_s[9] == 1))
-      a.part_lse[((i64)item * T + rg % T) * a.H + rg / T] = v;
-    else if (a.lse_out != nullptr)
-      a.lse_out[(i64)(work_s[0] * T + rg % T) * a.lse_stride_m + rg / T] = v;
   };
   // Both paths run every segment in step: per segment five block barriers each (prologue done,
   // l shared, o staged, o stored, next segment published).
@@ -911,7 +676,8 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
           const int r = 2 * t4 + j, rg = cta_x * RB + ROWS + r;
           const float l = tl[r] + tl[XR_ROWS + r];
           inv[j] = l == 0.f ? 0.f : 1.f / l;
-          if (warp == 0 && g == 0 && rg < HT) store_lse(item, rg, l == 0.f ? NEG_INF : (mt[j] + __log2f(l)) * LN2);
+          if (warp == 0 && g == 0 && rg < HT)
+            a.part_lse[((i64)item * T + rg % T) * a.H + rg / T] = l == 0.f ? NEG_INF : (mt[j] + __log2f(l)) * LN2;
         }
 #pragma unroll
         for (int j = 0; j < 8; ++j)
@@ -921,11 +687,8 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
                 bf16_bits(o8[j][i] * inv[i & 1]);
         __syncthreads();  // (3) o staged
         store_o(item);
-        // the segment, read before (4): after it the 64-row warpgroups publish the next one
-        const int f_b = work_s[0], f_first = work_s[8], f_count = work_s[9];
         __syncthreads();  // (4) o stored: Q's shared memory and the key buffers are free
-        if (a.fused && f_count > 1) fuse_climb<T, RB, 128, 256>(a, smem, work_s + 10, f_b, cta_x, f_first, f_count, item);
-        __syncthreads();  // (5) the next segment published, the merge tree climbed
+        __syncthreads();  // (5) the next segment published
         if (work_s[0] < 0) break;
       }
     }
@@ -1118,9 +881,11 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
   // partial row of row rg: ((item * T + t) * H + head)
   const int item = work_s[3];  // read here: not held in a register across the tile loop
   const int rg0 = ctaid_x() * RB + r0, rg1 = rg0 + 8;
+  const i64 pr0 = rg0 < HT ? ((i64)item * T + rg0 % T) * a.H + rg0 / T : -1;
+  const i64 pr1 = rg1 < HT ? ((i64)item * T + rg1 % T) * a.H + rg1 / T : -1;
   if (wgi == 0 && t4 == 0) {  // l = 0: the row saw no key here; a NaN l (a NaN was read) stays NaN
-    if (rg0 < HT) store_lse(item, rg0, l0 == 0.f ? NEG_INF : (m_s[r0] + __log2f(l0)) * LN2);
-    if (rg1 < HT) store_lse(item, rg1, l1 == 0.f ? NEG_INF : (m_s[r1] + __log2f(l1)) * LN2);
+    if (pr0 >= 0) a.part_lse[pr0] = l0 == 0.f ? NEG_INF : (m_s[r0] + __log2f(l0)) * LN2;
+    if (pr1 >= 0) a.part_lse[pr1] = l1 == 0.f ? NEG_INF : (m_s[r1] + __log2f(l1)) * LN2;
   }
   // -- o leaves through Q's shared memory (free: both warpgroups' MMAs ended before the barrier
   // above) as 16-byte stores of whole rows; the accumulator's own 4-byte stores (8 rows x 16 bytes
@@ -1135,8 +900,6 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
   __syncthreads();  // (3) o staged
   store_o(item);
   __syncthreads();  // (4) o stored: Q's shared memory and the key buffers are free
-  if (XR == 0 && a.fused && work_s[9] > 1)  // with a tail warpgroup, the tail climbs
-    fuse_climb<T, RB, 256, 0>(a, smem, work_s + 10, work_s[0], ctaid_x(), work_s[8], work_s[9], work_s[3]);
   if (tid < 32) publish_next(false);
   init_mbarriers();
   __syncthreads();  // (5) the next segment published

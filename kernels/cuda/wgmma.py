@@ -19,8 +19,8 @@ import torch
 
 from ..backends import LaunchArgs
 from ..shapes import VerifyProblem, cdiv
-from .backend import (DK, DV, FUSE_LEVELS, MERGE_EXPR, SplitLaunch, SplitMergeBackend, counter_bytes, device_arch,
-                      merge_shape, nvrtc_unsupported, pdl_enabled, sm_count, split_workspace_bytes, work_items)
+from .backend import (DK, DV, MERGE_EXPR, SplitLaunch, SplitMergeBackend, device_arch, merge_shape, nvrtc_unsupported,
+                      pdl_enabled, sm_count, work_items)
 from .params import ARCH_LIMITS, WgmmaParams
 
 #: the sources of its module, in order (nvrtc.SOURCE_PARTS)
@@ -56,10 +56,9 @@ def forced_schedule(source: str, schedule: str) -> str:
 
 def _main_bytes(npb: int) -> int:
     """Q, four key buffers, npb P buffers, the running max, npb sets of rescale factors, both
-    warpgroups' l, npb rescale flags and the schedule's 12 ints (the segment, R, the cursor, the
-    request's items, the fused merge's flag)."""
+    warpgroups' l, npb rescale flags and the schedule's 8 ints (the segment, R, the cursor)."""
     return ROWS * DK * 2 + 4 * 32 * DK * 2 + npb * ROWS * 32 * 2 + ROWS * 4 + npb * ROWS * 4 + 2 * ROWS * 4 \
-        + npb * 4 + 48
+        + npb * 4 + 32
 
 
 #: mirror of wg::Layout<0>::SMEM_BYTES in verify_wgmma.cu (the kernel traps if launched with less)
@@ -148,38 +147,6 @@ def uses_warp_merge(NSPLIT: int, B: int) -> bool:
     return cdiv(max(NSPLIT, B), B) <= WARP_MERGE_MAX_SPLITS
 
 
-#: verify_wgmma.cu's FUSE_FANIN: children per node of the fused merge's tree
-FUSE_FANIN = 4
-#: the split kernel merges (fused, no merge kernel) where requests hold at most this many work
-#: items on average (max(NSPLIT, B) / B); KVTUNE_WGMMA_MERGE=fused|separate forces either.
-FUSED_MAX_SPLITS = 8
-MERGE_MODES = ("auto", "fused", "separate")
-
-
-def merge_mode() -> str:
-    """KVTUNE_WGMMA_MERGE: "auto" (default: `FUSED_MAX_SPLITS` decides), "fused" or "separate"."""
-    import os
-    mode = os.environ.get("KVTUNE_WGMMA_MERGE", "auto")
-    if mode not in MERGE_MODES:
-        raise ValueError(f"KVTUNE_WGMMA_MERGE: one of {', '.join(MERGE_MODES)}, got {mode!r}")
-    return mode
-
-
-def uses_fused_merge(NSPLIT: int, B: int) -> bool:
-    """Whether a launch of `B` requests at `NSPLIT` merges in the split kernel (verify_wgmma.cu's
-    merge tree) instead of launching a merge kernel."""
-    mode = merge_mode()
-    if mode != "auto":
-        return mode == "fused" and _tree_fits(NSPLIT, B)
-    return cdiv(max(NSPLIT, B), B) <= FUSED_MAX_SPLITS and _tree_fits(NSPLIT, B)
-
-
-def _tree_fits(NSPLIT: int, B: int) -> bool:
-    """A request holds at most NSPLIT + 1 items (ranges) or max(NSPLIT, B) - B + 1 (items): the
-    tree's FUSE_LEVELS levels must cover them."""
-    return NSPLIT + 1 <= FUSE_FANIN ** FUSE_LEVELS
-
-
 def merge_warp_shape(B: int, T: int, H: int) -> tuple[tuple, tuple]:
     """((grid x, y, z), (block x, y, z)) of the warp merge: a block per row and 8 heads."""
     return (B * T, cdiv(H, 8), 1), (256, 1, 1)
@@ -219,15 +186,13 @@ class _Loaded:
         return self.merge, None
 
     def split_launch(self, params, pb: VerifyProblem, split_shape: tuple, smem: int, vec_hint: str,
-                     chainable: bool = False, fusable: bool = False) -> SplitLaunch:
-        """The launch of `params` for problem `pb` on these kernels, with the merge of `merge_for`,
-        or (`fusable`: the kernel has the fused merge) none where `uses_fused_merge`."""
+                     chainable: bool = False) -> SplitLaunch:
+        """The launch of `params` for problem `pb` on these kernels, with the merge of `merge_for`."""
         merge_k, shape = self.merge_for(params.NSPLIT, pb.B, pb.T, pb.H)
         kind = "block" if shape is None else "warp"
         shape = shape or merge_shape(pb.B, pb.T, pb.H)
-        fused = fusable and uses_fused_merge(params.NSPLIT, pb.B)
         return SplitLaunch(params, self.split, split_shape, smem, 8, vec_hint, work_items(params, pb.B),
-                           merge_k, "fused" if fused else kind, shape, self.pdl, chainable, fused)
+                           merge_k, kind, shape, self.pdl, chainable)
 
 
 class Sm90aBackend(SplitMergeBackend):
@@ -253,11 +218,6 @@ class WgmmaBackend(Sm90aBackend):
 
     def _check_kernel(self, params: WgmmaParams, problem: VerifyProblem) -> None:
         WgmmaParams.declaration.check_problem(vars(params), T=problem.T, Dk=DK, Dv=DV)
-
-    def workspace_bytes(self, problem: VerifyProblem, params: WgmmaParams) -> int:
-        """The split workspace, then the fused merge's counters (split_workspace_bytes, counter_bytes)."""
-        return cdiv(split_workspace_bytes(params, problem), 16) * 16 + counter_bytes(
-            params, problem, row_blocks(problem.H, problem.T, params.ROWS))
 
     def _reject_on(self, params: WgmmaParams, problem: VerifyProblem, arch: str) -> str | None:
         return sm90a_reject(self.name, arch, smem_bytes(params.ROWS),
@@ -286,5 +246,4 @@ class WgmmaBackend(Sm90aBackend):
         k = self._get(pb.T, rows, pb.device, params.COPY_LANES)
         split_shape = ((row_blocks(pb.H, pb.T, rows), work_items(params, pb.B), 1), (threads(rows), 1, 1))
         return k.split_launch(params, pb, split_shape, smem_bytes(rows),
-                              "the wgmma kernel's copies are 16 bytes: use the cuda backend with a smaller VEC",
-                              fusable=True)
+                              "the wgmma kernel's copies are 16 bytes: use the cuda backend with a smaller VEC")
