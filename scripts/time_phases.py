@@ -51,7 +51,8 @@ their outputs are wrong, only their times mean anything:
     python scripts/time_phases.py --out $OUT --backend wgmma --heads 7 --prefixes 256,131072
     python scripts/time_phases.py --out $OUT --backend wgmma --prefixes 131072 --variants full,tail_idle
     python scripts/time_phases.py --out $OUT --backend wgmma --batch 8 --prefixes 4096 --variants items,ranges+no_q
-    python scripts/time_phases.py --out $OUT --backend wgmma --batch 8 --prefixes 16384 --merge-warps 1,2,4,8
+    python scripts/time_phases.py --out $OUT --backend wgmma --batch 8 --prefixes 4096 --merge warp \
+        --variants full,merge_exit
     python scripts/time_phases.py --out $OUT --backend wgmma --heads 64 --prefixes 131072 --params COPY_LANES=8 \
         --variants full,ranges --oracle
 """
@@ -389,15 +390,13 @@ class Phases:
 
         drv.cuLaunchKernel, drv.cuLaunchKernelEx = launch, launch_ex
 
-    def kernels(self, p, problem):
-        from kvtune.kernels.cuda.backend import sm_count
-        B, sms = problem.B, sm_count(problem)
+    def kernels(self, p, B: int):
         if self.name == "wgmma":
             k = self.be._get(9, p.ROWS, torch.device("cuda"), p.COPY_LANES)
-            return k.split, k.merge_for(p.NSPLIT, B, 9, self.heads, sms)[0]
+            return k.split, k.merge_for(p.NSPLIT, B, 9, self.heads)[0]
         if self.name == "wgmma_km":
             k = self.be._get(9, torch.device("cuda"), p.DV_SPLIT, p.SPLIT_ALIGN)
-            return k.split, k.merge_for(p.NSPLIT, B, 9, self.heads, sms)[0]
+            return k.split, k.merge_for(p.NSPLIT, B, 9, self.heads)[0]
         return self.be._get(p, 9, torch.device("cuda"))[:2]
 
     def time(self, pools, over: dict) -> dict:
@@ -405,16 +404,11 @@ class Phases:
         from kvtune.kernels.api import describe_problem
         problem = describe_problem(*pools[0].args)
         p = replace(self.be.default_params(problem), **over)
-        split_k, merge_k = self.kernels(p, problem)
+        split_k, merge_k = self.kernels(p, problem.B)
         out = torch.empty(problem.B * 9, self.heads, 512, dtype=torch.bfloat16, device="cuda")
         ws = torch.empty(self.be.workspace_bytes(problem, p), dtype=torch.uint8, device="cuda")
         reps = max(len(pools), 96 // len(pools) * len(pools))
-        row = {"params": str(p), "merge_warps": ""}
-        if self.name != "cuda":
-            from kvtune.kernels.cuda import wgmma
-            if wgmma.uses_warp_merge(p.NSPLIT, problem.B):  # W: the warps per (row, head) pair it runs
-                from kvtune.kernels.cuda.backend import sm_count
-                row["merge_warps"] = wgmma.merge_warps(p.NSPLIT, problem.B, 9, self.heads, sm_count(problem))
+        row = {"params": str(p)}
         for what, skip in (("both", None), ("split", int(merge_k.function)), ("merge", int(split_k.function))):
             self.skip = skip
             fns = [lambda x=x, p=p, out=out, ws=ws: verify_attention(*x.args, backend=self.name, params=p, out=out,
@@ -438,9 +432,6 @@ def main(argv=None) -> int:
                          "items schedule at the run's NSPLIT (what a host-side permutation of the batch buys)")
     ap.add_argument("--merge", choices=("auto", "warp", "block"), default="auto",
                     help="wgmma: the merge kernel (auto: wgmma.uses_warp_merge's choice)")
-    ap.add_argument("--merge-warps", default="auto",
-                    help="wgmma: the warp merge's warps per (row, head) pair, 'auto' (wgmma.merge_warps' choice) "
-                         "or a comma-separated list of 1, 2, 4, 8, each timed")
     ap.add_argument("--backend", default="cuda", choices=["cuda", "wgmma", "wgmma_km"])
     ap.add_argument("--params", default="", help="NAME=VALUE,... over the backend's default (e.g. NUM_WARPS=4)")
     ap.add_argument("--variants", default="", help="'all', or a comma-separated list of the variants above to time")
@@ -463,13 +454,9 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"--variants: unknown for {args.backend} {sorted(unknown)}; known: all, {', '.join(table)} "
                          "(a+b: both)")
-    from kvtune.kernels.cuda import wgmma
     if args.merge != "auto":
+        from kvtune.kernels.cuda import wgmma
         wgmma.WARP_MERGE_MAX_SPLITS = 10**6 if args.merge == "warp" else 0
-    choose_w = wgmma.merge_warps
-    widths = ["auto"] if args.merge_warps == "auto" else [int(w) for w in args.merge_warps.split(",")]
-    if set(widths) - {"auto", 1, 2, 4, 8}:
-        raise SystemExit(f"--merge-warps: 'auto' or a list of 1, 2, 4, 8; got {args.merge_warps}")
     source = Path(args.source or nvrtc.SOURCE_PATH.with_name(part)).read_text()
     if args.oracle:
         oracle_check(source, names, args.backend, over)
@@ -492,8 +479,7 @@ def main(argv=None) -> int:
             runs = [(variant, pools)] + ([("full, hot L2", pools[:1])] if variant == "full" and args.variants else [])
             with nvrtc.source_override(patched_source(source, variant, args.backend), part):
                 ph.be._kernels.clear()
-                for (name, use), width in ((r, w) for r in runs for w in widths):
-                    wgmma.merge_warps = choose_w if width == "auto" else (lambda *_, w=width: w)
+                for name, use in runs:
                     row = {"prefix": prefix, "B": n_req, "H": args.heads, "source": Path(args.source).name or "tree",
                            "merge": args.merge, "variant": name, **ph.time(use, over)}
                     rows.append(row)
@@ -502,10 +488,10 @@ def main(argv=None) -> int:
         del pools
         torch.cuda.empty_cache()
     write_csv(Path(args.out) / "phases.csv", rows)
-    print(f"\n{'prefix':>9} {'B':>3} {'variant':<13} {'W':>2} {'both us':>8} {'split us':>8} {'merge us':>8}")
+    print(f"\n{'prefix':>9} {'B':>3} {'variant':<13} {'both us':>8} {'split us':>8} {'merge us':>8}")
     for r in rows:
-        print(f"{r['prefix']:>9} {r['B']:>3} {r['variant']:<13} {r['merge_warps']!s:>2} {r['both_us']:>8.2f} "
-              f"{r['split_us']:>8.2f} {r['merge_us']:>8.2f}")
+        print(f"{r['prefix']:>9} {r['B']:>3} {r['variant']:<13} {r['both_us']:>8.2f} {r['split_us']:>8.2f} "
+              f"{r['merge_us']:>8.2f}")
     return 0
 
 

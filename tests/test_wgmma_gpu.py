@@ -201,22 +201,18 @@ def test_nan_in_a_hidden_draft_keys_v_stays_out(nsplit, rows):
     assert rel_error(o[:8], ref_o[:8]) < TOL
 
 
-@pytest.fixture(params=["warp W1", "warp W2", "warp W8", "block"])
+@pytest.fixture(params=["warp", "block"])
 def merge(request, monkeypatch):
     """Each merge kernel on every case, whatever the launch's splits per request would pick:
-    verify_wgmma.cu's warp merge with 1, 2 or 8 warps per (row, head) pair, or verify.cu's block
-    merge; after the test, every launch is checked to have used it (the warp merge is launched
-    with its own grid and block, `merge_launch`)."""
+    verify_wgmma.cu's warp merge, or verify.cu's block merge; after the test, every launch is
+    checked to have used it (the warp merge is launched with its own grid, `merge_launch`)."""
     from kvtune.kernels.cuda import backend, wgmma
-    kind, _, w = request.param.partition(" W")
-    monkeypatch.setattr(wgmma, "WARP_MERGE_MAX_SPLITS", 10**6 if kind == "warp" else 0)
-    if w:
-        monkeypatch.setattr(wgmma, "merge_warps", lambda *_: int(w))
+    monkeypatch.setattr(wgmma, "WARP_MERGE_MAX_SPLITS", 10**6 if request.param == "warp" else 0)
     used = []
     launch = backend.launch_split_merge
 
     def spy(a, sl):
-        used.append(sl.merge_kind if sl.merge_kind == "block" else f"warp W{sl.merge_launch[1][2]}")
+        used.append(sl.merge_kind)
         return launch(a, sl)
 
     monkeypatch.setattr(backend, "launch_split_merge", spy)

@@ -912,78 +912,61 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
 }
 
 // ---------------------------------------------------------------- merge of a few splits per request
-// grid (B*T, ceil(H / P)); block (32, P, W), P * W = 8: W warps per (row, head) pair, P pairs per
-// block. Warp w of a pair merges its splits w, w + W, w + 2W, ... over all DV columns (16 per lane,
-// two 16-byte loads per split); with W > 1 the pair's warps then combine through shared memory
-// (one block barrier). verify.cu's merge gives each (pair, 128 columns) a block of 256 threads and
-// two block barriers: with a few splits per request (batches) its 4 x B x T x H blocks run in
-// waves of a few microseconds each (H 8, T 9, batch 64 at 4k: 82.6 us of a 227.5-us call,
-// results/kernel/wgmma/batch-merge/). A warp waits one load round trip per 4 splits, the first 4
-// requested together with the weights; W (the launch's, wgmma.merge_warps) spreads a request's
-// splits over more warps where the grid is small. Any split count is merged correctly.
+// grid (B*T, ceil(H / 8)); block 256: a warp per (row, head) pair, all DV columns (16 per lane,
+// two 16-byte loads per split), no shared memory and no block barrier. verify.cu's merge gives
+// each (pair, 128 columns) a block of 256 threads and two block barriers: with a few splits per
+// request (batches) its 4 x B x T x H blocks run in waves of a few microseconds each (H 8, T 9,
+// batch 64 at 4k: 82.6 us of a 227.5-us call, results/kernel/wgmma/batch-merge/); here 64 x 72
+// pairs are about 1.5 waves (3 blocks per SM) and a warp waits only for its loads, one round trip
+// per 4 splits. The backend picks it where requests have few splits (wgmma.uses_warp_merge); any
+// count is merged correctly.
 __global__ void __launch_bounds__(256, 3) verify_merge_warp_kernel(const MergeArgs a) {
   constexpr int U = 4;  // splits in flight per lane: 8 16-byte loads
   static_assert(32 % U == 0, "a group of U splits never straddles the 32 weights a lane round holds");
-  __shared__ float o_s[8][DV];   // the pair's other warps' o, for warp 0's combine (W > 1)
-  __shared__ float ms_s[8][2];   // their max and sum
   const float NEG_INF = -__int_as_float(0x7f800000);
-  const int lane = threadIdx.x, W = blockDim.z, w = threadIdx.z;
-  const int head = blockIdx.y * blockDim.y + threadIdx.y;
+  const int lane = threadIdx.x & 31, head = blockIdx.y * 8 + (threadIdx.x >> 5);
   const int row = blockIdx.x, b = row / a.T, t = row % a.T;
   pdl_wait();  // the split grid's partials and meta are complete and visible past this point
+  if (head >= a.H) return;
   const int first = a.meta[2 * b], nsplit = min(a.meta[2 * b + 1], MAX_NSPLIT);
   if (nsplit < 0) return;  // the split launch was idle (`batch_idle`): another launch serves the batch
-  // a warp past H merges nothing (n 0) but still reaches the combine's barrier
-  const int n = head < a.H && nsplit > w ? (nsplit - w + W - 1) / W : 0;  // this warp's splits
   const i64 split_stride = (i64)a.T * a.H;  // partial rows per work item
-  const i64 wstride = split_stride * W;     // partial rows between this warp's splits
-  const i64 pair0 = ((i64)first * a.T + t) * a.H + min(head, a.H - 1) + w * split_stride;
-  const uint4* base = reinterpret_cast<const uint4*>(a.part_o + pair0 * DV) + 2 * lane;
-  const i64 step = wstride * (DV / 8);  // uint4s between this warp's splits
-  // the first U splits requested before their weights are known: at the few splits per warp of a
-  // batch this saves a round trip; an empty split's bytes are read but never used (its weight 0)
-  uint4 v[U][2];
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    // ld.global.cg, not the non-coherent path: with programmatic dependent launch the split grid
-    // wrote these while this grid was resident
-    const uint4* src = base + (i64)(u < n ? u : 0) * step;
-    v[u][0] = u < n ? __ldcg(src) : make_uint4(0u, 0u, 0u, 0u);
-    v[u][1] = u < n ? __ldcg(src + 1) : make_uint4(0u, 0u, 0u, 0u);
-  }
+  const i64 pair0 = ((i64)first * a.T + t) * a.H + head;
   // the max over the splits (a lane per split); the first 32 kept for their weights
-  const float l_first = lane < n ? a.part_lse[pair0 + lane * wstride] : NEG_INF;
+  const float l_first = lane < nsplit ? a.part_lse[lane * split_stride + pair0] : NEG_INF;
   float m = l_first;
-  for (int k = lane + 32; k < n; k += 32) m = fmaxf(m, a.part_lse[pair0 + k * wstride]);
+  for (int k = lane + 32; k < nsplit; k += 32) m = fmaxf(m, a.part_lse[k * split_stride + pair0]);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   float o[16], s = 0.f;
 #pragma unroll
   for (int e = 0; e < 16; ++e) o[e] = 0.f;
-  for (int k0 = 0; k0 < n; k0 += 32) {
+  const uint4* base = reinterpret_cast<const uint4*>(a.part_o + pair0 * DV) + 2 * lane;
+  const i64 step = split_stride * (DV / 8);  // uint4s per work item
+  for (int k0 = 0; k0 < nsplit; k0 += 32) {
     const int k = k0 + lane;
-    const float l = k0 == 0 ? l_first : (k < n ? a.part_lse[pair0 + k * wstride] : NEG_INF);
-    // as verify_merge_kernel: an empty split (lse -inf) weighs 0 and is not added; when every
+    const float l = k0 == 0 ? l_first : (k < nsplit ? a.part_lse[k * split_stride + pair0] : NEG_INF);
+    // as verify_merge_kernel: an empty split (lse -inf) weighs 0 and is not read; when every
     // split is NaN, m is -inf (fmaxf skips NaN) and the NaN is kept
-    const float wk = k >= n ? 0.f : (m == NEG_INF ? (l != l ? l : 0.f) : __expf(l - m));
-    s += wk;
-    const int nk = min(32, n - k0);
+    const float w = k >= nsplit ? 0.f : (m == NEG_INF ? (l != l ? l : 0.f) : __expf(l - m));
+    s += w;
+    const int nk = min(32, nsplit - k0);
     for (int j0 = 0; j0 < nk; j0 += U) {
+      uint4 v[U][2];
       float wj[U];
 #pragma unroll
-      for (int u = 0; u < U; ++u) wj[u] = __shfl_sync(0xffffffffu, wk, (j0 + u) & 31);
-      if (k0 + j0 > 0) {
-#pragma unroll
-        for (int u = 0; u < U; ++u) {  // every load of the group issued before any is used
-          const bool use = j0 + u < nk && wj[u] != 0.f;  // no address formed past the used splits
-          const uint4* src = base + (i64)(use ? k0 + j0 + u : 0) * step;
-          v[u][0] = use ? __ldcg(src) : make_uint4(0u, 0u, 0u, 0u);
-          v[u][1] = use ? __ldcg(src + 1) : make_uint4(0u, 0u, 0u, 0u);
-        }
+      for (int u = 0; u < U; ++u) {  // every load of the group issued before any is used
+        wj[u] = __shfl_sync(0xffffffffu, w, (j0 + u) & 31);
+        const bool use = j0 + u < nk && wj[u] != 0.f;
+        // no address formed past the used splits; ld.global.cg, not the non-coherent path: with
+        // programmatic dependent launch the split grid wrote these while this grid was resident
+        const uint4* src = base + (i64)(use ? k0 + j0 + u : 0) * step;
+        v[u][0] = use ? __ldcg(src) : make_uint4(0u, 0u, 0u, 0u);
+        v[u][1] = use ? __ldcg(src + 1) : make_uint4(0u, 0u, 0u, 0u);
+        if (!use) wj[u] = 0.f;
       }
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (j0 + u >= nk || wj[u] == 0.f) continue;  // warp-uniform; skips a prefetched empty split's bytes
+      for (int u = 0; u < U; ++u)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const u32 p[4] = {v[u][h].x, v[u][h].y, v[u][h].z, v[u][h].w};
@@ -993,41 +976,10 @@ __global__ void __launch_bounds__(256, 3) verify_merge_warp_kernel(const MergeAr
             o[8 * h + 2 * e + 1] += wj[u] * __uint_as_float(p[e] & 0xffff0000u);
           }
         }
-      }
     }
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-  if (W > 1) {  // block-uniform: warp 0 of each pair adds its other warps' (m, s, o), rescaled to the pair's max
-    const int slot = threadIdx.y * W + w;
-    if (w > 0) {
-      float4* dst = reinterpret_cast<float4*>(&o_s[slot][16 * lane]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dst[e] = make_float4(o[4 * e], o[4 * e + 1], o[4 * e + 2], o[4 * e + 3]);
-      if (lane == 0) ms_s[slot][0] = m, ms_s[slot][1] = s;
-    }
-    __syncthreads();
-    if (w > 0 || head >= a.H) return;
-    float mm = m;
-    for (int x = 1; x < W; ++x) mm = fmaxf(mm, ms_s[slot + x][0]);
-    // a warp whose max is -inf holds zeros or NaN (every split of it empty or NaN): kept unscaled
-    const float c0 = m == NEG_INF ? 1.f : __expf(m - mm);
-    s *= c0;
-#pragma unroll
-    for (int e = 0; e < 16; ++e) o[e] *= c0;
-    for (int x = 1; x < W; ++x) {
-      const float mx = ms_s[slot + x][0], c = mx == NEG_INF ? 1.f : __expf(mx - mm);
-      s += c * ms_s[slot + x][1];
-      const float4* src = reinterpret_cast<const float4*>(&o_s[slot + x][16 * lane]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float4 q = src[e];
-        o[4 * e] += c * q.x, o[4 * e + 1] += c * q.y, o[4 * e + 2] += c * q.z, o[4 * e + 3] += c * q.w;
-      }
-    }
-    m = mm;
-  }
-  if (head >= a.H) return;
   const float inv = s == 0.f ? 0.f : 1.f / s;  // NaN stays NaN
   u16* dst = a.out + (i64)row * a.out_stride_m + (i64)head * a.out_stride_h + 16 * lane;
   if ((reinterpret_cast<u64>(dst) & 15) == 0) {  // the usual dense output: two 16-byte stores

@@ -130,7 +130,7 @@ def compile_wgmma(T: int, arch: str = "sm_90", rows: int = ROWS, lanes: int = CO
                           arch + "a", parts=PARTS)
 
 
-#: verify_wgmma.cu's merge with W warps per (row, head) pair
+#: verify_wgmma.cu's merge with a warp per (row, head) pair
 MERGE_WARP_EXPR = "kvtune::verify_merge_warp_kernel"
 #: the warp merge serves launches whose requests hold at most this many work items on average
 #: (max(NSPLIT, B) / B): it waits one load round trip per 4 splits, where verify.cu's merge
@@ -140,10 +140,6 @@ MERGE_WARP_EXPR = "kvtune::verify_merge_warp_kernel"
 #: 66 (H 16, batch 1) 85.01 against 79.40; 132: 63.62 against 47.29. The crossing lies between
 #: 44 and 66.
 WARP_MERGE_MAX_SPLITS = 48
-#: splits a warp of the warp merge requests at once (verify_merge_warp_kernel's U)
-MERGE_SPLITS_IN_FLIGHT = 4
-#: blocks of 256 threads per SM the warp merge is compiled for (its __launch_bounds__)
-MERGE_WARP_BLOCKS_PER_SM = 3
 
 
 def uses_warp_merge(NSPLIT: int, B: int) -> bool:
@@ -151,26 +147,9 @@ def uses_warp_merge(NSPLIT: int, B: int) -> bool:
     return cdiv(max(NSPLIT, B), B) <= WARP_MERGE_MAX_SPLITS
 
 
-def merge_warps(NSPLIT: int, B: int, T: int, H: int, sms: int) -> int:
-    """W, the warps of the warp merge per (row, head) pair (1, 2, 4 or 8) for a launch of `B`
-    requests at `NSPLIT` on `sms` SMs: doubled while each warp keeps more than one group of
-    MERGE_SPLITS_IN_FLIGHT splits of the launch's splits per request and the grid stays one wave."""
-    def blocks(w: int) -> int:
-        grid = merge_warp_shape(B, T, H, w)[0]
-        return grid[0] * grid[1]
-
-    n, w = cdiv(max(NSPLIT, B), B), 1
-    while w < 8 and n > MERGE_SPLITS_IN_FLIGHT * w and blocks(2 * w) <= MERGE_WARP_BLOCKS_PER_SM * sms:
-        w *= 2
-    return w
-
-
-def merge_warp_shape(B: int, T: int, H: int, W: int = 1) -> tuple[tuple, tuple]:
-    """((grid x, y, z), (block x, y, z)) of the warp merge with `W` warps per (row, head) pair: a
-    block of 8 warps per row and 8 / W heads."""
-    if W not in (1, 2, 4, 8):
-        raise ValueError(f"W: the warp merge takes 1, 2, 4 or 8 warps per (row, head) pair, got {W}")
-    return (B * T, cdiv(H, 8 // W), 1), (32, 8 // W, W)
+def merge_warp_shape(B: int, T: int, H: int) -> tuple[tuple, tuple]:
+    """((grid x, y, z), (block x, y, z)) of the warp merge: a block per row and 8 heads."""
+    return (B * T, cdiv(H, 8), 1), (256, 1, 1)
 
 
 def sm90a_reject(kernel: str, arch: str, smem: int, build, expr: str) -> str | None:
@@ -199,17 +178,17 @@ class _Loaded:
     merge_warp: object
     pdl: bool
 
-    def merge_for(self, NSPLIT: int, B: int, T: int, H: int, sms: int) -> tuple[object, tuple | None]:
-        """The merge kernel a launch of `B` requests at `NSPLIT` on `sms` SMs uses, and its
-        (grid, block), or None for verify.cu's merge_shape."""
+    def merge_for(self, NSPLIT: int, B: int, T: int, H: int) -> tuple[object, tuple | None]:
+        """The merge kernel a launch of `B` requests at `NSPLIT` uses, and its (grid, block), or
+        None for verify.cu's merge_shape."""
         if uses_warp_merge(NSPLIT, B):
-            return self.merge_warp, merge_warp_shape(B, T, H, merge_warps(NSPLIT, B, T, H, sms))
+            return self.merge_warp, merge_warp_shape(B, T, H)
         return self.merge, None
 
     def split_launch(self, params, pb: VerifyProblem, split_shape: tuple, smem: int, vec_hint: str,
                      chainable: bool = False) -> SplitLaunch:
         """The launch of `params` for problem `pb` on these kernels, with the merge of `merge_for`."""
-        merge_k, shape = self.merge_for(params.NSPLIT, pb.B, pb.T, pb.H, sm_count(pb))
+        merge_k, shape = self.merge_for(params.NSPLIT, pb.B, pb.T, pb.H)
         kind = "block" if shape is None else "warp"
         shape = shape or merge_shape(pb.B, pb.T, pb.H)
         return SplitLaunch(params, self.split, split_shape, smem, 8, vec_hint, work_items(params, pb.B),
