@@ -912,8 +912,10 @@ __global__ void __launch_bounds__(XR ? 384 : 256, 1) verify_wgmma_kernel(const S
 }
 
 // ---------------------------------------------------------------- merge of a few splits per request
-// grid (B*T, ceil(H / 8)); block 256: a warp per (row, head) pair, all DV columns (16 per lane,
-// two 16-byte loads per split), no shared memory and no block barrier. verify.cu's merge gives
+// grid (B*T, ceil(H / 8)); block 256: a warp per (row, head) pair, all DV columns (16 per lane:
+// two 16-byte loads per split, each warp load a whole 512-byte half of the row; lanes 32 bytes
+// apart made each of the two loads fetch every 32-byte sector from L2, twice the bytes; results/
+// kernel/wgmma/merge-sectors/), no shared memory and no block barrier. verify.cu's merge gives
 // each (pair, 128 columns) a block of 256 threads and two block barriers: with a few splits per
 // request (batches) its 4 x B x T x H blocks run in waves of a few microseconds each (H 8, T 9,
 // batch 64 at 4k: 82.6 us of a 227.5-us call, results/kernel/wgmma/batch-merge/); here 64 x 72
@@ -941,7 +943,8 @@ __global__ void __launch_bounds__(256, 3) verify_merge_warp_kernel(const MergeAr
   float o[16], s = 0.f;
 #pragma unroll
   for (int e = 0; e < 16; ++e) o[e] = 0.f;
-  const uint4* base = reinterpret_cast<const uint4*>(a.part_o + pair0 * DV) + 2 * lane;
+  // lane's columns: 8 * lane .. + 7 (half 0) and DV / 2 + 8 * lane .. + 7 (half 1)
+  const uint4* base = reinterpret_cast<const uint4*>(a.part_o + pair0 * DV) + lane;
   const i64 step = split_stride * (DV / 8);  // uint4s per work item
   for (int k0 = 0; k0 < nsplit; k0 += 32) {
     const int k = k0 + lane;
@@ -962,7 +965,7 @@ __global__ void __launch_bounds__(256, 3) verify_merge_warp_kernel(const MergeAr
         // programmatic dependent launch the split grid wrote these while this grid was resident
         const uint4* src = base + (i64)(use ? k0 + j0 + u : 0) * step;
         v[u][0] = use ? __ldcg(src) : make_uint4(0u, 0u, 0u, 0u);
-        v[u][1] = use ? __ldcg(src + 1) : make_uint4(0u, 0u, 0u, 0u);
+        v[u][1] = use ? __ldcg(src + DV / 16) : make_uint4(0u, 0u, 0u, 0u);
         if (!use) wj[u] = 0.f;
       }
 #pragma unroll
@@ -981,16 +984,16 @@ __global__ void __launch_bounds__(256, 3) verify_merge_warp_kernel(const MergeAr
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
   const float inv = s == 0.f ? 0.f : 1.f / s;  // NaN stays NaN
-  u16* dst = a.out + (i64)row * a.out_stride_m + (i64)head * a.out_stride_h + 16 * lane;
-  if ((reinterpret_cast<u64>(dst) & 15) == 0) {  // the usual dense output: two 16-byte stores
+  u16* dst = a.out + (i64)row * a.out_stride_m + (i64)head * a.out_stride_h + 8 * lane;
+  if ((reinterpret_cast<u64>(dst) & 15) == 0) {  // the usual dense output: a 16-byte store per half
     u32 w8[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) w8[e] = (u32)bf16_bits(o[2 * e] * inv) | ((u32)bf16_bits(o[2 * e + 1] * inv) << 16);
     reinterpret_cast<uint4*>(dst)[0] = make_uint4(w8[0], w8[1], w8[2], w8[3]);
-    reinterpret_cast<uint4*>(dst)[1] = make_uint4(w8[4], w8[5], w8[6], w8[7]);
+    reinterpret_cast<uint4*>(dst + DV / 2)[0] = make_uint4(w8[4], w8[5], w8[6], w8[7]);
   } else {
 #pragma unroll
-    for (int e = 0; e < 16; ++e) dst[e] = bf16_bits(o[e] * inv);
+    for (int e = 0; e < 16; ++e) dst[(e >> 3) * (DV / 2) + (e & 7)] = bf16_bits(o[e] * inv);
   }
   if (a.lse != nullptr && lane == 0) a.lse[(i64)row * a.lse_stride_m + head] = s == 0.f ? NEG_INF : m + __logf(s);
 }
