@@ -58,9 +58,10 @@ def test_packaged_kimi_defaults_are_the_export_of_the_committed_sweep():
 
 def test_dispatch_chain_export_is_the_oracle_choice_on_its_trials(tmp_path):
     """The export across backends with the dispatch chain (results/serving/dispatch-chain/export/,
-    not packaged) is the brute-force choice on the trials it was exported from: the shipped table
-    joined with the rows that sweep and its serving checks added (scripts/merge_trials.py), so its
-    per-context dispatches across wgmma and wgmma_km follow the README's rule on H200 timings."""
+    not packaged) is the brute-force choice on the trials it was exported from: the table shipped
+    then (export/trials-wgmma.csv) joined with the rows that sweep and its serving checks added
+    (scripts/merge_trials.py), so its per-context dispatches across wgmma and wgmma_km follow the
+    README's rule on H200 timings."""
     import subprocess
     import sys
     from pathlib import Path
@@ -76,7 +77,7 @@ def test_dispatch_chain_export_is_the_oracle_choice_on_its_trials(tmp_path):
     here = root / "results" / "serving" / "dispatch-chain" / "export"
     joined = tmp_path / "trials.csv"
     subprocess.run([sys.executable, str(root / "scripts" / "merge_trials.py"),
-                    str(root / "results" / "kimi-k2-h200" / "trials.csv"), str(here / "trials-wgmma_km.csv"),
+                    str(here / "trials-wgmma.csv"), str(here / "trials-wgmma_km.csv"),
                     "--out", str(joined)], check=True, capture_output=True)
     exported = yaml.safe_load((here / "kimi-k2-h200.yaml").read_text())
     assert any(b.get("backend") for e in exported["entries"] for b in e["buckets"]), \
