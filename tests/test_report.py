@@ -347,14 +347,19 @@ def test_ragged_section_lists_the_phase_beside_the_yaml():
     buckets = [(e, b) for e in tuned["entries"] for b in e["buckets"] if "ragged_us" in b]
     assert len(buckets) >= 20
     for e, b in buckets:
-        # the entry's backend's rows (the sweep ran the ragged phase for cuda and wgmma alike)
+        # the served backend's rows (the sweep ran the ragged phase for cuda and wgmma alike; a
+        # bucket of a per-context dispatch may name its own)
+        backend = b.get("backend", e["backend"])
         at = t[(t["tp"] == e["tp"]) & (t["bs"] == e["max_batch"]) & (t["ctx"] == f"{b['max_context'] // 1024}k")
-               & (t["backend"] == e["backend"])]
+               & (t["backend"] == backend)]
         mine = at[at["served"]]
         assert len(mine) == 1 and mine["NSPLIT"].iloc[0] == b["NSPLIT"], (e["tp"], e["max_batch"], b)
         rows = rag[(rag["tp"] == e["tp"]) & (rag["bs"] == e["max_batch"]) & (rag["ctx"] == b["max_context"])
-                   & (rag["NSPLIT"] == b["NSPLIT"]) & (rag["backend"] == e["backend"])]
-        for k, v in e["params"].items():   # the served compile-time config (wgmma: ROWS 64 and 72 alike)
+                   & (rag["NSPLIT"] == b["NSPLIT"]) & (rag["backend"] == backend)]
+        # the served compile-time config (wgmma: ROWS 64 and 72 alike): under a per-context dispatch
+        # the bucket's own (all of them on another backend, else over the entry's), else the entry's
+        params = b["params"] if "backend" in b else {**e["params"], **b.get("params", {})}
+        for k, v in params.items():
             if k != "NSPLIT":
                 rows = rows[rows[k] == v]
         assert mine["ragged µs"].iloc[0] == pytest.approx(rows["median_us"].median(), rel=1e-9)
