@@ -147,6 +147,14 @@ class TunedEntry:
                 return b
         return self.buckets[-1]
 
+    def served_by(self, b: ContextBucket) -> tuple[str, dict]:
+        """(backend, compile-time params but NSPLIT) that serve bucket `b`: under a per-context
+        dispatch the bucket's own (all of them on another backend, else over the entry's), else
+        the entry's."""
+        if b.backend:
+            return b.backend, dict(b.params)
+        return self.backend, {k: v for k, v in dict(self.params, **(b.params or {})).items() if k != "NSPLIT"}
+
     def configs(self) -> list[tuple[str, dict, list[int]]]:
         """The compile-time configs this entry launches on every call: (their backend, their
         params, NSPLIT as the grid, the largest of their buckets'; NSPLIT per bucket, 0 where
@@ -156,8 +164,7 @@ class TunedEntry:
         groups: dict[str, tuple[str, dict, list[int]]] = {
             json.dumps([self.backend, own], sort_keys=True): (self.backend, own, [])}
         for i, b in enumerate(self.buckets):
-            be = b.backend or self.backend
-            cp = dict(b.params) if b.backend else dict(own, **b.params) if b.params else own
+            be, cp = self.served_by(b)
             groups.setdefault(json.dumps([be, cp], sort_keys=True), (be, cp, []))[2].append(i)
         out = []
         for n, (be, cp, idx) in enumerate(groups.values()):

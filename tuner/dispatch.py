@@ -63,8 +63,8 @@ def context_alternatives(df, tuned) -> list[dict]:
     rows = []
     for e in tuned.entries:
         for b in e.buckets:
-            be = b.backend or e.backend
-            served_key = compile_key(dict(b.params) if b.backend else dict(e.params, **(b.params or {})))
+            be, cp = e.served_by(b)
+            served_key = compile_key(cp)
             others = {k: v for k, v in best.get((e.tp, e.max_batch, b.max_context), {}).items()
                       if k != (be, served_key) and (k[0] == be or (_dispatchable(k[0]) and _dispatchable(be)))}
             row = {"tp": e.tp, "batch": e.max_batch, "ctx": b.max_context, "backend": be,
