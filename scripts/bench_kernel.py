@@ -150,14 +150,15 @@ def tuned_run(tuned, H: int, batch: int, prefix: int) -> tuple[str, str, dict] |
     """(backend, label, params) of the config a tuned-defaults file serves at H heads per rank,
     `batch` requests of `prefix` keys: the entry of the first batch bucket >= batch (the runtime's
     policy, `TunedDefaults.lookup`) with the context bucket's NSPLIT (and, under a per-context
-    dispatch, its own compile-time params), or None where no entry has H heads per rank."""
+    dispatch, its own backend and compile-time params: `TunedEntry.served_by`), or None where no
+    entry has H heads per rank."""
     tps = sorted({e.tp for e in tuned.entries if e.heads_per_rank == H})
     if not tps:
         return None
     e = tuned.lookup(tps[0], batch)
     b = e.bucket_for(prefix)
-    return e.backend, f"exported (tp {e.tp}, batch bucket {e.max_batch})", {**e.params, **(b.params or {}),
-                                                                           "NSPLIT": b.NSPLIT}
+    backend, params = e.served_by(b)
+    return backend, f"exported (tp {e.tp}, batch bucket {e.max_batch})", {**params, "NSPLIT": b.NSPLIT}
 
 
 def _runs(args, spec, H: int, sms: int) -> list[tuple[str, str, dict | None]]:

@@ -319,6 +319,16 @@ def test_bench_kernel_times_the_config_the_packaged_defaults_serve():
         assert f"batch bucket {e['max_batch']}" in label
     assert dispatched, "the shipped YAML's dispatch (tp 2, batch 64, 16k) is among the shapes"
     assert bench_kernel.tuned_run(tuned, 12, 1, 4096) is None   # no entry with 12 heads per rank
+    # a bucket served by another backend (the dispatch-chain export: tp 8 batch 16's wgmma_km entry
+    # serves 4k and 16k with wgmma): that backend and its own params, not the entry's
+    chain = Path(__file__).parents[1] / "results" / "serving" / "dispatch-chain" / "export" / "kimi-k2-h200.yaml"
+    e = next(e for e in yaml.safe_load(chain.read_text())["entries"] if e["tp"] == 8 and e["max_batch"] == 16)
+    for prefix in (4096, 16384, 65536):
+        b = next(b for b in e["buckets"] if b["max_context"] >= prefix)
+        want = (b["backend"], {**b["params"], "NSPLIT": b["NSPLIT"]}) if "backend" in b else \
+            (e["backend"], {**e["params"], **b.get("params", {}), "NSPLIT": b["NSPLIT"]})
+        assert bench_kernel.tuned_run(load_tuned(chain, legacy_names=True), 8, 16, prefix)[::2] == want, prefix
+    assert e["backend"] == "wgmma_km" and e["buckets"][0].get("backend") == "wgmma"
 
 
 def test_a_forced_schedule_changes_only_the_restart_weight():

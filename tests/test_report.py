@@ -369,3 +369,38 @@ def test_ragged_section_lists_the_phase_beside_the_yaml():
             assert len(default) == 1 and b["default_ragged_us"] == pytest.approx(default["ragged µs"].iloc[0], abs=1e-3)
         else:   # a pass stopped by its time limit before the default's ragged batch: none in either
             assert default.empty, (e["tp"], e["max_batch"], b)
+
+
+def test_a_bucket_served_by_another_backend_is_reported_under_that_backend(tmp_path):
+    """The dispatch-chain export (results/serving/dispatch-chain/export/: wgmma_km entries whose
+    short-context buckets a wgmma config serves) in the review: each such bucket is listed under
+    the backend that serves it, with that backend's compile-time params, and its ragged row of
+    that backend's study is the one marked served. Expectations read from the YAML with plain
+    yaml."""
+    import yaml
+    here = RESULTS / "serving" / "dispatch-chain" / "export"
+    subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "merge_trials.py"), str(here / "trials-wgmma.csv"),
+                    str(here / "trials-wgmma_km.csv"), "--out", str(tmp_path / "trials.csv")],
+                   check=True, capture_output=True)
+    shutil.copy(here / "kimi-k2-h200.yaml", tmp_path / "kimi-k2-h200.yaml")
+    doc = yaml.safe_load((here / "kimi-k2-h200.yaml").read_text())
+    res = rv.load_results(tmp_path)
+    ex, rag, summ = rv.exported_table(res), rv.ragged_table(res), rv.summary_table(res)
+    crossed = 0
+    for e in doc["entries"]:
+        for b in e["buckets"]:
+            backend = b.get("backend", e["backend"])
+            params = b["params"] if "backend" in b else {**e["params"], **b.get("params", {})}
+            params = {k: v for k, v in params.items() if k != "NSPLIT"}
+            crossed += backend != e["backend"]
+            ctx = f"{b['max_context'] // 1024}k"
+            row = ex[(ex["tp"] == e["tp"]) & (ex["max_batch"] == e["max_batch"]) & (ex["max context"] == ctx)]
+            assert len(row) == 1 and row["backend"].iloc[0] == backend, (e["tp"], e["max_batch"], b)
+            assert row["compile-time params"].iloc[0] == ", ".join(f"{k}={v}" for k, v in sorted(params.items()))
+            s = summ[(summ["tp"] == e["tp"]) & (summ["bs"] == e["max_batch"]) & (summ["context"] == ctx)]
+            assert s["exported"].iloc[0].startswith(f"{backend} NSPLIT={b['NSPLIT']}")
+            if "ragged_us" in b:
+                at = rag[(rag["tp"] == e["tp"]) & (rag["bs"] == e["max_batch"]) & (rag["ctx"] == ctx) & rag["served"]]
+                assert len(at) == 1 and at["backend"].iloc[0] == backend and at["NSPLIT"].iloc[0] == b["NSPLIT"]
+                assert at["ragged µs"].iloc[0] == pytest.approx(b["ragged_us"], abs=1e-3)
+    assert crossed >= 4, "the export holds buckets served by another backend"

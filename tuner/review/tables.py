@@ -19,9 +19,9 @@ def summary_table(res: Results) -> pd.DataFrame:
     if res.tuned is not None:
         for e in res.tuned.entries:
             for b in e.buckets:
-                # a per-context dispatch's bucket names its own compile-time params
+                # a per-context dispatch's bucket names its own backend and compile-time params
                 own = "".join(f" {k}={v}" for k, v in (b.params or {}).items())
-                exported[(e.tp, e.max_batch, b.max_context)] = (e.backend, f"{b.NSPLIT}{own}", b.latency_us)
+                exported[(e.tp, e.max_batch, b.max_context)] = (e.served_by(b)[0], f"{b.NSPLIT}{own}", b.latency_us)
     rows = []
     for (tp, bs, ctx), g in st.groupby(["tp", "bs", "ctx"], sort=True):
         r = {"tp": int(tp), "heads": int(g["heads"].iloc[0]) if pd.notna(g["heads"].iloc[0]) else None,
@@ -88,17 +88,17 @@ def exported_table(res: Results) -> pd.DataFrame:
     rows = []
     for e in t.entries:
         for b in e.buckets:
-            r = {"tp": e.tp, "max_batch": e.max_batch, "backend": e.backend, "max context": ctx_label(b.max_context),
+            be, cp = e.served_by(b)   # a per-context dispatch's bucket: its own backend and params
+            r = {"tp": e.tp, "max_batch": e.max_batch, "backend": be, "max context": ctx_label(b.max_context),
                  "NSPLIT": b.NSPLIT, "yaml latency µs": b.latency_us, "yaml default µs": b.default_latency_us,
                  "yaml floor µs": b.floor_us}
-            key = (e.backend, e.tp, e.max_batch, b.max_context)
+            key = (be, e.tp, e.max_batch, b.max_context)
             if st is not None and key in st.index:
                 s = st.loc[key]
                 r["trials best µs"] = s["tuned_us"]
                 r["trials default µs"] = s["default_us"]
                 r["trials best NSPLIT"] = (s["best_params"] or {}).get("NSPLIT")
-            # a per-context dispatch's bucket runs its own params
-            r["compile-time params"] = ", ".join(f"{k}={v}" for k, v in dict(e.params, **(b.params or {})).items())
+            r["compile-time params"] = ", ".join(f"{k}={v}" for k, v in sorted(cp.items()))
             rows.append(r)
     return pd.DataFrame(rows)
 
@@ -152,8 +152,8 @@ def ragged_table(res: Results) -> pd.DataFrame:
     if res.tuned is not None:
         for e in res.tuned.entries:
             for b in e.buckets:
-                cp = compile_key(dict(e.params, **(b.params or {})))   # a dispatch's bucket: its own
-                served[(e.backend, e.tp, e.max_batch, b.max_context)] = (cp, b.NSPLIT)
+                be, cp = e.served_by(b)   # a per-context dispatch's bucket: its own backend and params
+                served[(be, e.tp, e.max_batch, b.max_context)] = (compile_key(cp), b.NSPLIT)
     rows = []
     for rnd in rounds:
         for (be, tp, bs, ctx, pj), (us, role) in sorted(ragged_latencies(df, rnd).items()):
