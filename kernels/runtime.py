@@ -227,6 +227,29 @@ class VerifyAttention:
             return p.params_for_keys(keys, self.T)
         return self._launch[batch][1]
 
+    def direct_config(self, batch: int, keys: int) -> tuple[Any, Any]:
+        """(backend, params) of one plain `verify_attention` call (no split table, no runtime)
+        running what `run` launches for `batch` requests holding `keys` keys in all (prefixes
+        and drafts): the launch that serves those keys, NSPLIT its split table's value for them
+        (the device's rule: the first bound >= keys, else the last; clamped to [1, the grid]).
+        The kernels write the same partials; the merge is the one the direct NSPLIT picks.
+        For benchmarks and tests: it reads the table back (a host sync), never on the launch
+        path. A backend that picks NSPLIT per request (Triton) has no one value: ValueError."""
+        p = self.plan_for(batch)
+        if p.others:
+            params, table, be = p.launch_for_keys(keys, self.T)
+        else:
+            _, params, table = self._launch[batch]
+            be = p.backend
+        if table is None:
+            return be, params
+        if not be.nsplit_per_batch:
+            raise ValueError(f"batch: the {be.name} backend picks NSPLIT per request from its split table; "
+                             "no one NSPLIT runs the batch as `run` does")
+        bound, value = table.max_keys.tolist(), table.nsplit.tolist()
+        v = next((n for b, n in zip(bound, value) if keys <= b), value[-1])
+        return be, dataclasses.replace(params, NSPLIT=min(max(v, 1), params.NSPLIT))
+
     def nsplit_for(self, batch: int, prefix_len: int) -> int:
         """NSPLIT the kernel will choose on the device for a request with this prefix (host mirror)."""
         p = self.plan_for(batch)

@@ -8,6 +8,9 @@ With the shipped defaults (or --defaults), at tp 8 by default:
     layer's kernel time of:
       tuned          VerifyAttention.plan + run: the entry of B's batch bucket (or the
                      largest), NSPLIT per request on the device
+      tuned-direct   the launch `tuned` runs, as one verify_attention call with the NSPLIT its
+                     split table gives the batch (`VerifyAttention.direct_config`; cuda, wgmma):
+                     tuned - tuned-direct is what the runtime path adds, measured on the same pools
       tuned-b1       the same runtime with the file's batch-1 entries only: batch > 1 runs
                      the batch-1 config with NSPLIT rescaled (what kvtune shipped before buckets)
       default-<be>   each available backend's untuned default parameters
@@ -223,6 +226,11 @@ def _kernel_variants(va, va_b1, defaults: dict, B: int, out, nsplits: list[int] 
         variants["tuned-b1"] = (runtime_launch(va_b1), config_text(va_b1))
     problem = va.problem(B)
     runs = [(vname, be, be.default_params(problem)) for vname, be in defaults.items()]
+    if keys is not None and va.device.type == "cuda":
+        try:   # what `tuned` launches, as one verify_attention call: the runtime's own cost, same pools
+            runs.insert(0, ("tuned-direct", *va.direct_config(B, keys)))
+        except ValueError:
+            pass   # a backend that picks NSPLIT per request (Triton): no one call runs it
     runs += [(f"default-cuda-nsplit{n}", be, dataclasses.replace(be.default_params(problem), NSPLIT=n))
              for vname, be in defaults.items() if be.name == "cuda" for n in nsplits]
     for vname, be, params in runs:

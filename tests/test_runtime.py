@@ -502,3 +502,19 @@ def test_untuned_fallback_reports_the_nsplit_it_launches(tmp_path, device, monke
     va = VerifyAttention.from_defaults(None, tp=TP, max_batch=2, max_context=128, device=device, warmup=False,
                                        deployment="absent", draft_tokens=T, heads=H, sm_scale=0.0721)
     assert [va.nsplit_for(n, 100) for n in (1, 2)] == [va.params_for(n).NSPLIT for n in (1, 2)]
+
+
+def test_direct_config_refuses_a_per_request_nsplit(tmp_path, device, monkeypatch):
+    """`direct_config` (one plain verify_attention call running what `run` launches): Triton picks
+    NSPLIT per request from its table, so there is no one call (ValueError naming the batch);
+    without a table (the untuned fallback) it is the launch's own params."""
+    va = VerifyAttention.from_defaults(parse_tuned(tuned_dict(device), "mem"), tp=TP, max_batch=4, max_context=200,
+                                       device=device, warmup=False)
+    with pytest.raises(ValueError, match="batch: the triton backend picks NSPLIT per request"):
+        va.direct_config(2, 2 * (100 + T))
+    monkeypatch.setattr(lookup, "packaged_defaults_dir", lambda: tmp_path)
+    fb = VerifyAttention.from_defaults(None, tp=TP, max_batch=2, max_context=128, device=device, warmup=False,
+                                       deployment="absent", draft_tokens=T, heads=H, sm_scale=0.0721)
+    for n in (1, 2):
+        be, params = fb.direct_config(n, n * 100)
+        assert (be.name, params) == (fb.plan_for(n).backend.name, fb.params_for(n))

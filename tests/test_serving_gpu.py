@@ -264,3 +264,39 @@ def test_ragged_batch_with_shipped_defaults(n, lo, hi):
     o = ad.run(a["q_extend"], a["k_buffer"], a["o_extend"], sm_scale=va.sm_scale)
     _check_per_request(o, inp, "adapter plan/run")
     assert not ad.overflowed()
+
+
+@pytest.mark.parametrize("tp,prefixes", [
+    (8, "ragged64"),                 # one config, every bucket NSPLIT 132
+    (8, [4096] * 4),                 # batch bucket 4 at 4k: the table's 88 on a grid of 132
+    (2, [16384] * 40),               # batch bucket 64 at 16k: a per-context dispatch to ROWS 72, NSPLIT 29
+])
+def test_runtime_launches_what_direct_config_names(tp, prefixes):
+    """`VerifyAttention.direct_config` (what bench_serving's `tuned-direct` times) names the
+    launch `run` makes: with the shipped defaults, one verify_attention call with its backend and
+    params (no split table) writes the same output bit for bit where both merge with the same
+    kernel, and both match the oracle."""
+    from kvtune.kernels import verify_attention
+    from kvtune.kernels.cuda import wgmma
+    _backend_or_skip("wgmma")
+    if prefixes == "ragged64":
+        prefixes = _log_uniform(64, 1024, 8192, seed=64)
+    B, heads = len(prefixes), NUM_HEADS // tp
+    va = VerifyAttention.from_defaults(None, deployment="kimi-k2-h200", tp=tp, max_batch=64, max_context=65536,
+                                       device="cuda", allow_mismatch=True)
+    inp = make_inputs(B, T, heads, prefixes, tree="random", seed=B + tp, device="cuda", sm_scale=va.sm_scale,
+                      device_values=True)
+    keys = sum(prefixes) + B * T
+    be, params = va.direct_config(B, keys)
+    grid = va.plan_for(B).launch_for_keys(keys, T)[0] if va.plan_for(B).others else va.params_for(B)
+    assert be.name == "wgmma" and 1 <= params.NSPLIT <= grid.NSPLIT
+    va.plan(inp.kv_indptr, inp.kv_indices, inp.tree_mask)
+    got = va.run(inp.q, inp.kv_cache, torch.full((B * T, heads, DV), float("nan"), dtype=torch.bfloat16,
+                                                  device="cuda"))
+    direct = verify_attention(*inp.args, backend=be, params=params, kv_lora_rank=DV)
+    ref = reference_attention(*inp.args, kv_lora_rank=DV)[0]
+    assert rel_error(got, ref) < TOL and rel_error(direct, ref) < TOL
+    if wgmma.uses_warp_merge(grid.NSPLIT, B) == wgmma.uses_warp_merge(params.NSPLIT, B):
+        assert torch.equal(got, direct), (params, grid)
+    else:
+        assert rel_error(got, direct) < 5e-3, (params, grid)
