@@ -12,8 +12,9 @@ first entry of its tp with n <= max_batch (the largest entry beyond); the contex
 chosen on the device from the split table. CUDA's NSPLIT counts splits of the whole batch
 (work balanced by keys) and is used as tuned at any batch. Triton's NSPLIT counts splits per
 request: a batch of n run with an entry tuned at batch m != n keeps the entry's CTA count,
-each bucket's NSPLIT becoming max(1, floor(NSPLIT * m / n)), so a batch between buckets fills
-the GPU as the tuned batch did and never launches more split CTAs than it.
+each bucket's NSPLIT becoming max(1, floor(NSPLIT * m / n)) (at most the backend's largest
+NSPLIT), so a batch between buckets fills the GPU as the tuned batch did and never launches
+more split CTAs than it.
 
 Serving calls attention once per layer with the same metadata, so the work is split in
 two (`VerifyAttention.plan` once per step, `VerifyAttention.run` once per layer); the
@@ -91,10 +92,11 @@ class VerifyAttention:
             self._plan_of_batch[n] = next((i for i, p in enumerate(self.plans) if n <= p.max_batch),
                                           len(self.plans) - 1)
         # A batch of n requests run with an entry tuned at batch m keeps the entry's CTA count
-        # (split CTAs ~ requests x NSPLIT): NSPLIT_n = max(1, floor(NSPLIT_m * m / n)) per
-        # context bucket. Past the largest bucket (n > m) reusing the tuned NSPLIT would launch
-        # n/m times the CTAs (measured on the H200: 2x slower at batch 4 with batch-1 NSPLIT);
-        # between buckets (n < m) it would leave (m-n)/m of them idle. Floor, not ceil: the
+        # (split CTAs ~ requests x NSPLIT): NSPLIT_n = max(1, floor(NSPLIT_m * m / n)) per context
+        # bucket, at most the declared largest NSPLIT. Past the largest bucket (n > m) reusing
+        # the tuned NSPLIT would launch n/m times the CTAs (measured on the H200: 2x slower at
+        # batch 4 with batch-1 NSPLIT); between buckets (n < m) it would leave (m-n)/m of them
+        # idle. Floor, not ceil: the
         # tuned count may fill the GPU exactly (tp 8, batch 1: NSPLIT 132 on 132 SMs), and one
         # CTA more is a second wave. The grid (params.NSPLIT) is the largest scaled value, so
         # the workspace of any n stays within that of the entry's own batch m (the sweep
@@ -109,8 +111,9 @@ class VerifyAttention:
             if p.entry is not None and p.split_table is not None:
                 tuned_ns = p.bucket_nsplits()
                 # a backend whose NSPLIT counts the batch's splits keeps its CTA count unscaled
+                most = type(p.params).declaration.params["NSPLIT"].legal[-1]
                 scaled = tuned_ns if p.backend.nsplit_per_batch else \
-                    tuple(_scaled_nsplit(x, p.max_batch, n) for x in tuned_ns)
+                    tuple(_scaled_nsplit(x, p.max_batch, n, most) for x in tuned_ns)
                 self._nsplits[n] = scaled
                 if scaled == tuned_ns:
                     self._launch[n] = (p, p.params, p.split_table)
@@ -488,7 +491,8 @@ def _is_capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _scaled_nsplit(nsplit: int, tuned_batch: int, batch: int) -> int:
+def _scaled_nsplit(nsplit: int, tuned_batch: int, batch: int, most: int) -> int:
     """NSPLIT for `batch` requests from one tuned at `tuned_batch`: at most the tuned CTA
-    count (floor), and at least one split per request."""
-    return max(1, nsplit * tuned_batch // batch)
+    count (floor), at least one split per request, and at most `most` (the backend's largest
+    NSPLIT: a batch far under its bucket would otherwise ask for more splits than it takes)."""
+    return min(most, max(1, nsplit * tuned_batch // batch))

@@ -518,3 +518,21 @@ def test_direct_config_refuses_a_per_request_nsplit(tmp_path, device, monkeypatc
     for n in (1, 2):
         be, params = fb.direct_config(n, n * 100)
         assert (be.name, params) == (fb.plan_for(n).backend.name, fb.params_for(n))
+
+
+def test_scaling_up_between_buckets_stops_at_the_largest_nsplit(device):
+    """A batch far under its bucket scales Triton's NSPLIT up (the bucket's CTA count), but never
+    past TritonParams' largest NSPLIT: an entry tuned at batch 64 with NSPLIT 64 serves batch 1
+    with 256 splits per request (not 4096, which the kernel refuses), and still matches the oracle."""
+    from kvtune.kernels.triton_params import TRITON_PARAMS
+    most = TRITON_PARAMS.params["NSPLIT"].legal[-1]
+    doc = tuned_dict(device)
+    doc["entries"] = [dict(doc["entries"][1], max_batch=64, params=dict(doc["entries"][1]["params"], NSPLIT=64),
+                           buckets=[{"max_context": 100, "NSPLIT": 8}, {"max_context": 200, "NSPLIT": 64}])]
+    va = VerifyAttention.from_defaults(parse_tuned(doc, "mem"), tp=TP, max_batch=64, max_context=200,
+                                       device=device, warmup=False)
+    for n in (1, 2, 16, 64):
+        assert va.nsplit_for(n, 200) == min(most, max(1, 64 * 64 // n)), n
+        assert va.nsplit_for(n, 50) == min(most, max(1, 8 * 64 // n)), n
+        assert va.params_for(n).NSPLIT == min(most, 64 * 64 // n)
+    check_against_oracle(va, [150], "random", 3, device)
