@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import re
 from pathlib import Path
 from typing import Sequence
@@ -101,6 +102,28 @@ def find_defaults(deployment: str | None = None, *, model: str | None = None, de
 
 # -- provenance ------------------------------------------------------------------------
 
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """`device` as a torch.device (None: the current CUDA device, else the CPU); ValueError naming
+    `device` for a spelling torch does not know, or a CUDA device this process cannot use."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device: {device!r} is not a device torch knows ({e})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r}, but torch sees no CUDA device here (torch "
+                             f"{torch.__version__}, torch.cuda.is_available() is False)")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        elif not 0 <= dev.index < torch.cuda.device_count():
+            raise ValueError(f"device: {device!r}, but this process sees {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise ValueError(f"device: {device!r}; kvtune runs on 'cuda' (or 'cuda:N') and 'cpu'")
+    return dev
+
+
 def device_arch(device: torch.device | str) -> str:
     """`sm_XY` of a CUDA device, `cpu` otherwise (the spelling of `provenance.arch`)."""
     device = torch.device(device)
@@ -111,8 +134,11 @@ def device_arch(device: torch.device | str) -> str:
 
 
 def device_name(device: torch.device | str) -> str:
+    """The device's name as `provenance.device_name` spells it (the tuner records this too)."""
     device = torch.device(device)
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
 
 
 def backend_kernel_hash(name: str) -> str | None:
@@ -126,9 +152,10 @@ def backend_kernel_hash(name: str) -> str | None:
 
 
 def provenance_mismatches(tuned: TunedDefaults, device: torch.device | str,
-                          deployment: str | None = None) -> list[str]:
+                          deployment: str | None = None, model: str | None = None) -> list[str]:
     """What differs between where `tuned` was measured and what runs here, one line each,
-    naming the file and the key. Empty when everything matches."""
+    naming the file and the key. Empty when everything matches. `model`: the model asked for
+    (its name compared slugged, as a file name spells it)."""
     src = tuned.source
     out = []
     want_arch = device_arch(device)
@@ -155,13 +182,15 @@ def provenance_mismatches(tuned: TunedDefaults, device: torch.device | str,
                        f"running {running!r}")
     if deployment is not None and tuned.deployment != deployment:
         out.append(f"{src}: deployment: file is for {tuned.deployment!r}, asked for {deployment!r}")
+    if model is not None and slug(tuned.model.get("name", "")) != slug(model):
+        out.append(f"{src}: model.name: file is for {tuned.model.get('name')!r}, asked for {model!r}")
     return out
 
 
 def check_provenance(tuned: TunedDefaults, device: torch.device | str, *, deployment: str | None = None,
-                     allow_mismatch: bool = False) -> list[str]:
+                     model: str | None = None, allow_mismatch: bool = False) -> list[str]:
     """Raise ProvenanceError on any mismatch, or (allow_mismatch) log each once and return them."""
-    bad = provenance_mismatches(tuned, device, deployment)
+    bad = provenance_mismatches(tuned, device, deployment, model)
     if bad and not allow_mismatch:
         raise ProvenanceError("tuned defaults do not match this machine (pass allow_mismatch=True to use them "
                               "anyway):\n  " + "\n  ".join(bad))
@@ -182,7 +211,10 @@ def load_defaults(path: str | os.PathLike | None = None, *, deployment: str | No
 
     path: a YAML file (loaded as is), a folder (searched for `<deployment>.yaml`, then
         `<model>__<device>.yaml`) or None (search `config_dirs()`).
-    deployment: the deployment name; also checked against the file's `deployment` key.
+    deployment: the deployment name; checked against the file's `deployment` key, unless the
+        file was found by its `<model>__<device>.yaml` name (a file of the same model and
+        device, tuned under another deployment's name), whose `model.name` must be `model`.
+    model: the model name (`model.name` of the export, e.g. "Kimi-K2") for that second name.
     device: the device the kernel will run on (default: the current CUDA device, else cpu).
     allow_mismatch: use a file tuned for another arch / kernel source / deployment, logging
         each difference once, instead of raising ProvenanceError.
@@ -190,7 +222,8 @@ def load_defaults(path: str | os.PathLike | None = None, *, deployment: str | No
     Returns None (after logging once) when no file matches; raises SchemaError for a file
     that breaks the schema (the message names the file and the key).
     """
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(device)
+    by_model = False   # found by its `<model>__<device>.yaml` name: tuned under any deployment's name
     if path is not None and Path(path).is_file():
         found = Path(path)
     elif path is not None and not Path(path).exists():
@@ -207,6 +240,8 @@ def load_defaults(path: str | os.PathLike | None = None, *, deployment: str | No
             warn_once(f"nofile:{names}:{where}", f"kvtune: no tuned defaults {names} in {where}; "
                        "falling back to the backend's untuned default parameters")
             return None
+        by_model = found.name not in defaults_file_names(deployment)
     tuned = load_tuned(found)
-    check_provenance(tuned, device, deployment=deployment, allow_mismatch=allow_mismatch)
+    check_provenance(tuned, device, deployment=None if by_model else deployment, model=model if by_model else None,
+                     allow_mismatch=allow_mismatch)
     return tuned

@@ -158,9 +158,19 @@ def _plan_from_entry(e: TunedEntry, forced: str | None, fallback: str, allow_mis
 def model_on_rank(tuned: TunedDefaults | None, tp: int, allow_mismatch: bool, **given) -> dict:
     """The model's shape on this rank (T, H, Dk, Dv, sm_scale): the YAML's `model` (heads =
     num_heads / tp), unless the caller gives a value, which must then match it (or
-    allow_mismatch). Without a YAML every value must be given."""
+    allow_mismatch); a given sm_scale is used as given (it does not change what was tuned),
+    logged once where it differs from the YAML's. Without a YAML, draft_tokens, heads and
+    sm_scale must be given (one error names every missing one); kv_lora_rank and rope_dim
+    default to 512 and 64."""
     m = tuned.model if tuned is not None else {}
     src = tuned.source if tuned is not None else "<no tuned defaults>"
+    if tuned is None:
+        missing = [f"{n}=" for n in ("draft_tokens", "heads", "sm_scale") if given[n] is None]
+        if missing:
+            # a guessed 192**-0.5 would drop the model's YaRN mscale (Kimi-K2: 0.131, not 0.072)
+            raise ValueError(f"{', '.join(missing)}: no tuned defaults file gives the model's shape; pass "
+                             f"{', '.join(missing)} (heads: per rank; sm_scale: the model's softmax scale, "
+                             "YaRN mscale included)")
 
     for name in ("draft_tokens", "heads", "kv_lora_rank", "rope_dim"):
         v = given[name]
@@ -173,8 +183,6 @@ def model_on_rank(tuned: TunedDefaults | None, tp: int, allow_mismatch: bool, **
     def pick(name, from_yaml, default=None):
         v = given[name]
         if from_yaml is None:
-            if v is None and default is None:
-                raise ValueError(f"{name}: no tuned defaults to take it from; pass {name}=")
             return v if v is not None else default
         if v is not None and v != from_yaml:
             msg = f"{src}: {name}: tuned for {from_yaml!r}, runtime asked for {v!r}"
@@ -193,10 +201,10 @@ def model_on_rank(tuned: TunedDefaults | None, tp: int, allow_mismatch: bool, **
     H = pick("heads", yaml_heads)
     Dv = pick("kv_lora_rank", m.get("kv_lora_rank"), DEFAULT_KV_LORA_RANK)
     dpe = pick("rope_dim", m.get("qk_rope_head_dim"), 64)
-    sm_scale = given["sm_scale"] if given["sm_scale"] is not None else m.get("sm_scale")
-    if sm_scale is None:
-        # a guessed 192**-0.5 would drop the model's YaRN mscale (Kimi-K2: 0.131, not 0.072)
-        raise ValueError("sm_scale: required when no tuned defaults file gives the model's")
+    sm_scale = given["sm_scale"] if given["sm_scale"] is not None else m["sm_scale"]
+    if tuned is not None and not math.isclose(sm_scale, m["sm_scale"], rel_tol=1e-4):
+        msg = f"{src}: model.sm_scale is {m['sm_scale']!r}, running with the given sm_scale={sm_scale!r}"
+        warn_once(f"model:{msg}", f"kvtune: {msg}")
     if not 1 <= T <= MAX_DRAFT_TOKENS:
         raise ValueError(f"draft_tokens: {T} not in [1, {MAX_DRAFT_TOKENS}]")
     return dict(T=T, H=H, Dk=Dv + dpe, Dv=Dv, sm_scale=sm_scale)

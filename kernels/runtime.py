@@ -47,7 +47,7 @@ from .tuned import TunedDefaults
 from .lookup import (  # noqa: F401 - re-exported: the runtime's public lookup names
     ENV_CONFIG_DIR, ENV_VERIFY, VERIFY_MODES, ProvenanceError, backend_kernel_hash, reset_warn_once, warn_once,
     check_provenance, config_dirs, defaults_file_names, device_arch, device_name, find_defaults, load_defaults,
-    packaged_defaults_dir, provenance_mismatches, slug, verify_mode,
+    packaged_defaults_dir, provenance_mismatches, resolve_device, slug, verify_mode,
 )
 
 log = logging.getLogger("kvtune.runtime")
@@ -91,17 +91,46 @@ class VerifyAttention:
         for n in range(1, max_batch + 1):
             self._plan_of_batch[n] = next((i for i, p in enumerate(self.plans) if n <= p.max_batch),
                                           len(self.plans) - 1)
+        self._batch_launches(max_batch, T, device)
+        extrapolated = [n for n in range(1, max_batch + 1)
+                        if self._launch[n][2] is not None and n > self._launch[n][0].max_batch]
+        if extrapolated:
+            warn_once(f"extrapolate:{id(self)}", f"kvtune: batches {extrapolated[0]}..{extrapolated[-1]} are past "
+                       f"the largest tuned batch bucket: NSPLIT scaled by max_batch/batch", logging.INFO)
+        self._problems = [None] + [self.problem(n) for n in range(1, max_batch + 1)]
+        self._step: StepPlan | None = None
+        # a per-context dispatch's configs run one after the other on the same workspace
+        need = max(call_workspace_bytes(self.problem(n), [(params, be) for params, _, be in
+                                                          self._launch[n][0].launches(self._launch[n][1:])])
+                   for n in range(1, max_batch + 1))
+        self.workspace_bytes = need
+        out_bytes = max_batch * T * H * Dv * 2 if preallocate_out else 0
+        table_bytes = sum(8 * t.num_buckets for t in {id(t): t for n in range(1, max_batch + 1) for t in (
+            self._launch[n][2], *(o[1] for o in self._launch[n][0].others)) if t is not None}.values())
+        self.allocated_bytes = need + out_bytes + table_bytes
+        if workspace_budget_bytes is not None and self.allocated_bytes > workspace_budget_bytes:
+            raise ValueError(f"workspace_budget_bytes: VerifyAttention for max_batch={max_batch} needs "
+                             f"{self.allocated_bytes} bytes ({need} scratch + {out_bytes} output), over the "
+                             f"budget of {workspace_budget_bytes}; lower max_batch or the tuned NSPLIT")
+        self.workspace = torch.empty(max(need, 1), dtype=torch.uint8, device=device)
+        self.out_buf = (torch.empty(max_batch * T, H, Dv, dtype=torch.bfloat16, device=device)
+                        if preallocate_out else None)
+        log.info("kvtune: VerifyAttention tp=%d max_batch=%d max_context=%d preallocated %d bytes (%d scratch)",
+                 tp, max_batch, max_context, self.allocated_bytes, need)
+
+    def _batch_launches(self, max_batch: int, T: int, device: torch.device) -> None:
+        """Fill `_launch[n]` and `_nsplits[n]` for every batch n in 1..max_batch."""
         # A batch of n requests run with an entry tuned at batch m keeps the entry's CTA count
         # (split CTAs ~ requests x NSPLIT): NSPLIT_n = max(1, floor(NSPLIT_m * m / n)) per context
         # bucket, at most the declared largest NSPLIT. Past the largest bucket (n > m) reusing
         # the tuned NSPLIT would launch n/m times the CTAs (measured on the H200: 2x slower at
         # batch 4 with batch-1 NSPLIT); between buckets (n < m) it would leave (m-n)/m of them
-        # idle. Floor, not ceil: the
-        # tuned count may fill the GPU exactly (tp 8, batch 1: NSPLIT 132 on 132 SMs), and one
-        # CTA more is a second wave. The grid (params.NSPLIT) is the largest scaled value, so
-        # the workspace of any n stays within that of the entry's own batch m (the sweep
-        # enforced the budget there). _launch[n] = (plan, params, split table) for batch n;
-        # _nsplits[n] = NSPLIT per context bucket (None: no table, the grid's NSPLIT).
+        # idle. Floor, not ceil: the tuned count may fill the GPU exactly (tp 8, batch 1: NSPLIT
+        # 132 on 132 SMs), and one CTA more is a second wave. The grid (params.NSPLIT) is the
+        # largest scaled value, so the workspace of any n stays within that of the entry's own
+        # batch m (the sweep enforced the budget there). _launch[n] = (plan, params, split
+        # table) for batch n; _nsplits[n] = NSPLIT per context bucket (None: no table, the
+        # grid's NSPLIT).
         self._launch: list[tuple] = [None] * (max_batch + 1)
         self._nsplits: list[tuple | None] = [None] * (max_batch + 1)
         variants: dict = {}
@@ -131,37 +160,12 @@ class VerifyAttention:
                 self._launch[n] = variants.setdefault((i, params), (p, params, None))
             else:
                 self._launch[n] = (p, p.params, p.split_table)
-        extrapolated = [n for n in range(1, max_batch + 1)
-                        if self._launch[n][2] is not None and n > self._launch[n][0].max_batch]
-        if extrapolated:
-            warn_once(f"extrapolate:{id(self)}", f"kvtune: batches {extrapolated[0]}..{extrapolated[-1]} are past "
-                       f"the largest tuned batch bucket: NSPLIT scaled by max_batch/batch", logging.INFO)
-        self._problems = [None] + [self.problem(n) for n in range(1, max_batch + 1)]
-        self._step: StepPlan | None = None
-        # a per-context dispatch's configs run one after the other on the same workspace
-        need = max(call_workspace_bytes(self.problem(n), [(params, be) for params, _, be in
-                                                          self._launch[n][0].launches(self._launch[n][1:])])
-                   for n in range(1, max_batch + 1))
-        self.workspace_bytes = need
-        out_bytes = max_batch * T * H * Dv * 2 if preallocate_out else 0
-        table_bytes = sum(8 * t.num_buckets for t in {id(t): t for n in range(1, max_batch + 1) for t in (
-            self._launch[n][2], *(o[1] for o in self._launch[n][0].others)) if t is not None}.values())
-        self.allocated_bytes = need + out_bytes + table_bytes
-        if workspace_budget_bytes is not None and self.allocated_bytes > workspace_budget_bytes:
-            raise ValueError(f"workspace_budget_bytes: VerifyAttention for max_batch={max_batch} needs "
-                             f"{self.allocated_bytes} bytes ({need} scratch + {out_bytes} output), over the "
-                             f"budget of {workspace_budget_bytes}; lower max_batch or the tuned NSPLIT")
-        self.workspace = torch.empty(max(need, 1), dtype=torch.uint8, device=device)
-        self.out_buf = (torch.empty(max_batch * T, H, Dv, dtype=torch.bfloat16, device=device)
-                        if preallocate_out else None)
-        log.info("kvtune: VerifyAttention tp=%d max_batch=%d max_context=%d preallocated %d bytes (%d scratch)",
-                 tp, max_batch, max_context, self.allocated_bytes, need)
 
     # -- construction from the exported YAML
     @classmethod
     def from_defaults(cls, tuned: TunedDefaults | str | os.PathLike | None = None, tp: int = 1,
                       max_batch: int = 1, max_context: int = 131072, device: torch.device | str | None = None,
-                      *, deployment: str | None = None, draft_tokens: int | None = None,
+                      *, deployment: str | None = None, model: str | None = None, draft_tokens: int | None = None,
                       heads: int | None = None, kv_lora_rank: int | None = None, rope_dim: int | None = None,
                       sm_scale: float | None = None, backend: str | None = None,
                       workspace_budget_bytes: int | None = None, allow_mismatch: bool = False,
@@ -170,7 +174,9 @@ class VerifyAttention:
         """Build the runtime for one (deployment, tp) from tuned defaults.
 
         tuned: a `TunedDefaults`, a YAML file or folder, or None (search `KVTUNE_CONFIG_DIR`,
-            then the packaged defaults, by `deployment`).
+            then the packaged defaults, for `<deployment>.yaml`, then `<model>__<device>.yaml`).
+        deployment, model: the names looked up (`load_defaults`); model is the export's
+            `model.name` (e.g. "Kimi-K2").
         tp, max_batch, max_context: this rank's tensor parallelism, the largest batch and
             prefix length it must serve (buffers are sized for them; longer prefixes still
             run, with the last context bucket).
@@ -191,14 +197,13 @@ class VerifyAttention:
             warn_once("mode:off", f"kvtune: {ENV_VERIFY}=off: the tuned verify runtime is disabled",
                       logging.INFO)
             return None
-        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = resolve_device(device)
         for name, v in (("tp", tp), ("max_batch", max_batch), ("max_context", max_context)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
         if not isinstance(tuned, TunedDefaults):
-            tuned = load_defaults(tuned, deployment=deployment, device=device, allow_mismatch=allow_mismatch)
+            tuned = load_defaults(tuned, deployment=deployment, model=model, device=device,
+                                  allow_mismatch=allow_mismatch)
         else:
             check_provenance(tuned, device, deployment=deployment, allow_mismatch=allow_mismatch)
         kw = model_on_rank(tuned, tp, allow_mismatch, draft_tokens=draft_tokens, heads=heads,

@@ -155,6 +155,12 @@ def test_an_export_cut_short_is_refused(tmp_path, device):
         load_tuned(cut)
     cut.write_text(text.replace(EXPORT_HEADER + "\n", "").replace(EXPORT_TRAILER + "\n", ""))
     assert load_tuned(cut).to_dict() == load_tuned(path).to_dict()
+    # saved again by an editor that adds a byte-order mark: still read, and still checked
+    cut.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert load_tuned(cut).to_dict() == load_tuned(path).to_dict()
+    cut.write_bytes(b"\xef\xbb\xbf" + text[:text.rindex(EXPORT_TRAILER)].encode())
+    with pytest.raises(SchemaError, match="cut.yaml: cut short"):
+        load_tuned(cut)
 
 
 def test_a_key_given_twice_is_refused(tmp_path, device):
@@ -237,9 +243,12 @@ def test_no_file_falls_back_and_warns_once(tmp_path, device, caplog, monkeypatch
     assert [va.params_for(n) for n in (1, 2)] == [TritonBackend().default_params(va.problem(n)) for n in (1, 2)]
     assert va.plans[0].split_table is None
     check_against_oracle(va, [1, 97], "random", 3, device)
-    with pytest.raises(ValueError, match="heads: no tuned defaults"):
+    # one error names every value the missing file would have given
+    with pytest.raises(ValueError, match=r"^draft_tokens=, heads=, sm_scale=: no tuned defaults file"):
+        VerifyAttention.from_defaults(None, tp=TP, max_batch=1, device=device, deployment="absent")
+    with pytest.raises(ValueError, match=r"^heads=, sm_scale=: no tuned defaults file"):
         VerifyAttention.from_defaults(None, tp=TP, max_batch=1, device=device, deployment="absent", draft_tokens=T)
-    with pytest.raises(ValueError, match="sm_scale: required"):
+    with pytest.raises(ValueError, match=r"^sm_scale=: no tuned defaults file .*YaRN"):
         VerifyAttention.from_defaults(None, tp=TP, max_batch=1, device=device, deployment="absent", draft_tokens=T,
                                       heads=H)
 
@@ -536,3 +545,49 @@ def test_scaling_up_between_buckets_stops_at_the_largest_nsplit(device):
         assert va.nsplit_for(n, 50) == min(most, max(1, 8 * 64 // n)), n
         assert va.params_for(n).NSPLIT == min(most, 64 * 64 // n)
     check_against_oracle(va, [150], "random", 3, device)
+
+
+def test_a_file_named_for_model_and_device_serves_another_deployment(tmp_path, device, monkeypatch):
+    """`<model>__<device>.yaml` (README "Lookup"): found through from_defaults(model=...) for a
+    deployment of another name, its model.name checked instead of its deployment; by the
+    deployment's own name, the deployment is still checked."""
+    monkeypatch.setattr(lookup, "packaged_defaults_dir", lambda: tmp_path / "none")
+    monkeypatch.setenv(rt.ENV_CONFIG_DIR, str(tmp_path))
+    name = f"Tiny-MLA__{rt.slug(rt.device_name(device))}.yaml"
+    write(tmp_path, tuned_dict(device, deployment="tuned-elsewhere"), name=name)
+    va = VerifyAttention.from_defaults(None, deployment="mydep", model="Tiny-MLA", tp=TP, max_batch=1,
+                                       max_context=128, device=device, warmup=False)
+    assert va.plans[0].source.startswith(str(tmp_path / name)) and va.plans[0].entry is not None
+    doc = tuned_dict(device, deployment="tuned-elsewhere")
+    doc["model"]["name"] = "Other-MLA"
+    write(tmp_path, doc, name=name)
+    with pytest.raises(ProvenanceError, match="model.name: file is for 'Other-MLA', asked for 'Tiny-MLA'"):
+        load_defaults(deployment="mydep", model="Tiny-MLA", device=device)
+    write(tmp_path, tuned_dict(device, deployment="tuned-elsewhere"), name="mydep.yaml")
+    with pytest.raises(ProvenanceError, match="deployment: file is for 'tuned-elsewhere', asked for 'mydep'"):
+        load_defaults(deployment="mydep", model="Tiny-MLA", device=device)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("gpu", r"device: 'gpu' is not a device torch knows"),
+    ("meta", r"device: 'meta'; kvtune runs on 'cuda'"),
+    ("cuda:99", r"device: 'cuda:99'"),
+])
+def test_a_device_that_cannot_run_is_named(tmp_path, bad, match):
+    """A device spelling torch refuses, one that is not cuda or cpu, or a CUDA device this process
+    does not have: a ValueError naming `device` from the runtime and the loader alike."""
+    path = write(tmp_path, tuned_dict("cpu"))
+    with pytest.raises(ValueError, match=match):
+        VerifyAttention.from_defaults(path, tp=TP, max_batch=1, device=bad, warmup=False)
+    with pytest.raises(ValueError, match=match):
+        load_defaults(path, device=bad)
+
+
+def test_a_given_sm_scale_other_than_the_files_is_used_and_logged(device, caplog):
+    tuned = parse_tuned(tuned_dict(device), "mem")
+    with caplog.at_level(logging.WARNING, logger="kvtune.runtime"):
+        va = VerifyAttention.from_defaults(tuned, tp=TP, max_batch=1, max_context=128, device=device, warmup=False,
+                                           sm_scale=0.2)
+    assert va.sm_scale == 0.2
+    assert sum("model.sm_scale is 0.0721, running with the given sm_scale=0.2" in r.getMessage()
+               for r in caplog.records) == 1
