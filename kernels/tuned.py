@@ -411,7 +411,7 @@ def load_tuned(path: str | os.PathLike, check_params: bool = True, legacy_names:
     """Read and validate one exported YAML file (legacy_names: see `parse_tuned`)."""
     path = Path(path)
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = path.read_bytes().decode("utf-8-sig")   # a BOM (some Windows editors add one) is not text
     except OSError as e:
         raise SchemaError(f"{path}: cannot read: {e.strerror}") from None
     except UnicodeDecodeError as e:
