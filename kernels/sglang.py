@@ -316,8 +316,6 @@ class SGLangVerifyAdapter:
                 got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"{name}: expected {list(shape)} for the planned B={step.B}, T={v.T}, got {got}")
         kv = self._pool(k_buffer, v_buffer, v.Dk, v.Dv, dev)
-        if kv.dtype != torch.bfloat16:  # before k_extend, which must match it
-            raise ValueError(f"k_buffer: expected bf16, got {kv.dtype}")
         if kv.shape[0] >= 2**31:
             raise ValueError(f"k_buffer: {kv.shape[0]} slots exceed int32 indexing")
         if step.slots_used is not None and kv.shape[0] < step.slots_used:
@@ -330,7 +328,7 @@ class SGLangVerifyAdapter:
             _write_drafts_kernel[(step.B,)](k_ext, step.slots, kv, k_ext.stride(0), kv.stride(0), T=v.T,
                                             BLOCK_T=max(16, next_pow2(v.T)), DK=v.Dk, BLOCK_DK=next_pow2(v.Dk),
                                             num_warps=4)
-        scale = sm_scale if sm_scale else 1.0 / math.sqrt(v.Dk)   # SGLang's default
+        scale = 1.0 / math.sqrt(v.Dk) if sm_scale is None else sm_scale   # SGLang's default; 0 is refused
         try:
             return v.run(q_extend, kv, o_extend, lse=lse_extend, sm_scale=scale, plan=step.verify_plan)
         except ValueError as exc:  # the runtime's checks, in the caller's argument names
@@ -423,6 +421,9 @@ class SGLangVerifyAdapter:
                              f"got {list(k_buffer.shape)}")
         if kv.shape[1] != Dk:
             raise ValueError(f"k_buffer: row width {kv.shape[1]}, expected Dk={Dk}")
+        if kv.dtype != torch.bfloat16:   # checked before k_extend, which must match it
+            raise ValueError(f"k_buffer: expected bf16, got {kv.dtype} (kvtune's kernels read a bf16 KV cache; "
+                             "an fp8 one is not supported yet)")
         if v_buffer is not None:
             vb = v_buffer[:, 0, :] if v_buffer.dim() == 3 and v_buffer.shape[1] == 1 else v_buffer
             if vb.dim() != 2 or vb.data_ptr() != kv.data_ptr() or vb.shape[1] != Dv or vb.stride(0) != kv.stride(0):
