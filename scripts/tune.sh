@@ -48,4 +48,6 @@ if [ -n "${wgmma_opts[*]:-}" ]; then
     kvtune sweep "$dep" --out "$out" --retune-stale "${wgmma_opts[@]}" "$@"
 fi
 kvtune export "$dep" --out "$out"
-echo "kvtune: done in $(( $(date +%s) - start )) s; results under $out/$(python -c "import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))['name'])" "$dep")/"
+# KVTUNE_DEPLOYMENT may be a name or a file, as kvtune takes it: its loader names the folder
+name=$(python -c "import sys; from kvtune.tuner.config import load_deployment; print(load_deployment(sys.argv[1]).name)" "$dep")
+echo "kvtune: done in $(( $(date +%s) - start )) s; results under ${out%/}/$name/"
