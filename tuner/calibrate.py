@@ -56,9 +56,10 @@ def measure_ceilings(device: str = "cuda", read_bytes: int | None = None, mm: in
 
 def calibrate(device: str = "cuda", name: str | None = None, reps: int = 10) -> DeviceProfile:
     import os
-    import platform
 
     import torch
+
+    from kvtune.kernels.lookup import device_name
     gbps, tflops = measure_ceilings(device, reps=reps)
     stamp = time.strftime("%Y-%m-%d", time.gmtime())
     if device == "cuda":
@@ -75,7 +76,7 @@ def calibrate(device: str = "cuda", name: str | None = None, reps: int = 10) -> 
             ceilings_source=f"kvtune calibrate on {p.name}, {stamp}: torch.sum over 4 GiB bf16; "
                             f"8192^3 bf16 matmul; best of {reps}")
     return DeviceProfile(
-        name=name or "cpu", device_name=f"cpu ({platform.processor() or platform.machine()})", arch="cpu",
+        name=name or "cpu", device_name=device_name("cpu"), arch="cpu",
         sm_count=os.cpu_count() or 1, l2_bytes=1 << 20, smem_per_block_bytes=1 << 20, smem_per_sm_bytes=1 << 20,
         regs_per_sm=65536, threads_per_sm=2048, read_gbps=round(gbps, 2), bf16_tflops=round(tflops, 4),
         ceilings_source=f"kvtune calibrate --device cpu, {stamp}: torch.sum over 256 MiB bf16; 1024^3 bf16 matmul")

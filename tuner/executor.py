@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -96,7 +95,8 @@ def device_info(device: str) -> dict:
                     sm_count=props.multi_processor_count, l2_bytes=int(getattr(props, "L2_cache_size", 0)),
                     driver=_driver_version(), cuda=str(torch.version.cuda or ""))
     else:
-        info.update(device_name=f"cpu ({platform.processor() or platform.machine()})", arch="cpu",
+        from kvtune.kernels.lookup import device_name   # the spelling the runtime compares against
+        info.update(device_name=device_name("cpu"), arch="cpu",
                     sm_count=os.cpu_count() or 1, l2_bytes=0, driver="", cuda="",
                     triton_interpret=os.environ.get("TRITON_INTERPRET", ""))
     return info
