@@ -125,23 +125,28 @@ sanitize)
   sanitize; grep -E "rel err|rc=|ERROR SUMMARY|RACECHECK SUMMARY" $OUT/sanitizer.log | head -20
   ;;
 serving)
+  # every output under one folder, packed into $OUT/serving.tgz after each part (the device tool
+  # returns 8 files; a part cut by its limit keeps the parts before it)
   . scripts/device_env.sh tree
-  nvidia-smi --query-gpu=name,driver_version --format=csv > $OUT/env.log 2>&1
+  o=/tmp/serving-evidence; rm -rf $o; mkdir -p $o
+  pack() { tar czf $OUT/serving.tgz -C $o .; }
+  nvidia-smi --query-gpu=name,driver_version --format=csv > $o/env.log 2>&1
   timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --timeout 120 \
       tests/test_runtime_gpu.py tests/test_packaged_defaults.py tests/test_serving_gpu.py tests/test_batch_buckets.py \
-      tests/test_plan_run.py > $OUT/pytest.log 2>&1
-  echo "pytest rc=$?" >> $OUT/pytest.log; tail -n 3 $OUT/pytest.log
+      tests/test_plan_run.py > $o/pytest.log 2>&1
+  echo "pytest rc=$?" >> $o/pytest.log; tail -n 3 $o/pytest.log; pack
   # CUDA's default only: the Triton default is 3-9x slower here and its compiles cost minutes
-  timeout ${BENCH_S:-240} python3 scripts/bench_serving.py --defaults-of cuda --out $OUT/tp8 > $OUT/serving-tp8.log 2>&1
-  echo "bench_serving tp8 rc=$?" >> $OUT/serving-tp8.log
+  timeout ${BENCH_S:-240} python3 scripts/bench_serving.py --defaults-of cuda --out $o/tp8 > $o/serving-tp8.log 2>&1
+  echo "bench_serving tp8 rc=$?" >> $o/serving-tp8.log; pack
   timeout ${BENCH4_S:-100} python3 scripts/bench_serving.py --defaults-of cuda --tp 4 --batches 1,8,16 --no-ragged \
-      --out $OUT/tp4 > $OUT/serving-tp4.log 2>&1
-  echo "bench_serving tp4 rc=$?" >> $OUT/serving-tp4.log
+      --out $o/tp4 > $o/serving-tp4.log 2>&1
+  echo "bench_serving tp4 rc=$?" >> $o/serving-tp4.log; pack
   # the tp8 batch-1 bucket's best compile-time config at 4k (trials table) against the exported one
-  timeout ${DISPATCH_S:-60} python3 scripts/bench_dispatch.py --out $OUT --exported NSPLIT=132 \
-      --alt NSPLIT=33,HEADS_PER_BLOCK=2,STAGES=3 > $OUT/dispatch.log 2>&1
-  echo "bench_dispatch rc=$?" >> $OUT/dispatch.log
-  tail -n 30 $OUT/serving-tp8.log; tail -n 8 $OUT/serving-tp4.log; tail -n 7 $OUT/dispatch.log
+  timeout ${DISPATCH_S:-60} python3 scripts/bench_dispatch.py --out $o --exported NSPLIT=132 \
+      --alt NSPLIT=33,HEADS_PER_BLOCK=2,STAGES=3 > $o/dispatch.log 2>&1
+  echo "bench_dispatch rc=$?" >> $o/dispatch.log; pack
+  cp $o/pytest.log $o/serving-tp8.log $OUT/
+  tail -n 30 $o/serving-tp8.log; tail -n 8 $o/serving-tp4.log; tail -n 7 $o/dispatch.log
   ;;
 dispatch)
   # the per-context dispatch across backends: its GPU tests and the wgmma_km cases of the shared
