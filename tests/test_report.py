@@ -53,7 +53,8 @@ def _sweep(tmp: Path, name: str, export: bool, **over) -> Path:
     dep = _write_deployment(tmp / f"{name}.yaml", name, **over)
     sw = run_sweep(dep, SweepOptions(device="cpu", out=str(tmp / "results"), rounds=1, remeasure_top=1,
                                      progress=False))
-    assert sw.status == "complete"
+    # a deployment whose every config is pruned (the all_pruned fixture) ends so, not "complete"
+    assert sw.status == "complete" or sw.status.startswith("every config pruned in"), sw.status
     if export:
         export_deployment(dep, out=str(tmp / "results"), quiet=True)
     return tmp / "results" / name

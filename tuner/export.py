@@ -1,4 +1,4 @@
-"""`kvtune export DEPLOYMENT`: the trials table -> `results/<deployment>/<deployment>.yaml`.
+"""`kvtune export DEPLOYMENT`: the trials table -> `<out>/<deployment>/<deployment>.yaml` (--out, default runs/).
 
 Per tp and batch bucket, one backend and one set of compile-time parameters must serve
 every context bucket under one CUDA graph, while NSPLIT is chosen per bucket on the device.
@@ -45,11 +45,12 @@ from typing import NamedTuple
 from kvtune.kernels.tuned import BACKEND_NAMES, ContextBucket, SchemaError, TunedDefaults, TunedEntry, dump_tuned
 
 from .config import Deployment, load_deployment
+from .export_gaps import nothing_exported, pruned_buckets, pruned_explanation, swept_contexts, warn_incomplete
 from .log import get_logger
 from .ragged import PHASE as RAGGED_PHASE
 from .ragged import ragged_round
 from .study import compile_key
-from .table import read_jsonl, read_trials
+from .table import read_trials
 
 log = get_logger(__name__)
 MAX_CHECKS = 5   # serving checks measured per (tp, batch bucket) before export stops measuring more
@@ -315,7 +316,7 @@ def export_deployment(dep: Deployment | str, out: str = "runs", trials_csv: str 
     others = [b for b in dict.fromkeys(df["backend"]) if b not in BACKEND_NAMES]
     if others:
         log.info("note: not exporting backends outside the schema's %s: %s", list(BACKEND_NAMES), others)
-    _warn_incomplete(df, dep, out_dir)
+    warn_incomplete(df, dep, out_dir)
     checker = None
     if check:
         from .serve_check import ServingCheck
@@ -329,7 +330,7 @@ def export_deployment(dep: Deployment | str, out: str = "runs", trials_csv: str 
         if checker is not None:
             checker.close()
     if not entries:
-        raise ValueError(f"{out_dir}: nothing to export for {dep.name} (no config was correct at every bucket)")
+        raise ValueError(f"{table_path}: nothing to export for {dep.name} ({nothing_exported(df, backends)})")
     tuned = TunedDefaults(deployment=dep.name, model=_model(dep), provenance=_provenance(df, entries),
                           entries=tuple(entries))
     dest = Path(path) if path else out_dir / f"{dep.name}.yaml"
@@ -405,39 +406,6 @@ def _latest_source(df, warn: bool = True):
     return pd.concat(keep).sort_index()
 
 
-def _warn_incomplete(df, dep: Deployment, out_dir: Path) -> None:
-    """Say when the last sweep stopped and which buckets have no trials."""
-    status = _last_sweep_status(out_dir)
-    if status and status != "complete":
-        log.warning("the last sweep into %s ended %r: studies it did not finish are missing below; run the same "
-                    "sweep command again to resume it, then export again", out_dir, status)
-    missing = _missing_buckets(df, dep)
-    if missing:
-        log.warning("%d (backend, tp, batch, context) bucket(s) of %s have no trials, so no entry below covers "
-                    "them: %s", len(missing), dep.name,
-                    ", ".join(f"{be} (tp={tp}, bs={bs}, ctx={c})" for be, tp, bs, c in missing))
-
-
-def _contexts(df, dep: Deployment, backends, tp, bs) -> list[int]:
-    """The context buckets swept at (tp, bs), warning about the deployment's unswept ones and
-    each backend's gaps (one config serves every bucket: a gap rules the backend out)."""
-    sel = df[(df["tp"] == tp) & (df["bs"] == bs) & (df["phase"] == "search")]
-    contexts = sorted(int(c) for c in set(sel["ctx"]))
-    if not contexts:
-        return contexts
-    missing = [c for c in dep.contexts if c not in contexts]
-    if missing:
-        log.warning("tp=%s bs=%s: context buckets %s were not swept; the entry covers %s only",
-                    tp, bs, missing, contexts)
-    for b in backends:
-        have = {int(c) for c in sel[sel["backend"] == b]["ctx"]}
-        gaps = [c for c in contexts if c not in have]
-        if have and gaps:
-            log.warning("tp=%s bs=%s: %s has no trials at context(s) %s, so it cannot serve this entry (a stopped "
-                        "sweep leaves such gaps: run it again to resume)", tp, bs, b, gaps)
-    return contexts
-
-
 def _pick_with_dispatch(df, backends, tp, bs, contexts, T, checker, rnd):
     """`pick_served`, then `tuner.dispatch.with_dispatch` on it; a pick that fails when measured
     again beside its dispatch gives way to the next. Returns (pick, its served latency, moves,
@@ -471,13 +439,14 @@ def _entries(df, dep: Deployment, backends, checker):
     rnd = ragged_round(dep.ragged_spread) if dep.ragged_spread > 1 else None
     for tp in dep.tp:
         for bs in dep.batches:
-            contexts = _contexts(df, dep, backends, tp, bs)
+            contexts = swept_contexts(df, dep, backends, tp, bs)
             if not contexts:
                 continue
             picked = _pick_with_dispatch(df, backends, tp, bs, contexts, T, checker, rnd)
             if picked is None:
-                log.warning("tp=%s bs=%s: no config measured correct at every context bucket %s; no entry exported",
-                            tp, bs, contexts)
+                pruned = pruned_buckets(df, backends, tp, bs)
+                log.warning("tp=%s bs=%s: no config measured correct at every context bucket %s%s; no entry exported",
+                            tp, bs, contexts, f" ({pruned_explanation(pruned)})" if pruned else "")
                 continue
             pick, served_lat, moves, alt, alt_be, dispatch_lat = picked
             be, cparams, buckets, is_default = pick
@@ -538,24 +507,6 @@ def _provenance(df, entries) -> dict:
             "torch": _s(first["torch"]), "triton": _s(first["triton"]), "kernel_hash": khash,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "timing": ",".join(timing),
             "kvtune": _s(first["kvtune"])}
-
-
-def _missing_buckets(df, dep: Deployment) -> list[tuple]:
-    """(backend, tp, bs, ctx) of the deployment without a search trial, for the exportable
-    backends the table holds (a backend this machine skipped has no rows at all)."""
-    search = df[df["phase"] == "search"]
-    have = {(str(b), int(t), int(s), int(c)) for b, t, s, c in zip(search["backend"], search["tp"], search["bs"],
-                                                                   search["ctx"])}
-    backends = [b for b in dict.fromkeys(search["backend"].astype(str)) if b in BACKEND_NAMES and b != "reference"]
-    return [(be, tp, bs, c) for be in backends for tp in dep.tp for bs in dep.batches for c in dep.contexts
-            if (be, tp, bs, c) not in have]
-
-
-def _last_sweep_status(out_dir: Path) -> str | None:
-    """The status of the last `kvtune sweep` run recorded in `<out_dir>/runs.jsonl`, if any."""
-    runs = read_jsonl(out_dir / "runs.jsonl")   # a torn line is skipped with a warning naming it
-    status = runs[-1].get("status") if runs else None
-    return str(status) if status else None
 
 
 def _default_latency(lat, backend, tp, bs, ctx):

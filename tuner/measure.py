@@ -174,6 +174,15 @@ class Measurement:
         return asdict(self)
 
 
+def _sizes(*nbytes: int) -> list[str]:
+    """Byte counts in MiB, or in bytes where MiB would round one under 1 MiB (a budget of 0.001 MiB
+    read "0 MiB") or make two read the same."""
+    mib = [f"{n / 2**20:.1f} MiB" for n in nbytes]
+    if min(nbytes) < 2**20 or len(set(mib)) < len(mib):
+        return [f"{n} bytes" for n in nbytes]
+    return mib
+
+
 def _fmt_exc(e: BaseException) -> str:
     msg = " ".join(str(e).split())
     return f"{type(e).__name__}: {msg[:400]}"
@@ -302,8 +311,8 @@ class Measurer:
             return Measurement("pruned", why)
         ws_bytes = call_workspace_bytes(problem, [(p, be), *((o[0], o[2]) for o in others)])
         if ws_bytes > opts.workspace_budget_bytes:
-            return Measurement("pruned", f"workspace {ws_bytes / 2**20:.1f} MiB at batch {spec.batch} exceeds the "
-                                         f"budget of {opts.workspace_budget_bytes / 2**20:.0f} MiB")
+            ws, budget = _sizes(ws_bytes, opts.workspace_budget_bytes)
+            return Measurement("pruned", f"workspace {ws} at batch {spec.batch} exceeds the budget of {budget}")
         try:
             return self._run(be, p, spec, opts, timing, ws_bytes, others)
         except Exception as e:  # noqa: BLE001 - every failure is a recorded outcome

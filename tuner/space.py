@@ -37,6 +37,8 @@ from .config import REPO_ROOT, ConfigError, check_keys, read_yaml
 SPACE_DIR = REPO_ROOT / "search_spaces"
 PROBLEM_NAMES = ("T", "H", "B", "context", "keys", "Dk", "Dv")
 DEVICE_NAMES = ("sm_count", "smem_per_block", "smem_per_sm", "regs_per_sm", "threads_per_sm")
+#: how the reason of every config pruned by a space's constraint begins (`SearchSpace.violation`)
+CONSTRAINT_PREFIX = "constraint "
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,8 @@ class SearchSpace:
                 raise ConfigError(f"{self.source}: constraints.{c.name}: cannot evaluate {c.expr.text!r} "
                                   f"for {params}: {e}") from None
             if not ok:
-                return f"constraint {c.name} ({c.expr.text}) broken: {c.reason}" if c.reason else \
-                    f"constraint {c.name} ({c.expr.text}) broken"
+                why = f"{CONSTRAINT_PREFIX}{c.name} ({c.expr.text}) broken"
+                return f"{why}: {c.reason}" if c.reason else why
         return None
 
     def distributions(self, extra: dict | None = None) -> dict:

@@ -22,16 +22,20 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 from .config import ConfigError, redact_url
 from .log import get_logger
-from .space import SearchSpace, problem_env
+from .space import CONSTRAINT_PREFIX, SearchSpace, problem_env
 from .strategy import BESIDE_SEARCH, local_proposal, params_key
 
 log = get_logger(__name__)
 STUDY_SEP = "|"
+#: how a sweep's status begins when some study measured nothing, every config it tried pruned
+ALL_PRUNED = "every config pruned"
 
 
 def study_name(dep: str, backend: str, tp: int, bs: int, ctx: int) -> str:
@@ -53,6 +57,46 @@ def nearest(choices, x):
     return min(choices, key=lambda c: (abs(c - x), c))
 
 
+def _shape(reason: str) -> str:
+    """A reason with its numbers (sizes in either unit) blanked out."""
+    return re.sub(r"\d+(?:\.\d+)?(?: MiB| bytes)?", "#", reason)
+
+
+def pruned_summary(reasons, top: int = 2) -> str:
+    """The commonest of the prune reasons `reasons`, each with how many configs it pruned;
+    reasons that differ only in their numbers (a workspace size) count as one, shown by the
+    first. A space constraint's reasons count only when there is no other: they are proposals
+    outside the feasible space, and say nothing about why the feasible configs were pruned."""
+    reasons = [r for r in reasons if isinstance(r, str) and r]   # the table reads a missing one as NaN
+    own = [r for r in reasons if not r.startswith(CONSTRAINT_PREFIX)] or reasons
+    groups = Counter(_shape(r) for r in own)
+    first = {}
+    for r in own:
+        first.setdefault(_shape(r), r)
+    parts = [f"{first[k]} ({n} config{'s' if n > 1 else ''})" for k, n in groups.most_common(top)]
+    if len(groups) > top:
+        parts.append(f"{len(groups) - top} other reason(s)")
+    if len(own) < len(reasons):
+        parts.append(f"{len(reasons) - len(own)} more broke a search-space constraint")
+    return "; ".join(parts) or "no reason recorded"
+
+
+def all_pruned_note(outcomes: dict) -> str | None:
+    """`outcomes` ({outcome: its prune reasons, or any list}): the note of a study or bucket
+    whose every config was pruned, or None when something was measured (or nothing tried)."""
+    if not outcomes.get("pruned") or any(v for o, v in outcomes.items() if o != "pruned"):
+        return None
+    return f"every config was pruned: {pruned_summary(outcomes['pruned'])}"
+
+
+def _outcomes(trials) -> dict:
+    """{outcome: the reasons of the counted `trials` with it}."""
+    out: dict = {}
+    for t in trials:
+        out.setdefault(t.user_attrs.get("outcome"), []).append(t.user_attrs.get("reason"))
+    return out
+
+
 @dataclass
 class StudyResult:
     backend: str
@@ -66,6 +110,11 @@ class StudyResult:
     best_params: dict | None = None
     floor_us: float | None = None
     note: str = ""
+
+    @property
+    def all_pruned(self) -> bool:
+        """Nothing was measured because every config tried was pruned."""
+        return bool(self.counts.get("pruned")) and not any(n for o, n in self.counts.items() if o != "pruned")
 
 
 @dataclass
@@ -280,7 +329,10 @@ class StudyLoop:
             if owed <= 0:
                 return not st.running, worked
             if self._asks.get(key, 0) >= cap:
-                self._notes[key] = "search space exhausted (the sampler kept proposing measured configs)"
+                # pruned configs do not count against the budget: a study whose every config is pruned
+                # asks until the cap, and the reason is the prunes, not the sampler
+                self._notes[key] = all_pruned_note(_outcomes(st.measured.values())) or \
+                    "search space exhausted (the sampler kept proposing measured configs)"
                 log.info("note: %s: %s", name, self._notes[key])
                 return not st.running, worked
             batch = self._ask_batch(key, plan, study, st, min(owed, cap - self._asks.get(key, 0)), rng)
@@ -429,7 +481,8 @@ class StudyLoop:
         name, study, _ = self._open_study(backend, tp, bs, ctx)
         counts = {o: 0 for o in ("ok", "pruned", "wrong", "failed")}
         best, base, floor = None, None, None
-        for t in self._finished(study):
+        finished = self._finished(study)
+        for t in finished:
             counts[t.user_attrs["outcome"]] = counts.get(t.user_attrs["outcome"], 0) + 1
             row = t.user_attrs.get("row") or {}
             floor = row.get("floor_us") or floor
@@ -438,9 +491,10 @@ class StudyLoop:
                     best = t
                 if t.user_attrs.get("role") == "baseline":
                     base = t
+        note = all_pruned_note(_outcomes(finished)) or self._notes.get((backend, tp, bs, ctx), "")
         return StudyResult(backend, tp, bs, ctx, name, counts, default_us=base.value if base else None,
                            best_us=best.value if best else None, best_params=dict(best.params) if best else None,
-                           floor_us=floor, note=self._notes.get((backend, tp, bs, ctx), ""))
+                           floor_us=floor, note=note)
 
     # -- hooks: one process (tuner/workers.py overrides them) -----------------------------
     def _before_batch(self, study) -> None:

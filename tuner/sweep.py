@@ -30,6 +30,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .config import ConfigError, Deployment, load_deployment, redact_argv, redact_url
+from .extras import tune_module
 from .log import get_logger
 from .options import SweepOptions, check_options, subset
 from .progress import Progress
@@ -37,7 +38,7 @@ from .ragged import RAGGED_PICKS, deployment_trials, measure_ragged, ragged_appl
 from .runner import Runner
 from .space import load_space, problem_env
 from .strategy import params_key
-from .study import StudyLoop, compile_key
+from .study import ALL_PRUNED, StudyLoop, compile_key
 from .table import TrialsTable, append_jsonl, scan_table
 
 log = get_logger(__name__)
@@ -88,12 +89,9 @@ class Sweep(StudyLoop):
     ragged = True    # the ragged phase runs (tuner/ragged.py; a replay of a grid table has no ragged batch)
 
     def __init__(self, dep: Deployment, opts: SweepOptions):
-        try:
-            import optuna
-        except ImportError as e:
-            raise ConfigError(f"kvtune sweep needs optuna ({e}); install the tuner extra: "
-                              "pip install 'kvtune[tune]'") from None
-        self.optuna = optuna
+        # pandas too, before any measurement: the summary and the ragged phase read the table with it
+        tune_module("pandas", "kvtune sweep")
+        self.optuna = optuna = tune_module("optuna", "kvtune sweep")
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         self.dep = dep
@@ -364,6 +362,9 @@ class Sweep(StudyLoop):
         finally:
             self.stops.restore()
             self._close(status)
+        pruned = sum(r.all_pruned for r in self.results)
+        if status == "complete" and pruned:   # a study with nothing measured is not a finished one
+            status = f"{ALL_PRUNED} in {pruned} of {len(self.results)} studies"
         self.status = status
         self.wall_s = time.time() - t0
         self._log_run(t0)

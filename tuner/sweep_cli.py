@@ -17,6 +17,7 @@ from .config import ConfigError, Deployment, load_deployment, redact_url
 from .executor import WorkerError
 from .log import get_logger
 from .options import SweepOptions, add_sweep_arguments, non_negative_int, options_from_args
+from .study import ALL_PRUNED
 
 log = get_logger(__name__)
 
@@ -42,7 +43,17 @@ def _cmd_sweep(args) -> int:
     if not sw.results and sw.status != "interrupted":
         log.error("no study ran (%s)", sw.status)
         return 1
-    if args.export and sw.results and (sw.status == "complete" or args.workers is None):
+    pruned = [r for r in sw.results if r.all_pruned] if sw.status.startswith(ALL_PRUNED) else []
+    if pruned:
+        # resuming measures nothing new there: the deployment or the space must change. Every study
+        # pruned: nothing to export, an error; some: the rest is exported (export names the gaps)
+        (log.error if len(pruned) == len(sw.results) else log.warning)(
+            "%d of %d studies measured no config, every config pruned; fix the deployment or the search space, "
+            "then sweep again into a new --out:\n%s", len(pruned), len(sw.results),
+            "\n".join(f"  {r.backend} tp={r.tp} bs={r.bs} ctx={r.ctx}: {r.note}" for r in pruned))
+        if len(pruned) == len(sw.results):
+            return 1
+    if args.export and sw.results and (sw.status == "complete" or pruned or args.workers is None):
         _export(sw, args)
     return 130 if sw.status == "interrupted" else 0
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from kvtune.kernels.backends import RENAMED_PARAMS, rename_legacy_params
 
+from .extras import tune_module
 from .log import get_logger
 
 log = get_logger(__name__)
@@ -387,9 +388,9 @@ class TrialsTable:
 
 def read_trials(path: str | os.PathLike):
     """The table as a pandas DataFrame (params parsed back into dicts in column `params`)."""
-    import pandas as pd
     from filelock import FileLock
     path = Path(path)
+    pd = tune_module("pandas", f"reading the trials table {path}")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no trials table (run `kvtune sweep` first)")
     lock = Path(str(path) + ".lock")

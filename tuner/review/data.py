@@ -45,8 +45,17 @@ def resolve_results_dir(target: str | os.PathLike) -> Path:
             if (base / dep.name).is_dir():
                 return base / dep.name
         raise FileNotFoundError(f"deployment {dep.name!r} has no results folder yet (looked for "
-                                f"runs/{dep.name}/ and results/{dep.name}/); run `kvtune sweep {target}` first")
-    raise FileNotFoundError(f"{target!s}: neither a results folder, nor results/{target}/, nor a deployment")
+                                f"{_places(bases, dep.name)}); run `kvtune sweep {target}` first")
+    raise FileNotFoundError(f"{target!s}: neither a results folder (looked for {_places((Path(),) + bases, target)}) "
+                            f"nor a deployment (a YAML file, or a name under {REPO_ROOT / 'configs' / 'deployments'}/)")
+
+
+def _places(bases, name) -> str:
+    """The folders `resolve_results_dir` looked in for `name`, each once (here may be the repository)."""
+    seen = {}
+    for base in bases:
+        seen.setdefault((base / str(name)).resolve(), f"{base / str(name)}/")
+    return ", ".join(seen.values())
 
 
 @dataclass

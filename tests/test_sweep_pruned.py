@@ -1,0 +1,137 @@
+"""A sweep whose every config of a study is pruned (statically impossible: a Dv the Triton kernel
+cannot take, a workspace budget nothing fits) says so with the prune reason, exits non-zero and
+is not recorded as complete; export then names the pruned buckets and the reason instead of "no
+config was correct". Prune reasons give sizes under 1 MiB in bytes."""
+from __future__ import annotations
+
+import json
+import re
+
+import pandas as pd
+import pytest
+import yaml
+
+from kvtune.tuner.cli import main
+from kvtune.tuner.export import export_deployment
+from kvtune.tuner.export_gaps import nothing_exported
+from kvtune.tuner.study import pruned_summary
+from kvtune.tuner.table import read_trials
+
+BUDGET_MB = 0.001
+
+
+def _dep(tmp_path, model=None, **over):
+    doc = {"name": "pruned", "model": {"name": "tiny-mla", "num_heads": 8, "draft_tokens": 4, "tree": "random",
+                                       **(model or {})},
+           "device": "cpu", "tp": [8], "contexts": [64, 300], "batches": [1], "backends": ["triton"], "trials": 2,
+           "timing": "eager"}
+    doc.update(over)
+    p = tmp_path / "pruned.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    return p
+
+
+@pytest.mark.parametrize("model, over, reason", [
+    ({"kv_lora_rank": 500}, {}, "triton backend needs power-of-two Dv"),
+    (None, {"workspace_budget_mb": BUDGET_MB}, f"exceeds the budget of {int(BUDGET_MB * 2**20)} bytes"),
+], ids=["dv-500", "workspace-budget"])
+def test_a_sweep_whose_every_config_is_pruned_says_why_and_fails(tmp_path, capsys, model, over, reason):
+    dep = _dep(tmp_path, model, **over)
+    out = tmp_path / "out"
+    rc = main(["sweep", str(dep), "--device", "cpu", "--out", str(out), "--no-progress", "--in-process"])
+    captured = capsys.readouterr()
+    assert rc == 1
+    run = json.loads((out / "pruned" / "runs.jsonl").read_text().splitlines()[-1])
+    assert run["status"] == "every config pruned in 2 of 2 studies"
+    assert "search space exhausted" not in captured.out + captured.err
+
+    df = read_trials(out / "pruned" / "trials.csv")
+    search = df[df["phase"] == "search"]
+    assert (search["outcome"] == "pruned").all()
+    for ctx, g in search.groupby("ctx"):
+        # the reason every config outside the space's constraints was pruned with, counted from the table
+        own = [r for r in g["reason"] if not r.startswith("constraint ")]
+        assert len(own) == sum(reason in r for r in own) > 0, own
+        n_constraint = len(g) - len(own)
+        row = next(line for line in captured.out.splitlines() if re.match(rf"\s*triton\s+8\s+1\s+{ctx}\s", line))
+        assert "every config was pruned: " in row and reason in row and f"({len(own)} configs)" in row, row
+        if n_constraint:
+            assert f"{n_constraint} more broke a search-space constraint" in row, row
+        assert f"triton tp=8 bs=1 ctx={ctx}: every config was pruned" in captured.err
+
+    with pytest.raises(ValueError) as e:
+        export_deployment(str(dep), out=str(out))
+    msg = str(e.value)
+    assert "every config was pruned at tp=8 bs=1 ctx=64, tp=8 bs=1 ctx=300: " in msg and reason in msg, msg
+    assert "no config was correct" not in msg
+    assert f"({int((search['reason'].map(lambda r: not r.startswith('constraint '))).sum())} configs)" in msg
+
+
+def test_prune_summary_counts_reasons_that_differ_only_in_numbers_together():
+    reasons = ["workspace 3072 bytes at batch 1 exceeds the budget of 1048 bytes",
+               "constraint heads (HEADS_PER_BLOCK <= H) broken",
+               "compile: out of resources",
+               "workspace 0.5 MiB at batch 4 exceeds the budget of 0.2 MiB",
+               "constraint heads (HEADS_PER_BLOCK <= H) broken",
+               "workspace 6144 bytes at batch 1 exceeds the budget of 1048 bytes",
+               float("nan")]
+    assert pruned_summary(reasons) == ("workspace 3072 bytes at batch 1 exceeds the budget of 1048 bytes (3 configs); "
+                                       "compile: out of resources (1 config); "
+                                       "2 more broke a search-space constraint")
+    assert pruned_summary(reasons[1:2] * 2) == "constraint heads (HEADS_PER_BLOCK <= H) broken (2 configs)"
+    assert pruned_summary(["a", "b 1", "c", "b 2"], top=1) == "b 1 (2 configs); 2 other reason(s)"
+
+
+def test_export_names_only_the_buckets_whose_every_config_was_pruned():
+    rows = [  # tp 8: ctx 64 all pruned, ctx 300 measured; tp 4: measured everywhere (but, say, wrong)
+        (8, 64, "pruned", "static no"), (8, 64, "pruned", "static no"), (8, 64, "pruned", "constraint x broken"),
+        (8, 300, "ok", None), (8, 300, "pruned", "static no"),
+        (4, 64, "wrong", "max error"), (4, 300, "pruned", "static no"), (4, 300, "failed", "crash"),
+    ]
+    df = pd.DataFrame([{"phase": "search", "backend": "triton", "tp": t, "bs": 1, "ctx": c, "outcome": o,
+                        "reason": r} for t, c, o, r in rows])
+    assert nothing_exported(df, ["triton"]) == ("every config was pruned at tp=8 bs=1 ctx=64: static no (2 configs); "
+                                                "1 more broke a search-space constraint; tp=4 bs=1: no config was "
+                                                "correct at every context bucket")
+    assert nothing_exported(df[df["tp"] == 4], ["triton"]) == "no config was correct at every bucket"
+    assert nothing_exported(df, ["cuda"]) == "no config was correct at every bucket"
+
+
+def test_workspace_prune_reason_keeps_sizes_under_a_mib_in_bytes():
+    from kvtune.tuner.measure import Measurer, MeasureOptions, ProblemSpec
+    m = Measurer("cpu")
+    base = {"NSPLIT": 4, "BLOCK_N": 32, "HEADS_PER_BLOCK": 2, "NUM_WARPS": 4, "STAGES": 1}
+
+    def reason(heads, params, budget):
+        r = m.measure("triton", params, ProblemSpec(heads=heads, batch=1, context=64, draft_tokens=8),
+                      MeasureOptions(timing="eager", workspace_budget_bytes=budget), None)
+        assert r.outcome == "pruned", r
+        return r.reason
+
+    # fp32 partial outputs and LSE per split: NSPLIT * T * H * (Dv + 1) * 4 bytes
+    small = 4 * 8 * 2 * 513 * 4
+    assert reason(2, base, small - 1) == (f"workspace {small} bytes at batch 1 exceeds the budget of "
+                                          f"{small - 1} bytes")
+    big = 64 * 8 * 16 * 513 * 4   # 16.03 MiB
+    assert reason(16, dict(base, NSPLIT=64), 8 << 20) == "workspace 16.0 MiB at batch 1 exceeds the budget of 8.0 MiB"
+    # one decimal of a MiB would print both as 16.0 MiB
+    assert reason(16, dict(base, NSPLIT=64), 16 << 20) == (f"workspace {big} bytes at batch 1 exceeds the budget of "
+                                                           f"{16 << 20} bytes")
+
+
+def test_a_sweep_with_some_studies_pruned_exports_the_rest(tmp_path, capsys):
+    """A budget (40000 bytes) that Triton's batch-1 configs at NSPLIT <= 4 fit (8208-32832 bytes
+    of workspace) and no batch-8 config does (65664 bytes at NSPLIT 1): the batch-8 studies are
+    named with the reason, the sweep still exits 0 and `--export` writes the batch-1 entry."""
+    dep = _dep(tmp_path, batches=[1, 8], workspace_budget_mb=40000 / 2**20)
+    out = tmp_path / "out"
+    rc = main(["sweep", str(dep), "--device", "cpu", "--out", str(out), "--no-progress", "--in-process", "--export"])
+    err = capsys.readouterr().err
+    assert rc == 0
+    run = json.loads((out / "pruned" / "runs.jsonl").read_text().splitlines()[-1])
+    assert run["status"] == "every config pruned in 2 of 4 studies"
+    for ctx in (64, 300):
+        assert f"triton tp=8 bs=8 ctx={ctx}: every config was pruned: workspace" in err
+        assert f"bs=1 ctx={ctx}: every config" not in err
+    exported = yaml.safe_load((out / "pruned" / "pruned.yaml").read_text())
+    assert [(e["tp"], e["max_batch"]) for e in exported["entries"]] == [(8, 1)]
