@@ -213,8 +213,9 @@ def load_defaults(path: str | os.PathLike | None = None, *, deployment: str | No
         `<model>__<device>.yaml`) or None (search `config_dirs()`).
     deployment: the deployment name; checked against the file's `deployment` key, unless the
         file was found by its `<model>__<device>.yaml` name (a file of the same model and
-        device, tuned under another deployment's name), whose `model.name` must be `model`.
-    model: the model name (`model.name` of the export, e.g. "Kimi-K2") for that second name.
+        device, tuned under another deployment's name).
+    model: the model name (`model.name` of the export, e.g. "Kimi-K2"): looked up by that
+        second name, and checked against the file's `model.name` when given.
     device: the device the kernel will run on (default: the current CUDA device, else cpu).
     allow_mismatch: use a file tuned for another arch / kernel source / deployment, logging
         each difference once, instead of raising ProvenanceError.
@@ -242,6 +243,6 @@ def load_defaults(path: str | os.PathLike | None = None, *, deployment: str | No
             return None
         by_model = found.name not in defaults_file_names(deployment)
     tuned = load_tuned(found)
-    check_provenance(tuned, device, deployment=None if by_model else deployment, model=model if by_model else None,
+    check_provenance(tuned, device, deployment=None if by_model else deployment, model=model,
                      allow_mismatch=allow_mismatch)
     return tuned

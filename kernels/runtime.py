@@ -205,7 +205,7 @@ class VerifyAttention:
             tuned = load_defaults(tuned, deployment=deployment, model=model, device=device,
                                   allow_mismatch=allow_mismatch)
         else:
-            check_provenance(tuned, device, deployment=deployment, allow_mismatch=allow_mismatch)
+            check_provenance(tuned, device, deployment=deployment, model=model, allow_mismatch=allow_mismatch)
         kw = model_on_rank(tuned, tp, allow_mismatch, draft_tokens=draft_tokens, heads=heads,
                             kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, sm_scale=sm_scale)
         kw.update(tp=tp, max_batch=max_batch, max_context=max_context, device=device, tuned=tuned)

@@ -9,7 +9,8 @@ With the shipped defaults (or --defaults), at tp 8 by default:
       tuned          VerifyAttention.plan + run: the entry of B's batch bucket (or the
                      largest), NSPLIT per request on the device
       tuned-direct   the launch `tuned` runs, as one verify_attention call with the NSPLIT its
-                     split table gives the batch (`VerifyAttention.direct_config`; cuda, wgmma):
+                     split table gives the batch (`VerifyAttention.direct_config`; cuda, wgmma,
+                     wgmma_km):
                      tuned - tuned-direct is what the runtime path adds, measured on the same pools
       tuned-b1       the same runtime with the file's batch-1 entries only: batch > 1 runs
                      the batch-1 config with NSPLIT rescaled (what kvtune shipped before buckets)

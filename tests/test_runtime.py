@@ -566,6 +566,12 @@ def test_a_file_named_for_model_and_device_serves_another_deployment(tmp_path, d
     write(tmp_path, tuned_dict(device, deployment="tuned-elsewhere"), name="mydep.yaml")
     with pytest.raises(ProvenanceError, match="deployment: file is for 'tuned-elsewhere', asked for 'mydep'"):
         load_defaults(deployment="mydep", model="Tiny-MLA", device=device)
+    # a model given is checked however the file was found (by name, as a file, or parsed)
+    for how in ({"tuned": None, "deployment": "mydep"}, {"tuned": tmp_path / "mydep.yaml"},
+                {"tuned": parse_tuned(tuned_dict(device), "mem")}):
+        with pytest.raises(ProvenanceError, match="model.name: file is for 'Tiny-MLA', asked for 'Other-MLA'"):
+            VerifyAttention.from_defaults(**how, model="Other-MLA", tp=TP, max_batch=1, max_context=128,
+                                          device=device, warmup=False)
 
 
 @pytest.mark.parametrize("bad,match", [

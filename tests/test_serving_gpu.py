@@ -287,9 +287,12 @@ def test_runtime_launches_what_direct_config_names(tp, prefixes):
     inp = make_inputs(B, T, heads, prefixes, tree="random", seed=B + tp, device="cuda", sm_scale=va.sm_scale,
                       device_values=True)
     keys = sum(prefixes) + B * T
+    grid, _, served = va.plan_for(B).launch_for_keys(keys, T)
+    if served.name != "wgmma":   # gpu_evidence.sh's sweep step runs this on a fresh export
+        pytest.skip(f"the defaults serve this batch with {served.name}; the merge rule below is wgmma's")
+    grid = grid if va.plan_for(B).others else va.params_for(B)   # past a bucket the grid is scaled
     be, params = va.direct_config(B, keys)
-    grid = va.plan_for(B).launch_for_keys(keys, T)[0] if va.plan_for(B).others else va.params_for(B)
-    assert be.name == "wgmma" and 1 <= params.NSPLIT <= grid.NSPLIT
+    assert be is served and 1 <= params.NSPLIT <= grid.NSPLIT
     va.plan(inp.kv_indptr, inp.kv_indices, inp.tree_mask)
     got = va.run(inp.q, inp.kv_cache, torch.full((B * T, heads, DV), float("nan"), dtype=torch.bfloat16,
                                                   device="cuda"))

@@ -197,8 +197,8 @@ def test_default_sm_scale_is_sglangs(device, shared):
     (dict(kv_indptr="long"), "kv_indptr"),
     (dict(custom_mask="float"), "custom_mask"),
     (dict(k_extend="short"), "k_extend"),
-    # an fp16 (or fp8) pool names the pool, not k_extend (whose dtype must match the pool's)
-    (dict(k_buffer="fp16", v_buffer=None, k_extend="fp16"), r"^k_buffer: expected bf16, got torch.float16"),
+    # an fp16 (or fp8) pool beside SGLang's bf16 k_extend names the pool, not k_extend
+    (dict(k_buffer="fp16", v_buffer=None), r"^k_buffer: expected bf16, got torch.float16"),
     (dict(sm_scale=0.0), r"sm_scale: expected a positive finite float, got 0.0"),
 ])
 def test_bad_arguments_are_named(device, shared, change, match):

@@ -42,7 +42,7 @@ def test_a_sweep_whose_every_config_is_pruned_says_why_and_fails(tmp_path, capsy
     captured = capsys.readouterr()
     assert rc == 1
     run = json.loads((out / "pruned" / "runs.jsonl").read_text().splitlines()[-1])
-    assert run["status"] == "every config pruned in 2 of 2 studies"
+    assert run["status"] == "every config pruned at 2 of 2 (tp, batch, context) buckets"
     assert "search space exhausted" not in captured.out + captured.err
 
     df = read_trials(out / "pruned" / "trials.csv")
@@ -129,9 +129,23 @@ def test_a_sweep_with_some_studies_pruned_exports_the_rest(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 0
     run = json.loads((out / "pruned" / "runs.jsonl").read_text().splitlines()[-1])
-    assert run["status"] == "every config pruned in 2 of 4 studies"
+    assert run["status"] == "every config pruned at 2 of 4 (tp, batch, context) buckets"
     for ctx in (64, 300):
         assert f"triton tp=8 bs=8 ctx={ctx}: every config was pruned: workspace" in err
         assert f"bs=1 ctx={ctx}: every config" not in err
     exported = yaml.safe_load((out / "pruned" / "pruned.yaml").read_text())
     assert [(e["tp"], e["max_batch"]) for e in exported["entries"]] == [(8, 1)]
+
+
+def test_a_bucket_is_dead_only_when_no_backend_measured_there():
+    """One backend pruned out where another measured is the export's choice, not a gap: only the
+    buckets where every backend's study was pruned out count (and relabel the sweep's status)."""
+    from kvtune.tuner.study import StudyResult, dead_buckets
+
+    def res(backend, ctx, **counts):
+        return StudyResult(backend, 8, 1, ctx, f"{backend}-{ctx}", {"ok": 0, "pruned": 0, **counts})
+    results = [res("triton", 64, pruned=5), res("cuda", 64, ok=3, pruned=1),      # served by cuda
+               res("triton", 300, pruned=5), res("cuda", 300, pruned=2),          # nothing measured
+               res("triton", 900, wrong=1, pruned=4)]                              # measured (wrong)
+    assert [r.all_pruned for r in results] == [True, False, True, True, False]
+    assert dead_buckets(results) == [(8, 1, 300)]

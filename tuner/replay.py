@@ -22,6 +22,7 @@ from pathlib import Path
 from .config import load_deployment, read_yaml
 from .options import SweepOptions
 from .strategy import params_key
+from .study import ALL_PRUNED
 from .sweep import Sweep
 from .table import read_trials
 
@@ -174,7 +175,8 @@ def replay(deployment, grid_csv, space_dir, seeds, trials=None, opts: SweepOptio
                         out=str(Path(tmp) / f"s{seed}"))
             sw = ReplaySweep(dep, o, grid, fields)
             sw.run()
-            if sw.status != "complete":
+            # a study whose every config is pruned is a row below (a miss), not a failed seed
+            if sw.status != "complete" and not sw.status.startswith(ALL_PRUNED):
                 raise RuntimeError(f"replay seed {seed}: sweep {sw.status}")
             df = read_trials(sw.out_dir / "trials.csv")
             found = best_by_study(df)

@@ -34,7 +34,7 @@ from .strategy import BESIDE_SEARCH, local_proposal, params_key
 
 log = get_logger(__name__)
 STUDY_SEP = "|"
-#: how a sweep's status begins when some study measured nothing, every config it tried pruned
+#: how a sweep's status begins when at some bucket no study measured anything, every config pruned
 ALL_PRUNED = "every config pruned"
 
 
@@ -115,6 +115,16 @@ class StudyResult:
     def all_pruned(self) -> bool:
         """Nothing was measured because every config tried was pruned."""
         return bool(self.counts.get("pruned")) and not any(n for o, n in self.counts.items() if o != "pruned")
+
+
+def dead_buckets(results) -> list[tuple[int, int, int]]:
+    """(tp, bs, ctx) of the buckets where every backend's study (`StudyResult`s) had every config
+    pruned: nothing there can be served. A backend pruned out where another measured is a choice
+    the export makes, not a gap."""
+    by: dict = {}
+    for r in results:
+        by.setdefault((r.tp, r.bs, r.ctx), []).append(r.all_pruned)
+    return sorted(k for k, v in by.items() if all(v))
 
 
 @dataclass

@@ -38,7 +38,7 @@ from .ragged import RAGGED_PICKS, deployment_trials, measure_ragged, ragged_appl
 from .runner import Runner
 from .space import load_space, problem_env
 from .strategy import params_key
-from .study import ALL_PRUNED, StudyLoop, compile_key
+from .study import ALL_PRUNED, StudyLoop, compile_key, dead_buckets
 from .table import TrialsTable, append_jsonl, scan_table
 
 log = get_logger(__name__)
@@ -362,9 +362,9 @@ class Sweep(StudyLoop):
         finally:
             self.stops.restore()
             self._close(status)
-        pruned = sum(r.all_pruned for r in self.results)
-        if status == "complete" and pruned:   # a study with nothing measured is not a finished one
-            status = f"{ALL_PRUNED} in {pruned} of {len(self.results)} studies"
+        dead, buckets = dead_buckets(self.results), {(r.tp, r.bs, r.ctx) for r in self.results}
+        if status == "complete" and dead:   # a bucket no backend measured anything at is not a finished one
+            status = f"{ALL_PRUNED} at {len(dead)} of {len(buckets)} (tp, batch, context) buckets"
         self.status = status
         self.wall_s = time.time() - t0
         self._log_run(t0)

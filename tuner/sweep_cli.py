@@ -17,7 +17,7 @@ from .config import ConfigError, Deployment, load_deployment, redact_url
 from .executor import WorkerError
 from .log import get_logger
 from .options import SweepOptions, add_sweep_arguments, non_negative_int, options_from_args
-from .study import ALL_PRUNED
+from .study import ALL_PRUNED, dead_buckets
 
 log = get_logger(__name__)
 
@@ -25,6 +25,10 @@ log = get_logger(__name__)
 def _export(sw, args) -> None:
     from .export import export_deployment
     export_deployment(sw.dep, out=args.out, check=True, seed=args.seed)
+
+
+def _listed(results) -> str:
+    return "\n".join(f"  {r.backend} tp={r.tp} bs={r.bs} ctx={r.ctx}: {r.note}" for r in results)
 
 
 def _cmd_sweep(args) -> int:
@@ -43,17 +47,24 @@ def _cmd_sweep(args) -> int:
     if not sw.results and sw.status != "interrupted":
         log.error("no study ran (%s)", sw.status)
         return 1
-    pruned = [r for r in sw.results if r.all_pruned] if sw.status.startswith(ALL_PRUNED) else []
-    if pruned:
-        # resuming measures nothing new there: the deployment or the space must change. Every study
-        # pruned: nothing to export, an error; some: the rest is exported (export names the gaps)
-        (log.error if len(pruned) == len(sw.results) else log.warning)(
-            "%d of %d studies measured no config, every config pruned; fix the deployment or the search space, "
-            "then sweep again into a new --out:\n%s", len(pruned), len(sw.results),
-            "\n".join(f"  {r.backend} tp={r.tp} bs={r.bs} ctx={r.ctx}: {r.note}" for r in pruned))
-        if len(pruned) == len(sw.results):
-            return 1
-    if args.export and sw.results and (sw.status == "complete" or pruned or args.workers is None):
+    dead = set(dead_buckets(sw.results))
+    every = bool(dead) and len(dead) == len({(r.tp, r.bs, r.ctx) for r in sw.results})
+    pruned = [r for r in sw.results if r.all_pruned]
+    gone = [r for r in pruned if (r.tp, r.bs, r.ctx) in dead]
+    if gone:
+        # no backend measured anything there: resuming measures nothing new, the deployment or the
+        # space must change. Every bucket: nothing to export, an error; some: the rest is exported
+        # (export names the gaps)
+        (log.error if every else log.warning)(
+            "%d bucket(s) have no measured config on any backend, every config pruned; fix the deployment or "
+            "the search space, then sweep again into a new --out:\n%s", len(dead), _listed(gone))
+    if len(gone) < len(pruned):   # a backend pruned out where another measured: the export's choice
+        log.info("every config pruned, the bucket measured on another backend:\n%s",
+                 _listed([r for r in pruned if r not in gone]))
+    if every:
+        return 1
+    if args.export and sw.results and (sw.status == "complete" or sw.status.startswith(ALL_PRUNED)
+                                       or args.workers is None):
         _export(sw, args)
     return 130 if sw.status == "interrupted" else 0
 
