@@ -57,6 +57,12 @@ class SplitTable:
         return int(self.max_keys.numel())
 
 
+def bucket_index(bounds: list[int], keys: int) -> int:
+    """The split-table bucket of `keys` keys: the first whose bound is >= keys, else the last
+    (host mirror of the kernels' rule, verify.cu's `table_value`)."""
+    return next((i for i, bound in enumerate(bounds) if keys <= bound), len(bounds) - 1)
+
+
 def split_bounds(backend: "Backend | str", max_prefixes: list[int], T: int, batch: int) -> list[int]:
     """The split-table bounds for context buckets of `max_prefixes` tokens at a batch bucket
     of `batch` requests: a request's keys (prefix + T drafts), or, for a backend whose NSPLIT

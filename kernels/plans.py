@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .api import DEFAULT_KV_LORA_RANK
-from .backends import Backend, SplitTable, get_backend, params_from_dict, split_bounds
+from .backends import Backend, SplitTable, bucket_index, get_backend, params_from_dict, split_bounds
 from .lookup import ENV_VERIFY, ProvenanceError, warn_once
 from .shapes import MAX_DRAFT_TOKENS, VerifyProblem
 from .tuned import TunedDefaults, TunedEntry
@@ -83,8 +83,7 @@ class Plan:
         if not self.others:
             return self.launches()[0]
         bounds = split_bounds(self.backend, [b.max_context for b in self.entry.buckets], T, self.max_batch)
-        i = next((j for j, bound in enumerate(bounds) if keys <= bound), len(bounds) - 1)
-        return self.launches()[self._config_of(self.entry.configs(), i)]
+        return self.launches()[self._config_of(self.entry.configs(), bucket_index(bounds, keys))]
 
     def params_for_keys(self, keys: int, T: int):
         """The parameters of the launch that serves a batch of `keys` keys (`launch_for_keys`)."""

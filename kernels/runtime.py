@@ -38,7 +38,7 @@ import torch
 
 from .api import verify_attention, verify_attention_dispatch
 from .api import check_values as api_check_values
-from .backends import LaunchArgs, SplitTable, call_workspace_bytes, launch_all, split_bounds
+from .backends import LaunchArgs, SplitTable, bucket_index, call_workspace_bytes, launch_all, split_bounds
 from .plans import DEFAULT_BACKEND, Plan, model_on_rank  # noqa: F401 - DEFAULT_BACKEND re-exported
 from .plans import plans as build_plans
 from .shapes import VerifyProblem
@@ -254,8 +254,7 @@ class VerifyAttention:
         if not be.nsplit_per_batch:
             raise ValueError(f"batch: the {be.name} backend picks NSPLIT per request from its split table; "
                              "no one NSPLIT runs the batch as `run` does")
-        bound, value = table.max_keys.tolist(), table.nsplit.tolist()
-        v = next((n for b, n in zip(bound, value) if keys <= b), value[-1])
+        v = table.nsplit.tolist()[bucket_index(table.max_keys.tolist(), keys)]
         return be, dataclasses.replace(params, NSPLIT=min(max(v, 1), params.NSPLIT))
 
     def nsplit_for(self, batch: int, prefix_len: int) -> int:
