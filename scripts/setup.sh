@@ -20,7 +20,11 @@ fi
 python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 if ! python -c "import torch" 2>/dev/null; then
     if python -c "import sys; sys.exit(0 if sys.platform == 'linux' else 1)" && ! command -v nvidia-smi >/dev/null; then
-        python -m pip install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
+        # PyPI's Linux torch is the CUDA build (GBs of nvidia-* wheels): the CPU build is the
+        # `+cpu` local version, found by a local wheel mirror or on PyTorch's CPU index
+        python -m pip install -q "torch==2.13.0+cpu" 2>/dev/null \
+            || python -m pip install -q --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
+            || echo "kvtune: no CPU build of torch 2.13 found; the plain requirement follows (it may be the CUDA build)" >&2
     fi
 fi
 python -m pip install -q -e ".[test,review]" 2>&1 | grep -v "^WARNING: Location" || true
