@@ -8,6 +8,7 @@
 #                                             # the serving benchmark
 #   bash scripts/gpu_evidence.sh serving      # serving GPU tests with the packaged defaults, the serving
 #                                             # benchmark at tp 8 and tp 4, the per-bucket dispatch cost
+#                                             # (RAGGED_REPEATS=N: tp 8's ragged batches N more times)
 #   bash scripts/gpu_evidence.sh dispatch     # (carry .whl) the dispatch across backends: its GPU tests, the
 #                                             # export of kimi-k2-h200 from its trials, the serving benchmark
 #   bash scripts/gpu_evidence.sh tests        # every test marked gpu (carry .whl for the tuner's)
@@ -138,15 +139,28 @@ serving)
   # CUDA's default only: the Triton default is 3-9x slower here and its compiles cost minutes
   timeout ${BENCH_S:-240} python3 scripts/bench_serving.py --defaults-of cuda --out $o/tp8 > $o/serving-tp8.log 2>&1
   echo "bench_serving tp8 rc=$?" >> $o/serving-tp8.log; pack
-  timeout ${BENCH4_S:-100} python3 scripts/bench_serving.py --defaults-of cuda --tp 4 --batches 1,8,16 --no-ragged \
-      --out $o/tp4 > $o/serving-tp4.log 2>&1
-  echo "bench_serving tp4 rc=$?" >> $o/serving-tp4.log; pack
-  # the tp8 batch-1 bucket's best compile-time config at 4k (trials table) against the exported one
-  timeout ${DISPATCH_S:-60} python3 scripts/bench_dispatch.py --out $o --exported NSPLIT=132 \
-      --alt NSPLIT=33,HEADS_PER_BLOCK=2,STAGES=3 > $o/dispatch.log 2>&1
-  echo "bench_dispatch rc=$?" >> $o/dispatch.log; pack
+  # RAGGED_REPEATS=N: the ragged batches (and batch 64 x 4k) N more times at tp 8, tuned and
+  # tuned-direct only: the run-to-run spread of the numbers nearest a goal
+  for i in $(seq 1 ${RAGGED_REPEATS:-0}); do
+    timeout ${REPEAT_S:-60} python3 scripts/bench_serving.py --defaults-of "" --tp 8 --batches 64 --prefixes 4096 \
+        --layers 2 --out $o/tp8-repeat$i > $o/serving-tp8-repeat$i.log 2>&1
+    echo "bench_serving tp8 repeat $i rc=$?" >> $o/serving-tp8-repeat$i.log; pack
+  done
+  # a part given 0 seconds is left out (timeout 0 would mean no limit)
+  if [ "${BENCH4_S:-100}" -gt 0 ]; then
+    timeout ${BENCH4_S:-100} python3 scripts/bench_serving.py --defaults-of cuda --tp 4 --batches 1,8,16 --no-ragged \
+        --out $o/tp4 > $o/serving-tp4.log 2>&1
+    echo "bench_serving tp4 rc=$?" >> $o/serving-tp4.log; pack
+  fi
+  if [ "${DISPATCH_S:-60}" -gt 0 ]; then
+    # the tp8 batch-1 bucket's best compile-time config at 4k (trials table) against the exported one
+    timeout ${DISPATCH_S:-60} python3 scripts/bench_dispatch.py --out $o --exported NSPLIT=132 \
+        --alt NSPLIT=33,HEADS_PER_BLOCK=2,STAGES=3 > $o/dispatch.log 2>&1
+    echo "bench_dispatch rc=$?" >> $o/dispatch.log; pack
+  fi
   cp $o/pytest.log $o/serving-tp8.log $OUT/
-  tail -n 30 $o/serving-tp8.log; tail -n 8 $o/serving-tp4.log; tail -n 7 $o/dispatch.log
+  tail -n 30 $o/serving-tp8.log; tail -n 8 $o/serving-tp4.log 2>/dev/null; tail -n 7 $o/dispatch.log 2>/dev/null
+  grep -h -E "^ragged|^B64xP4096" $o/serving-tp8-repeat*.log 2>/dev/null | grep -E "tuned" 
   ;;
 dispatch)
   # the per-context dispatch across backends: its GPU tests and the wgmma_km cases of the shared
