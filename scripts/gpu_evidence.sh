@@ -139,14 +139,15 @@ serving)
   # CUDA's default only: the Triton default is 3-9x slower here and its compiles cost minutes
   timeout ${BENCH_S:-240} python3 scripts/bench_serving.py --defaults-of cuda --out $o/tp8 > $o/serving-tp8.log 2>&1
   echo "bench_serving tp8 rc=$?" >> $o/serving-tp8.log; pack
-  # RAGGED_REPEATS=N: the ragged batches (and batch 64 x 4k) N more times at tp 8, tuned and
-  # tuned-direct only: the run-to-run spread of the numbers nearest a goal
+  # RAGGED_REPEATS=N: the ragged batches and batch 64 x 4k N more times at tp 8, without the
+  # backends' defaults (tuned, tuned-b1, tuned-direct and 2-layer steps): the run-to-run spread of
+  # the numbers nearest a goal
   for i in $(seq 1 ${RAGGED_REPEATS:-0}); do
     timeout ${REPEAT_S:-60} python3 scripts/bench_serving.py --defaults-of "" --tp 8 --batches 64 --prefixes 4096 \
         --layers 2 --out $o/tp8-repeat$i > $o/serving-tp8-repeat$i.log 2>&1
     echo "bench_serving tp8 repeat $i rc=$?" >> $o/serving-tp8-repeat$i.log; pack
   done
-  # a part given 0 seconds is left out (timeout 0 would mean no limit)
+  # the tp 4 and dispatch parts given 0 seconds are left out (timeout 0 would mean no limit)
   if [ "${BENCH4_S:-100}" -gt 0 ]; then
     timeout ${BENCH4_S:-100} python3 scripts/bench_serving.py --defaults-of cuda --tp 4 --batches 1,8,16 --no-ragged \
         --out $o/tp4 > $o/serving-tp4.log 2>&1
@@ -160,7 +161,7 @@ serving)
   fi
   cp $o/pytest.log $o/serving-tp8.log $OUT/
   tail -n 30 $o/serving-tp8.log; tail -n 8 $o/serving-tp4.log 2>/dev/null; tail -n 7 $o/dispatch.log 2>/dev/null
-  grep -h -E "^ragged|^B64xP4096" $o/serving-tp8-repeat*.log 2>/dev/null | grep -E "tuned" 
+  grep -h -E "^ragged|^B64xP4096" $o/serving-tp8-repeat*.log 2>/dev/null | grep -E "tuned"
   ;;
 dispatch)
   # the per-context dispatch across backends: its GPU tests and the wgmma_km cases of the shared

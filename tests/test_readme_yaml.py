@@ -33,10 +33,11 @@ def test_schema_example_is_the_packaged_file_abridged():
 
 def test_other_backend_snippet_loads_with_current_hashes():
     full, snippet = _schema_blocks()[:2]
-    hashes = yaml_load(snippet.split("\n  ...\n")[0])["kernel_hash"]
+    provenance_line, bucket_line = snippet.split("\n  ...\n")
+    hashes = yaml_load(provenance_line)["kernel_hash"]
     data = yaml_load(full)
     data["provenance"]["kernel_hash"] = hashes
-    bucket = yaml_load(snippet.split("\n  ...\n")[1].strip())[0]
+    bucket = yaml_load(bucket_line.strip())[0]
     data["entries"][-1]["buckets"][-1] = bucket   # in place of the 128k bucket, as the README says
     tuned = parse_tuned(data, "README snippet")
     launched = {be for e in tuned.entries for be in e.backends()}

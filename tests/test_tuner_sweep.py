@@ -275,7 +275,7 @@ def test_a_stop_that_lands_in_a_finalizer_is_not_lost(sig):
 
     from kvtune.tuner.sweep import _StopSignals
 
-    before = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM)}   # SIG_IGN under nohup
+    before = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM)}   # SIG_IGN in a background job
     stops = _StopSignals()
     stops.install()
     try:
