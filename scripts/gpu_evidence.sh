@@ -4,8 +4,10 @@
 # which step made which committed folder.
 #
 #   bash scripts/gpu_evidence.sh kernel       # CUDA GPU tests, racecheck on small shapes, the kernel benchmark
-#   bash scripts/gpu_evidence.sh sweep        # (carry .whl) kimi-k2-h200 from scratch, export, GPU tests with it,
-#                                             # the serving benchmark
+#   bash scripts/gpu_evidence.sh sweep        # (carry .whl) kimi-k2-h200 (DEP=<deployment name>: another) from
+#                                             # scratch, export, GPU tests with it, the serving benchmark
+#                                             # (CALIBRATE=<device profile name>: measure this GPU's ceilings
+#                                             # into configs/devices/<name>.yaml first; PRE_S=N: precompile)
 #   bash scripts/gpu_evidence.sh serving      # serving GPU tests with the packaged defaults, the serving
 #                                             # benchmark at tp 8 and tp 4, the per-bucket dispatch cost
 #                                             # (RAGGED_REPEATS=N: tp 8's ragged batches N more times)
@@ -26,7 +28,8 @@
 #   bash scripts/gpu_evidence.sh workers      # (carry .whl, two GPUs) the same sweep with --workers 2 and 1
 #
 # Time limits per part come from the environment (TEST_S, SAN_S, BENCH_S, SWEEP_S, EXPORT_S, ...);
-# the sweep step keeps them all inside DEADLINE_S and packs its folder into $OUT after each part.
+# a part given 0 seconds is left out (`part`: `timeout 0` would mean no limit); the sweep step
+# keeps them all inside DEADLINE_S and packs its folder into $OUT after each part.
 # Extra arguments after the step go to the benchmark (kernel) or the sweep (sweep); for the
 # sweep, `--then` separates passes run one after another into the same study storage (e.g.
 # every batch bucket at tp 8 and 4, then batch 1 at tp 2 and 1).
@@ -34,7 +37,11 @@ set -u
 OUT=${OUT:?}
 step=${1:?say kernel, sweep, serving, dispatch, tests, sanitize, limits, phases, proxy, tpe-vs-grid or workers}; shift
 kv="python3 -m kvtune.tuner.cli"
-dep=configs/deployments/kimi-k2-h200.yaml
+dep_name=${DEP:-kimi-k2-h200}
+dep=configs/deployments/$dep_name.yaml
+
+# part SECONDS COMMAND...: COMMAND under `timeout SECONDS`, or nothing (status 0) at 0 seconds
+part() { local s=$1; shift; [ "$s" -gt 0 ] || return 0; timeout "$s" "$@"; }
 
 # compute-sanitizer racecheck (and memcheck unless MEMCHECK=0) of the CUDA kernel on small odd
 # shapes, with and without a split table -> $OUT/sanitizer.log
@@ -55,11 +62,11 @@ for (B, T, H, prefix, tree) in [(1, 9, 8, [54], "chain"), (3, 1, 8, [97, 1, 7], 
               flush=True)
 PYEOF
   { python3 /tmp/san.py; echo "plain rc=$?"
-    timeout ${SAN_S:-150} compute-sanitizer --tool racecheck --racecheck-report hazard python3 /tmp/san.py 2>&1 \
+    part ${SAN_S:-150} compute-sanitizer --tool racecheck --racecheck-report hazard python3 /tmp/san.py 2>&1 \
         | grep -v "Host Frame" | tail -25
     echo "racecheck rc=${PIPESTATUS[0]}"
     if [ "${MEMCHECK:-1}" = 1 ]; then
-      timeout ${SAN_S:-150} compute-sanitizer --tool memcheck python3 /tmp/san.py 2>&1 | grep -v "Host Frame" | tail -25
+      part ${SAN_S:-150} compute-sanitizer --tool memcheck python3 /tmp/san.py 2>&1 | grep -v "Host Frame" | tail -25
       echo "memcheck rc=${PIPESTATUS[0]}"
     fi
     python3 -c "from kvtune.kernels.cuda.nvrtc import kernel_source_hash; print('cuda source', kernel_source_hash())"
@@ -75,13 +82,13 @@ case "$step" in
 kernel)
   . scripts/device_env.sh tree
   env_log
-  timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs -x --timeout 120 \
+  part ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs -x --timeout 120 \
       tests/test_cuda_gpu.py tests/test_wgmma_gpu.py tests/test_contract.py tests/test_nan_and_input_errors.py \
       > $OUT/pytest.log 2>&1
   echo "pytest rc=$?" >> $OUT/pytest.log; tail -n 3 $OUT/pytest.log
-  [ "${SAN_S:-60}" -gt 0 ] && MEMCHECK=0 SAN_S=${SAN_S:-60} sanitize
+  MEMCHECK=0 SAN_S=${SAN_S:-60} sanitize
   grep -E "rel err|rc=|ERROR SUMMARY|RACECHECK SUMMARY" $OUT/sanitizer.log 2>/dev/null | head -20
-  timeout ${BENCH_S:-330} python3 scripts/bench_kernel.py --out $OUT "$@" > $OUT/bench.log 2>&1
+  part ${BENCH_S:-330} python3 scripts/bench_kernel.py --out $OUT "$@" > $OUT/bench.log 2>&1
   echo "bench rc=$?" >> $OUT/bench.log; tail -n 16 $OUT/bench.log
   ;;
 sweep)
@@ -91,8 +98,15 @@ sweep)
   end=$(( SECONDS + ${DEADLINE_S:-560} ))
   cap() { local left=$(( end - SECONDS )); [ "$left" -lt "$1" ] && echo $(( left > 5 ? left : 5 )) || echo "$1"; }
   . scripts/device_env.sh wheels
-  res=/tmp/res; mkdir -p $res/logs   # a copy of results/kimi-k2-h200 placed there first is resumed
+  res=/tmp/res; mkdir -p $res/logs   # a copy of results/$dep_name placed there first is resumed
   pack() { tar czf $OUT/sweep.tgz -C $res .; }
+  nvidia-smi --query-gpu=name,driver_version --format=csv >> $res/logs/env.log 2>&1
+  if [ -n "${CALIBRATE:-}" ]; then  # this GPU's ceilings, the floors' denominators, before any trial
+    timeout $(cap 120) $kv calibrate --name $CALIBRATE --path configs/devices/$CALIBRATE.yaml >> $res/logs/calibrate.log 2>&1
+    echo "calibrate rc=$?" >> $res/logs/calibrate.log; cp configs/devices/$CALIBRATE.yaml $res/logs/
+  fi
+  [ "${PRE_S:-0}" -gt 0 ] && { timeout $(cap $PRE_S) python3 scripts/precompile.py --arch sm_90 --T 9 --jobs 16 \
+      > $res/logs/precompile.log 2>&1; echo "precompile rc=$?" >> $res/logs/precompile.log; }
   passes=(); cur=""
   for a in "$@"; do if [ "$a" = --then ]; then passes+=("$cur"); cur=""; else cur="$cur $a"; fi; done
   passes+=("$cur")
@@ -105,21 +119,23 @@ sweep)
   done
   if [ "${EXPORT_S:-200}" -gt 0 ]; then  # EXPORT_S=0: passes only (the sweep goes on in a later call)
     start=$(date +%s)
-    timeout $(cap ${EXPORT_S:-200}) $kv export kimi-k2-h200 --out $res >> $res/logs/sweep.log 2>&1
+    timeout $(cap ${EXPORT_S:-200}) $kv export $dep_name --out $res >> $res/logs/sweep.log 2>&1
     echo "export rc=$? wall_s=$(( $(date +%s) - start ))" >> $res/logs/sweep.log; pack
-    cp $res/kimi-k2-h200/kimi-k2-h200.yaml kernels/defaults/kimi-k2-h200.yaml
+    cp $res/$dep_name/$dep_name.yaml kernels/defaults/$dep_name.yaml
   fi
-  [ "${TEST_S:-150}" -gt 0 ] && timeout $(cap ${TEST_S:-150}) python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --timeout 120 \
-      tests/test_contract.py tests/test_cuda_gpu.py tests/test_runtime_gpu.py tests/test_packaged_defaults.py \
-      tests/test_serving_gpu.py > $res/logs/pytest.log 2>&1
-  echo "pytest rc=$?" >> $res/logs/pytest.log
+  if [ "${TEST_S:-150}" -gt 0 ]; then
+    timeout $(cap ${TEST_S:-150}) python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --timeout 120 \
+        tests/test_contract.py tests/test_cuda_gpu.py tests/test_runtime_gpu.py tests/test_packaged_defaults.py \
+        tests/test_serving_gpu.py > $res/logs/pytest.log 2>&1
+    echo "pytest rc=$?" >> $res/logs/pytest.log
+  fi
   if [ "${BENCH_S:-150}" -gt 0 ]; then
-    timeout $(cap ${BENCH_S:-150}) python3 scripts/bench_serving.py --defaults $res/kimi-k2-h200/kimi-k2-h200.yaml \
+    timeout $(cap ${BENCH_S:-150}) python3 scripts/bench_serving.py --defaults $res/$dep_name/$dep_name.yaml \
         --out $res/serving > $res/logs/serving.log 2>&1
     echo "bench_serving rc=$?" >> $res/logs/serving.log
   fi
   pack
-  tail -n 25 $res/logs/sweep.log; tail -n 4 $res/logs/pytest.log; tail -n 30 $res/logs/serving.log 2>/dev/null
+  tail -n 25 $res/logs/sweep.log; tail -n 4 $res/logs/pytest.log 2>/dev/null; tail -n 30 $res/logs/serving.log 2>/dev/null
   ;;
 sanitize)
   . scripts/device_env.sh tree
@@ -132,30 +148,30 @@ serving)
   o=/tmp/serving-evidence; rm -rf $o; mkdir -p $o
   pack() { tar czf $OUT/serving.tgz -C $o .; }
   nvidia-smi --query-gpu=name,driver_version --format=csv > $o/env.log 2>&1
-  timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --timeout 120 \
+  part ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --timeout 120 \
       tests/test_runtime_gpu.py tests/test_packaged_defaults.py tests/test_serving_gpu.py tests/test_batch_buckets.py \
       tests/test_plan_run.py > $o/pytest.log 2>&1
   echo "pytest rc=$?" >> $o/pytest.log; tail -n 3 $o/pytest.log; pack
   # CUDA's default only: the Triton default is 3-9x slower here and its compiles cost minutes
-  timeout ${BENCH_S:-240} python3 scripts/bench_serving.py --defaults-of cuda --out $o/tp8 > $o/serving-tp8.log 2>&1
+  part ${BENCH_S:-240} python3 scripts/bench_serving.py --defaults-of cuda --out $o/tp8 > $o/serving-tp8.log 2>&1
   echo "bench_serving tp8 rc=$?" >> $o/serving-tp8.log; pack
   # RAGGED_REPEATS=N: the ragged batches and batch 64 x 4k N more times at tp 8, without the
   # backends' defaults (tuned, tuned-b1, tuned-direct and 2-layer steps): the run-to-run spread of
   # the numbers nearest a goal
   for i in $(seq 1 ${RAGGED_REPEATS:-0}); do
-    timeout ${REPEAT_S:-60} python3 scripts/bench_serving.py --defaults-of "" --tp 8 --batches 64 --prefixes 4096 \
+    part ${REPEAT_S:-60} python3 scripts/bench_serving.py --defaults-of "" --tp 8 --batches 64 --prefixes 4096 \
         --layers 2 --out $o/tp8-repeat$i > $o/serving-tp8-repeat$i.log 2>&1
     echo "bench_serving tp8 repeat $i rc=$?" >> $o/serving-tp8-repeat$i.log; pack
   done
   # the tp 4 and dispatch parts given 0 seconds are left out (timeout 0 would mean no limit)
-  if [ "${BENCH4_S:-100}" -gt 0 ]; then
-    timeout ${BENCH4_S:-100} python3 scripts/bench_serving.py --defaults-of cuda --tp 4 --batches 1,8,16 --no-ragged \
+  if [ "${BENCH4_S:-100}" -gt 0 ]; then  # a part given 0 s leaves no log behind
+    part ${BENCH4_S:-100} python3 scripts/bench_serving.py --defaults-of cuda --tp 4 --batches 1,8,16 --no-ragged \
         --out $o/tp4 > $o/serving-tp4.log 2>&1
     echo "bench_serving tp4 rc=$?" >> $o/serving-tp4.log; pack
   fi
   if [ "${DISPATCH_S:-60}" -gt 0 ]; then
     # the tp8 batch-1 bucket's best compile-time config at 4k (trials table) against the exported one
-    timeout ${DISPATCH_S:-60} python3 scripts/bench_dispatch.py --out $o --exported NSPLIT=132 \
+    part ${DISPATCH_S:-60} python3 scripts/bench_dispatch.py --out $o --exported NSPLIT=132 \
         --alt NSPLIT=33,HEADS_PER_BLOCK=2,STAGES=3 > $o/dispatch.log 2>&1
     echo "bench_dispatch rc=$?" >> $o/dispatch.log; pack
   fi
@@ -170,11 +186,11 @@ dispatch)
   # the serving benchmark of that export -> $OUT/export.tgz, $OUT/serving
   . scripts/device_env.sh wheels
   env_log
-  timeout ${PRE_S:-150} python3 scripts/precompile.py --arch sm_90 --T 1,2,5,9,16 --jobs 16 > $OUT/precompile.log 2>&1
+  part ${PRE_S:-150} python3 scripts/precompile.py --arch sm_90 --T 1,2,5,9,16 --jobs 16 > $OUT/precompile.log 2>&1
   tail -n 2 $OUT/precompile.log
-  timeout ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --timeout 150 \
+  part ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --timeout 150 \
       tests/test_dispatch_gpu.py > $OUT/pytest.log 2>&1
-  timeout ${TEST2_S:-150} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --timeout 120 -k wgmma_km \
+  part ${TEST2_S:-150} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --timeout 120 -k wgmma_km \
       tests/test_cuda_gpu.py tests/test_contract.py >> $OUT/pytest.log 2>&1
   echo "pytest rc=$?" >> $OUT/pytest.log; grep -E "passed|failed|rc=" $OUT/pytest.log
   r=/tmp/res; rm -rf $r; mkdir -p $r; cp -r results/kimi-k2-h200 $r/
@@ -182,11 +198,11 @@ dispatch)
   # recorded checks: results/serving/dispatch-chain/export/), one table
   python3 scripts/merge_trials.py results/kimi-k2-h200/trials.csv results/serving/dispatch-chain/export/trials-wgmma_km.csv \
       --out $r/kimi-k2-h200/trials.csv
-  timeout ${EXPORT_S:-200} $kv export $dep --out $r > $OUT/export.log 2>&1
+  part ${EXPORT_S:-200} $kv export $dep --out $r > $OUT/export.log 2>&1
   echo "export rc=$?" >> $OUT/export.log
   tar czf $OUT/export.tgz -C $r kimi-k2-h200
   if [ "${BENCH_S:-150}" -gt 0 ]; then
-    timeout ${BENCH_S:-150} python3 scripts/bench_serving.py --defaults $r/kimi-k2-h200/kimi-k2-h200.yaml \
+    part ${BENCH_S:-150} python3 scripts/bench_serving.py --defaults $r/kimi-k2-h200/kimi-k2-h200.yaml \
         --defaults-of cuda --tp 8 --batches 1,8,16,64 --prefixes 4096,65536 --layers 8 --out $OUT/serving \
         > $OUT/serving.log 2>&1
     echo "bench_serving rc=$?" >> $OUT/serving.log
@@ -196,7 +212,7 @@ dispatch)
 tests)
   if ls .whl/*.whl >/dev/null 2>&1; then . scripts/device_env.sh wheels; else . scripts/device_env.sh tree; fi
   env_log
-  timeout ${TEST_S:-500} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --timeout 200 -m gpu tests \
+  part ${TEST_S:-500} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --timeout 200 -m gpu tests \
       > $OUT/pytest.log 2>&1
   echo "pytest rc=$?" >> $OUT/pytest.log; tail -n 12 $OUT/pytest.log
   ;;
@@ -205,14 +221,14 @@ limits)
   env_log
   # every output under one folder, packed into $OUT/limits.tgz: the device tool returns 8 files
   o=/tmp/limits; mkdir -p $o
-  timeout ${CEIL_S:-60} python3 scripts/mma_ceiling.py --out $o > $o/ceilings.log 2>&1
+  part ${CEIL_S:-60} python3 scripts/mma_ceiling.py --out $o > $o/ceilings.log 2>&1
   echo "ceilings rc=$?" >> $o/ceilings.log
-  timeout ${SOL_S:-60} python3 scripts/sol_read.py --out $o > $o/sol_read.log 2>&1
+  part ${SOL_S:-60} python3 scripts/sol_read.py --out $o > $o/sol_read.log 2>&1
   echo "sol rc=$?" >> $o/sol_read.log
-  timeout ${PHASES_S:-120} python3 scripts/time_phases.py --out $o > $o/phases.log 2>&1
+  part ${PHASES_S:-120} python3 scripts/time_phases.py --out $o > $o/phases.log 2>&1
   echo "phases rc=$?" >> $o/phases.log
   for probe in wgmma_probe pingpong_probe rows_in_m_probe stream_probe; do
-    timeout ${PROBE_S:-90} python3 scripts/$probe.py --out $o > $o/$probe.log 2>&1
+    part ${PROBE_S:-90} python3 scripts/$probe.py --out $o > $o/$probe.log 2>&1
     echo "$probe rc=$?" >> $o/$probe.log
   done
   tar czf $OUT/limits.tgz -C $o .
@@ -222,21 +238,21 @@ limits)
 phases)
   . scripts/device_env.sh tree
   args=("$@"); [ ${#args[@]} -eq 0 ] && args=(--prefixes 256,4096,16384,65536 --variants all)
-  timeout ${PHASES_S:-200} python3 scripts/time_phases.py --out $OUT "${args[@]}" > $OUT/phases.log 2>&1
+  part ${PHASES_S:-200} python3 scripts/time_phases.py --out $OUT "${args[@]}" > $OUT/phases.log 2>&1
   echo "phases rc=$?" >> $OUT/phases.log; tail -n 28 $OUT/phases.log
   ;;
 proxy)
   . scripts/device_env.sh tree
-  timeout ${PROXY_S:-300} python3 scripts/bench_proxy.py --out $OUT "$@" > $OUT/proxy.log 2>&1
+  part ${PROXY_S:-300} python3 scripts/bench_proxy.py --out $OUT "$@" > $OUT/proxy.log 2>&1
   echo "proxy rc=$?" >> $OUT/proxy.log; tail -n 9 $OUT/proxy.log
   ;;
 tpe-vs-grid)
   . scripts/device_env.sh wheels
   S="--tp 8 --ctx 4096 65536 --space-dir results/tpe-vs-grid/spaces --trials 12 --rounds 0 --no-progress"
   start=$(date +%s)
-  timeout ${GRID_S:-200} $kv sweep $dep $S --grid --out $OUT/grid > $OUT/grid.log 2>&1
+  part ${GRID_S:-200} $kv sweep $dep $S --grid --out $OUT/grid > $OUT/grid.log 2>&1
   echo "grid rc=$? wall_s=$(( $(date +%s) - start ))" >> $OUT/grid.log; start=$(date +%s)
-  timeout ${TPE_S:-120} $kv sweep $dep $S --out $OUT/tpe > $OUT/tpe.log 2>&1
+  part ${TPE_S:-120} $kv sweep $dep $S --out $OUT/tpe > $OUT/tpe.log 2>&1
   echo "tpe rc=$? wall_s=$(( $(date +%s) - start ))" >> $OUT/tpe.log
   python3 scripts/compare_tpe_grid.py $OUT/tpe/kimi-k2-h200/trials.csv $OUT/grid/kimi-k2-h200/trials.csv \
       > $OUT/compare.log 2>&1
@@ -250,7 +266,7 @@ workers)
   for w in 2 1; do   # each with cold compile caches
     export TRITON_CACHE_DIR=/tmp/triton-cache-w$w KVTUNE_CACHE_DIR=/tmp/kvtune-cache-w$w
     start=$(date +%s.%N)
-    timeout ${SWEEP_S:-200} $kv sweep "${sweep[@]}" --workers $w --out $OUT/workers$w > $OUT/workers$w.log 2>&1
+    part ${SWEEP_S:-200} $kv sweep "${sweep[@]}" --workers $w --out $OUT/workers$w > $OUT/workers$w.log 2>&1
     rc=$?; end=$(date +%s.%N)
     echo "workers=$w rc=$rc wall_s=$(python3 -c "print(round($end - $start, 1))")" | tee -a $OUT/wall.log
     $kv export kimi-k2-h200 --out $OUT/workers$w >> $OUT/workers$w.log 2>&1

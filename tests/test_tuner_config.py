@@ -58,6 +58,8 @@ def test_shipped_search_spaces_match_the_parameter_dataclasses():
 def test_shipped_devices_load():
     h200 = load_device("h200")
     assert h200.arch == "sm_90" and h200.sm_count == 132 and 4000 < h200.read_gbps < 4500
+    h100 = load_device("h100")   # same chip, slower HBM: only the name and the ceilings differ
+    assert h100.arch == "sm_90" and h100.device_name != h200.device_name and 2800 < h100.read_gbps < 3400
     rtx = load_device("rtx-pro-6000")
     assert rtx.arch == "sm_120" and rtx.sm_count == 188 and rtx.smem_per_block_bytes == 99 * 1024
 
@@ -162,3 +164,39 @@ def test_calibrate_cpu_writes_a_loadable_profile(tmp_path):
     assert main(["calibrate", "--device", "cpu", "--name", "here", "--path", str(path), "--reps", "1"]) == 0
     prof = load_device(path)
     assert prof.name == "here" and prof.arch == "cpu" and prof.read_gbps > 0 and prof.bf16_tflops > 0
+
+
+def test_a_gpu_sweep_refuses_a_gpu_its_deployment_does_not_name(caplog):
+    """H100 and H200 share sm_90 and every kernel: only device_name tells their timings apart,
+    so sweeping kimi-k2-h200 on an H100 (or the reverse) is refused unless asked for."""
+    from kvtune.tuner.sweep import check_device_name
+    h200 = load_deployment(CONFIG_DIR / "deployments" / "kimi-k2-h200.yaml")
+    h100 = load_deployment(CONFIG_DIR / "deployments" / "kimi-k2-h100.yaml")
+    on_h100 = {"device_name": "NVIDIA H100 80GB HBM3", "arch": "sm_90"}
+    check_device_name(h100, on_h100)                       # its own GPU: nothing to say
+    with pytest.raises(ConfigError) as e:
+        check_device_name(h200, on_h100)
+    msg = str(e.value)
+    assert "kimi-k2-h200.yaml" in msg and "NVIDIA H200" in msg and "NVIDIA H100 80GB HBM3" in msg
+    assert "--other-device" in msg
+    caplog.set_level("WARNING")
+    check_device_name(h200, on_h100, other_device=True)    # asked for: a warning, no error
+    assert any("NVIDIA H100 80GB HBM3" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ConfigError, match="NVIDIA H200"):
+        check_device_name(h100, {"device_name": "NVIDIA H200", "arch": "sm_90"})
+
+
+def test_the_other_device_flag_reaches_the_options_and_the_workers():
+    from kvtune.tuner.cli import build_parser
+    from kvtune.tuner.options import options_from_args
+    from kvtune.tuner.sweep_cli import _worker_args
+    dep_path = CONFIG_DIR / "deployments" / "kimi-k2-h100.yaml"
+    parser = build_parser()
+    on = parser.parse_args(["sweep", str(dep_path), "--other-device"])
+    off = parser.parse_args(["sweep", str(dep_path)])
+    assert options_from_args(on).other_device and not options_from_args(off).other_device
+    dep = load_deployment(dep_path)
+    assert "--other-device" in _worker_args(on, dep, "sqlite:///x.db", "cuda")
+    assert "--other-device" not in _worker_args(off, dep, "sqlite:///x.db", "cuda")
+    worker = parser.parse_args(_worker_args(on, dep, "sqlite:///x.db", "cuda")[3:])
+    assert options_from_args(worker).other_device

@@ -36,6 +36,7 @@ class SweepOptions:
     measure_overrides: dict = field(default_factory=dict)
     strategy: SearchStrategy = DEFAULT_STRATEGY   # how a study picks configs (tuner/strategy.py)
     retune_stale: bool = False            # a backend's trials on another kernel source: forget them, re-tune
+    other_device: bool = False            # sweep on a GPU other than the deployment's device profile names
 
 
 def check_options(opts: SweepOptions, dep: Deployment) -> None:
@@ -129,6 +130,9 @@ def add_sweep_arguments(p, worker: bool = False) -> None:
                    help=None if worker else "stop (resumably, like Ctrl-C) after this much wall time")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--heartbeat", type=int, default=10, help="seconds between a worker's heartbeats (default 10)")
+    p.add_argument("--other-device", action="store_true", help=None if worker else
+                   "sweep although this GPU is not the one the deployment's device profile names (device_name): "
+                   "the export would carry this GPU's timings under that deployment's name")
     p.add_argument("--grace", type=int, default=60,
                    help="seconds without a heartbeat before a running trial is failed and retried (default 60)")
 
@@ -142,4 +146,4 @@ def options_from_args(args) -> SweepOptions:
                         trial_timeout_s=args.trial_timeout,
                         progress=not (args.no_progress or getattr(args, "quiet", 0)),
                         max_minutes=args.max_minutes, compile_workers=args.compile_workers, grid=args.grid,
-                        retune_stale=getattr(args, "retune_stale", False))
+                        retune_stale=getattr(args, "retune_stale", False), other_device=args.other_device)

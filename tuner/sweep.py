@@ -137,9 +137,8 @@ class Sweep(StudyLoop):
     def _setup(self):
         binfo = self.runner.setup(self.backends)
         info, prof = self.runner.info, self.dep.device
-        if self.device == "cuda" and prof.arch != info["arch"]:
-            log.warning("deployment device profile %s is %s, this GPU is %s (%s); floors use the profile's "
-                        "ceilings", prof.name, prof.arch, info["arch"], info["device_name"])
+        if self.device == "cuda":
+            check_device_name(self.dep, info, self.o.other_device)
         if self.device == "cpu":
             log.info("note: --device cpu: Triton runs under its interpreter; timings are CPU timings "
                      "('cpu-eager'), not GPU numbers")
@@ -425,6 +424,24 @@ class Sweep(StudyLoop):
         lines.append(df.to_string(index=False, float_format=lambda x: f"{x:.2f}"))
         return "\n".join(lines)
 
+
+
+def check_device_name(dep: Deployment, info: dict, other_device: bool = False) -> None:
+    """A GPU sweep measures the GPU its deployment's device profile names (`device_name`), or
+    raises ConfigError naming both; with `other_device`, logs the difference once and goes on.
+    H100 and H200 share sm_90 and every kernel: only the name tells their timings apart, and
+    the export files this GPU's timings under the deployment's name. `info`: the runner's
+    (its `device_name` and `arch`)."""
+    prof = dep.device
+    if prof.device_name == info["device_name"]:
+        return
+    msg = (f"{dep.source}: device {prof.name!r} ({prof.source}) is {prof.device_name!r} ({prof.arch}), this GPU "
+           f"is {info['device_name']!r} ({info['arch']}): the export would file this GPU's timings under "
+           f"{dep.name!r}, with floors from the profile's ceilings")
+    if not other_device:
+        raise ConfigError(msg + "; sweep a deployment whose device profile names this GPU (`kvtune calibrate` "
+                          "writes one), or pass --other-device")
+    log.warning("%s (--other-device)", msg)
 
 def run_sweep(deployment, opts: SweepOptions | None = None, **kw) -> Sweep:
     """Sweep a deployment (a path, a name, or a Deployment); returns the finished Sweep."""

@@ -103,8 +103,9 @@ def _worker_args(args, dep: Deployment, storage: str, device: str) -> list[str]:
                       ("--max-minutes", args.max_minutes), ("--compile-workers", args.compile_workers)):
         if val is not None:
             cmd += [flag, str(val)]
-    if args.grid:
-        cmd.append("--grid")
+    for flag, on in (("--grid", args.grid), ("--other-device", args.other_device)):
+        if on:
+            cmd.append(flag)
     cmd += ["-v"] * getattr(args, "verbose", 0) + ["-q"] * getattr(args, "quiet", 0)
     return cmd
 
