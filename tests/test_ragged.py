@@ -92,6 +92,19 @@ def test_nsplit_candidates():
     assert nsplit_candidates({}, lambda n: True) == []
 
 
+def test_the_ragged_candidate_above_the_best_is_the_least_legal_value_of_at_least_twice_it():
+    """kimi-k2-h100's tp 4 batch 64 x 16k, eight lanes (results/kimi-k2-h100/trials.csv): the best
+    on equal requests was NSPLIT 26; its ragged candidates were 26 and 16 only (52 is not in the
+    space), so NSPLIT 66, 1.13x faster served (results/serving/h100/), was never timed ragged."""
+    space = [7, 14, 16, 26, 29, 33, 44, 66, 88, 132, 264]
+    equal = {26: 773.8, 16: 784.0, 132: 795.1}
+    in_space = set(space).__contains__
+    assert nsplit_candidates(equal, in_space, space) == [26, 16, 66]
+    assert nsplit_candidates(equal, lambda n: in_space(n) and n != 66, space) == [26, 16, 88]
+    assert nsplit_candidates(equal, lambda n: n <= 44, space) == [26, 16]   # nothing legal above
+    assert nsplit_candidates({66: 509.8, 33: 514.2}, in_space, space) == [66, 33, 132]
+
+
 def _compile_part(params: dict) -> str:
     return json.dumps({k: v for k, v in params.items() if k != "NSPLIT"}, sort_keys=True)
 

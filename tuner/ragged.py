@@ -18,7 +18,8 @@ Candidates, per compile-time config the export may serve (its pick on the table 
 the backend's default): its best NSPLIT on equal requests, the runner-up, and twice the best
 (more, shorter splits: what evens out a ragged batch), the last measured on equal requests
 first as a trial of the bucket's study (role `ragged`, not counted against its budget); and
-the default itself, which the export reports beside the pick. Ragged rows go to the trials
+the default itself, which the export reports beside the pick. "Twice" is the least legal
+value of at least twice the best (`nsplit_candidates`). Ragged rows go to the trials
 table as phase `ragged`, trial = the trial of the same config on equal requests, round
 `x<spread>`; a resumed sweep measures only the rows missing.
 """
@@ -43,13 +44,20 @@ def ragged_round(spread: float) -> str:
     return f"x{spread:g}"
 
 
-def nsplit_candidates(measured: dict[int, float], legal) -> list[int]:
+def nsplit_candidates(measured: dict[int, float], legal, choices=()) -> list[int]:
     """NSPLIT values to time on the ragged batch, from one compile-time config's latencies on
-    equal requests ({NSPLIT: us}): the best, the runner-up, and twice the best if `legal(n)`."""
+    equal requests ({NSPLIT: us}): the best, the runner-up, and the least legal value of at
+    least twice the best among `choices` (the space's NSPLIT values) and 2 x best itself. Not
+    2 x best alone: a space of [.., 26, 33, 44, 66, ..] has no 52, and at batch 64 an NSPLIT of
+    26 cuts a ragged batch into 26 key ranges (52 CTAs at two row blocks); measured on the H100
+    (kimi-k2-h100, tp 4, batch 64 x 16k), that config with eight lanes won on equal requests
+    (771 us) and lost the ragged batch at 26 (1308 against the default's 670), and its NSPLIT 66,
+    which serves 1.13x faster than the export's pick, was never timed there."""
     ranked = sorted(measured, key=lambda n: measured[n])
     out = ranked[:2]
-    if ranked and legal(2 * ranked[0]):
-        out.append(2 * ranked[0])
+    if ranked:
+        up = sorted({n for n in (*choices, 2 * ranked[0]) if n >= 2 * ranked[0]})
+        out += [n for n in up if legal(n)][:1]
     return list(dict.fromkeys(out))[:MAX_CANDIDATES]
 
 
@@ -141,7 +149,7 @@ def measure_ragged(sweep, backend, tp, bs, df, pick: str | None) -> bool:
                 fresh = earlier is None or bool(earlier.user_attrs.get("constraint"))
                 return n in equal or (n in dists["NSPLIT"] and not space.violation(q, env) and fresh)
 
-            cands = nsplit_candidates(equal, legal)
+            cands = nsplit_candidates(equal, legal, dists["NSPLIT"])
             cands += [n for n in equal if n not in cands and trial_of(n) is not None
                       and trial_of(n).user_attrs.get("role") == "baseline"]
             for n in cands:
