@@ -33,11 +33,12 @@ def test_version_matches_pyproject():
     assert kvtune.kernels.__version__ == pyproject["project"]["version"]
 
 
-def test_packaged_kimi_defaults_are_the_export_of_the_committed_sweep():
-    """The shipped kimi-k2-h200 YAML is, entry by entry, the brute-force choice
+@pytest.mark.parametrize("deployment", ["kimi-k2-h200", "kimi-k2-h100"])
+def test_packaged_kimi_defaults_are_the_export_of_the_committed_sweep(deployment):
+    """Each shipped Kimi-K2 YAML is, entry by entry, the brute-force choice
     (tests/export_oracle.py) on the trials table of the GPU sweep it was exported from
-    (results/kimi-k2-h200/trials.csv): the NSPLIT margin, the ragged rule and the default's
-    group included, on real H200 timings rather than a CPU sweep's."""
+    (results/<deployment>/trials.csv): the NSPLIT margin, the ragged rule and the default's
+    group included, on real H200 / H100 timings rather than a CPU sweep's."""
     from pathlib import Path
 
     import yaml
@@ -48,11 +49,12 @@ def test_packaged_kimi_defaults_are_the_export_of_the_committed_sweep():
     from kvtune.tuner.table import read_trials
 
     root = Path(__file__).parents[1]
-    packaged = packaged_defaults_dir() / "kimi-k2-h200.yaml"
-    committed = root / "results" / "kimi-k2-h200" / "kimi-k2-h200.yaml"
+    packaged = packaged_defaults_dir() / f"{deployment}.yaml"
+    committed = root / "results" / deployment / f"{deployment}.yaml"
     assert yaml.safe_load(packaged.read_text()) == yaml.safe_load(committed.read_text())
-    dep = load_deployment(root / "configs" / "deployments" / "kimi-k2-h200.yaml")
-    trials = read_trials(root / "results" / "kimi-k2-h200" / "trials.csv")
+    dep = load_deployment(root / "configs" / "deployments" / f"{deployment}.yaml")
+    trials = read_trials(root / "results" / deployment / "trials.csv")
+    assert set(trials["device"]) == {dep.device.device_name}, "swept on the GPU its device profile names"
     check_export(yaml.safe_load(packaged.read_text()), trials, ragged_round(dep.ragged_spread))
 
 
