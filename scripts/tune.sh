@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Sweep and export a shipped deployment: the Kimi-K2 H200 one when a CUDA GPU is visible,
-# the tiny CPU one (Triton interpreter, CPU timings) otherwise; says which it did.
+# Sweep and export a Kimi-K2 deployment for the CUDA GPU it finds: the shipped one that names
+# that GPU (kimi-k2-h200, kimi-k2-h100, kimi-k2-rtx-pro-6000), else one written for it under
+# $KVTUNE_OUT/configs from its measured ceilings (`kvtune calibrate --deployment-for kimi-k2`);
+# the tiny CPU one (Triton interpreter, CPU timings) without a GPU; says which it did.
 # Usage: scripts/tune.sh [extra `kvtune sweep` options]   (installs into .venv with
 # scripts/setup.sh when kvtune is missing). KVTUNE_DEPLOYMENT overrides the choice; KVTUNE_OUT
 # the results root.
@@ -14,9 +16,11 @@ fi
 # studies would otherwise be resumed (and count as done) on your machine
 out=${KVTUNE_OUT:-runs}
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    dep=${KVTUNE_DEPLOYMENT:-configs/deployments/kimi-k2-h200.yaml}
-    # the shipped sweep's settings (results/kimi-k2-h200/: every tp and batch bucket in 11.5 min of
-    # one H200). Where the wgmma kernel runs (H100/H200) it serves every entry: the CUDA kernel is
+    # a sweep refuses a GPU its deployment's device profile does not name (H100 and H200 share
+    # sm_90: only the name tells their timings apart)
+    dep=${KVTUNE_DEPLOYMENT:-$(kvtune calibrate --deployment-for kimi-k2 --out-dir "$out/configs")}
+    # the shipped sweeps' settings (results/kimi-k2-h200/, results/kimi-k2-h100/: every tp and
+    # batch bucket in 9.4 min of one H200, 12.2 of one H100). Where the wgmma kernel runs (H100/H200) it serves every entry: the CUDA kernel is
     # searched no further than its default config (the fallback, and the export's CUDA-default
     # column; the ragged phase still times a few NSPLIT values at batch buckets > 1), and wgmma
     # gets 8 trials per study over NSPLIT x ROWS x COPY_LANES. On other GPUs the CUDA kernel is the

@@ -200,3 +200,46 @@ def test_the_other_device_flag_reaches_the_options_and_the_workers():
     assert "--other-device" not in _worker_args(off, dep, "sqlite:///x.db", "cuda")
     worker = parser.parse_args(_worker_args(on, dep, "sqlite:///x.db", "cuda")[3:])
     assert options_from_args(worker).other_device
+
+
+def _profile(name, device_name, arch, smem_kb):
+    from kvtune.tuner.config import DeviceProfile
+    return DeviceProfile(name=name, device_name=device_name, arch=arch, sm_count=170, l2_bytes=96 << 20,
+                         smem_per_block_bytes=smem_kb * 1024, smem_per_sm_bytes=(smem_kb + 1) * 1024,
+                         regs_per_sm=65536, threads_per_sm=1536, read_gbps=1700.0, bf16_tflops=400.0,
+                         ceilings_source="test")
+
+
+def test_the_deployment_for_a_gpu_is_the_shipped_one_that_names_it(tmp_path):
+    from kvtune.tuner.calibrate import deployment_for_gpu
+
+    def never():
+        raise AssertionError("a shipped deployment names this GPU: nothing to measure")
+    for dev, dep in [("NVIDIA H100 80GB HBM3", "kimi-k2-h100"), ("NVIDIA H200", "kimi-k2-h200"),
+                     ("NVIDIA RTX PRO 6000 Blackwell Server Edition", "kimi-k2-rtx-pro-6000")]:
+        path = deployment_for_gpu(dev, "kimi-k2", tmp_path, never)
+        assert path == CONFIG_DIR / "deployments" / f"{dep}.yaml"
+        assert load_deployment(path).device.device_name == dev
+    assert not (tmp_path / "deployments").exists()
+    with pytest.raises(ValueError, match="family"):
+        deployment_for_gpu("NVIDIA H200", "no-such-model", tmp_path, never)
+
+
+def test_another_gpu_gets_a_deployment_written_from_its_measured_profile(tmp_path):
+    """An RTX 5090 (sm_120, 99 KB per block) takes the RTX PRO 6000 deployment's buckets and its
+    sm_120 search space, with its own device profile; the files load as a sweep loads them."""
+    from kvtune.tuner.calibrate import deployment_for_gpu
+    prof = _profile("geforce-rtx-5090", "NVIDIA GeForce RTX 5090", "sm_120", 99)
+    path = deployment_for_gpu(prof.device_name, "kimi-k2", tmp_path, lambda: prof)
+    assert path == tmp_path / "deployments" / "kimi-k2-geforce-rtx-5090.yaml"
+    dep = load_deployment(path)
+    base = load_deployment("kimi-k2-rtx-pro-6000")
+    assert dep.name == "kimi-k2-geforce-rtx-5090" and dep.device.device_name == "NVIDIA GeForce RTX 5090"
+    assert dep.device.read_gbps == 1700.0 and dep.device.source == str(tmp_path / "devices" / "geforce-rtx-5090.yaml")
+    assert dataclasses.replace(dep, name=base.name, device=base.device) == base   # the buckets, the space
+    assert dep.space_dir == base.space_dir and dep.space_dir is not None
+    # a 227-KB sm_90 part no file names (an H800, say) takes the H200's buckets
+    h800 = _profile("h800", "NVIDIA H800", "sm_90", 227)
+    assert load_deployment(deployment_for_gpu("NVIDIA H800", "kimi-k2", tmp_path, lambda: h800)).space_dir is None
+    with pytest.raises(ValueError, match="NVIDIA H800"):
+        deployment_for_gpu("NVIDIA A100-SXM4-80GB", "kimi-k2", tmp_path, lambda: h800)

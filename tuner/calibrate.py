@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import CONFIG_DIR, DeviceProfile
+from .config import CONFIG_DIR, DeviceProfile, load_deployment, read_yaml
 from .options import positive_int
 
 
@@ -82,8 +82,49 @@ def calibrate(device: str = "cuda", name: str | None = None, reps: int = 10) -> 
         ceilings_source=f"kvtune calibrate --device cpu, {stamp}: torch.sum over 256 MiB bf16; 1024^3 bf16 matmul")
 
 
+#: Where a GPU that no shipped deployment names takes its buckets from: the one whose device's
+#: shared memory per block is nearest (99 KB parts get the sm_120 search space, not the H200's
+#: pruned), among the family's shipped deployments.
+def deployment_for_gpu(device_name: str, family: str = "kimi-k2", out_dir: str | Path = "runs/configs",
+                       profile=None) -> Path:
+    """The deployment file a sweep on the GPU `device_name` should use: the shipped
+    `configs/deployments/<family>-*.yaml` whose device profile names that GPU, else one written
+    for it under `out_dir` (`devices/<name>.yaml` from `profile()`, by default `calibrate("cuda")`,
+    and `deployments/<family>-<name>.yaml` with the buckets of the shipped deployment of the
+    family whose device's shared memory per block is nearest this GPU's). Raises ValueError when
+    the family has no shipped deployment."""
+    shipped = [load_deployment(p) for p in sorted((CONFIG_DIR / "deployments").glob(f"{family}-*.yaml"))]
+    if not shipped:
+        raise ValueError(f"family: no deployment {family}-*.yaml in {CONFIG_DIR / 'deployments'}")
+    for dep in shipped:
+        if dep.device.device_name == device_name:
+            return Path(dep.source)
+    prof = profile() if profile is not None else calibrate("cuda")
+    if prof.device_name != device_name:
+        raise ValueError(f"profile: measured {prof.device_name!r}, asked for {device_name!r}")
+    base = min(shipped, key=lambda d: (abs(d.device.smem_per_block_bytes - prof.smem_per_block_bytes),
+                                       d.device.arch != prof.arch, d.name))
+    out = Path(out_dir)
+    (out / "devices").mkdir(parents=True, exist_ok=True)
+    (out / "deployments").mkdir(parents=True, exist_ok=True)
+    (out / "devices" / f"{prof.name}.yaml").write_text(yaml.safe_dump(prof.to_dict(), sort_keys=False))
+    doc = read_yaml(Path(base.source))
+    doc.update(name=f"{family}-{prof.name}", device=prof.name,
+               description=f"{base.name}'s buckets on {prof.device_name} (written by kvtune calibrate)")
+    path = out / "deployments" / f"{family}-{prof.name}.yaml"
+    path.write_text(f"# {base.name}'s buckets for {prof.device_name}, whose ceilings `kvtune calibrate` measured "
+                    f"into ../devices/{prof.name}.yaml\n" + yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
 def _cmd_calibrate(args) -> int:
     import torch
+    if args.deployment_for:
+        if not torch.cuda.is_available():
+            raise ValueError("--deployment-for: no CUDA GPU is visible to torch here")
+        print(deployment_for_gpu(torch.cuda.get_device_name(0), args.deployment_for, args.out_dir,
+                                 lambda: calibrate("cuda", args.name, args.reps)))
+        return 0
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA GPU is visible to torch here (calibrate this machine with "
@@ -104,4 +145,10 @@ def register(subparsers) -> None:
     p.add_argument("--name", help="profile name (default: from the device name)")
     p.add_argument("--path", help="output file (default configs/devices/<name>-calibrated.yaml)")
     p.add_argument("--reps", type=positive_int("--reps"), default=10)
+    p.add_argument("--deployment-for", metavar="FAMILY",
+                   help="print the deployment file to sweep this GPU with: the shipped FAMILY-*.yaml (e.g. kimi-k2) "
+                        "whose device profile names this GPU, else one for it written under --out-dir after "
+                        "measuring its ceilings")
+    p.add_argument("--out-dir", default="runs/configs",
+                   help="where --deployment-for writes devices/ and deployments/ (default runs/configs)")
     p.set_defaults(func=_cmd_calibrate)
