@@ -37,11 +37,18 @@ set -u
 OUT=${OUT:?}
 step=${1:?say kernel, sweep, serving, dispatch, tests, sanitize, limits, phases, proxy, tpe-vs-grid or workers}; shift
 kv="python3 -m kvtune.tuner.cli"
-dep_name=${DEP:-kimi-k2-h200}
+dep_name=${DEP:-kimi-k2-h200}   # the sweep step's deployment; the others are kimi-k2-h200's
 dep=configs/deployments/$dep_name.yaml
+h200=configs/deployments/kimi-k2-h200.yaml
 
-# part SECONDS COMMAND...: COMMAND under `timeout SECONDS`, or nothing (status 0) at 0 seconds
-part() { local s=$1; shift; [ "$s" -gt 0 ] || return 0; timeout "$s" "$@"; }
+# part SECONDS COMMAND...: COMMAND under `timeout SECONDS`; at 0 seconds a line saying it was
+# skipped instead (on the part's own output, so its log says so) and status 0
+part() {
+  local s=$1; shift
+  [[ $s =~ ^[0-9]+$ ]] || { echo "gpu_evidence.sh: part: seconds must be a whole number, got '$s'" >&2; return 2; }
+  if [ "$s" -eq 0 ]; then echo "skipped (given 0 s): $*"; return 0; fi
+  timeout "$s" "$@"
+}
 
 # compute-sanitizer racecheck (and memcheck unless MEMCHECK=0) of the CUDA kernel on small odd
 # shapes, with and without a split table -> $OUT/sanitizer.log
@@ -86,7 +93,7 @@ kernel)
       tests/test_cuda_gpu.py tests/test_wgmma_gpu.py tests/test_contract.py tests/test_nan_and_input_errors.py \
       > $OUT/pytest.log 2>&1
   echo "pytest rc=$?" >> $OUT/pytest.log; tail -n 3 $OUT/pytest.log
-  MEMCHECK=0 SAN_S=${SAN_S:-60} sanitize
+  [ "${SAN_S:-60}" -gt 0 ] && MEMCHECK=0 SAN_S=${SAN_S:-60} sanitize
   grep -E "rel err|rc=|ERROR SUMMARY|RACECHECK SUMMARY" $OUT/sanitizer.log 2>/dev/null | head -20
   part ${BENCH_S:-330} python3 scripts/bench_kernel.py --out $OUT "$@" > $OUT/bench.log 2>&1
   echo "bench rc=$?" >> $OUT/bench.log; tail -n 16 $OUT/bench.log
@@ -198,7 +205,7 @@ dispatch)
   # recorded checks: results/serving/dispatch-chain/export/), one table
   python3 scripts/merge_trials.py results/kimi-k2-h200/trials.csv results/serving/dispatch-chain/export/trials-wgmma_km.csv \
       --out $r/kimi-k2-h200/trials.csv
-  part ${EXPORT_S:-200} $kv export $dep --out $r > $OUT/export.log 2>&1
+  part ${EXPORT_S:-200} $kv export $h200 --out $r > $OUT/export.log 2>&1
   echo "export rc=$?" >> $OUT/export.log
   tar czf $OUT/export.tgz -C $r kimi-k2-h200
   if [ "${BENCH_S:-150}" -gt 0 ]; then
@@ -248,11 +255,12 @@ proxy)
   ;;
 tpe-vs-grid)
   . scripts/device_env.sh wheels
-  S="--tp 8 --ctx 4096 65536 --space-dir results/tpe-vs-grid/spaces --trials 12 --rounds 0 --no-progress"
+  # a comparison of searches, never exported: on an H100 too (--other-device)
+  S="--tp 8 --ctx 4096 65536 --space-dir results/tpe-vs-grid/spaces --trials 12 --rounds 0 --no-progress --other-device"
   start=$(date +%s)
-  part ${GRID_S:-200} $kv sweep $dep $S --grid --out $OUT/grid > $OUT/grid.log 2>&1
+  part ${GRID_S:-200} $kv sweep $h200 $S --grid --out $OUT/grid > $OUT/grid.log 2>&1
   echo "grid rc=$? wall_s=$(( $(date +%s) - start ))" >> $OUT/grid.log; start=$(date +%s)
-  part ${TPE_S:-120} $kv sweep $dep $S --out $OUT/tpe > $OUT/tpe.log 2>&1
+  part ${TPE_S:-120} $kv sweep $h200 $S --out $OUT/tpe > $OUT/tpe.log 2>&1
   echo "tpe rc=$? wall_s=$(( $(date +%s) - start ))" >> $OUT/tpe.log
   python3 scripts/compare_tpe_grid.py $OUT/tpe/kimi-k2-h200/trials.csv $OUT/grid/kimi-k2-h200/trials.csv \
       > $OUT/compare.log 2>&1
@@ -262,7 +270,7 @@ workers)
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   . scripts/device_env.sh wheels
   env_log
-  sweep=($dep --device cuda --tp 4 8 --ctx 16384 131072 --trials ${TRIALS:-8} --rounds 1 --remeasure-top 2 --no-progress)
+  sweep=($h200 --other-device --device cuda --tp 4 8 --ctx 16384 131072 --trials ${TRIALS:-8} --rounds 1 --remeasure-top 2 --no-progress)
   for w in 2 1; do   # each with cold compile caches
     export TRITON_CACHE_DIR=/tmp/triton-cache-w$w KVTUNE_CACHE_DIR=/tmp/kvtune-cache-w$w
     start=$(date +%s.%N)

@@ -184,6 +184,8 @@ def test_a_gpu_sweep_refuses_a_gpu_its_deployment_does_not_name(caplog):
     assert any("NVIDIA H100 80GB HBM3" in r.getMessage() for r in caplog.records)
     with pytest.raises(ConfigError, match="NVIDIA H200"):
         check_device_name(h100, {"device_name": "NVIDIA H200", "arch": "sm_90"})
+    with pytest.raises(ConfigError, match="sm_80"):   # a profile whose arch is wrong for its own GPU
+        check_device_name(h100, {"device_name": "NVIDIA H100 80GB HBM3", "arch": "sm_80"})
 
 
 def test_the_other_device_flag_reaches_the_options_and_the_workers():
@@ -238,8 +240,24 @@ def test_another_gpu_gets_a_deployment_written_from_its_measured_profile(tmp_pat
     assert dep.device.read_gbps == 1700.0 and dep.device.source == str(tmp_path / "devices" / "geforce-rtx-5090.yaml")
     assert dataclasses.replace(dep, name=base.name, device=base.device) == base   # the buckets, the space
     assert dep.space_dir == base.space_dir and dep.space_dir is not None
-    # a 227-KB sm_90 part no file names (an H800, say) takes the H200's buckets
+    again = deployment_for_gpu(prof.device_name, "kimi-k2", tmp_path, lambda: pytest.fail("measured twice"))
+    assert again == path, "the deployment written for this GPU is reused (its floors are the trials')"
+    # a 227-KB sm_90 part no file names (an H800, say) takes an sm_90 deployment's buckets and space
     h800 = _profile("h800", "NVIDIA H800", "sm_90", 227)
     assert load_deployment(deployment_for_gpu("NVIDIA H800", "kimi-k2", tmp_path, lambda: h800)).space_dir is None
     with pytest.raises(ValueError, match="NVIDIA H800"):
         deployment_for_gpu("NVIDIA A100-SXM4-80GB", "kimi-k2", tmp_path, lambda: h800)
+    # 163 KB: as far from 99 as from 227; the base whose configs fit (sm_120's space, 99 KB) wins
+    a100 = _profile("a100-sxm4-80gb", "NVIDIA A100-SXM4-80GB", "sm_80", 163)
+    dep = load_deployment(deployment_for_gpu(a100.device_name, "kimi-k2", tmp_path, lambda: a100))
+    assert dep.space_dir == base.space_dir
+
+
+def test_a_written_deployment_never_takes_a_shipped_name(tmp_path):
+    """A GPU named plainly "NVIDIA H100" slugs to the shipped profile's name h100: its timings go
+    under kimi-k2-h100-local, never under the shipped kimi-k2-h100."""
+    from kvtune.tuner.calibrate import deployment_for_gpu
+    prof = _profile("h100", "NVIDIA H100", "sm_90", 227)
+    dep = load_deployment(deployment_for_gpu("NVIDIA H100", "kimi-k2", tmp_path, lambda: prof))
+    assert dep.name == "kimi-k2-h100-local" and dep.device.name == "h100-local"
+    assert dep.device.source == str(tmp_path / "devices" / "h100-local.yaml")

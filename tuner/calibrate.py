@@ -7,6 +7,7 @@ from the device properties.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -82,29 +83,37 @@ def calibrate(device: str = "cuda", name: str | None = None, reps: int = 10) -> 
         ceilings_source=f"kvtune calibrate --device cpu, {stamp}: torch.sum over 256 MiB bf16; 1024^3 bf16 matmul")
 
 
-#: Where a GPU that no shipped deployment names takes its buckets from: the one whose device's
-#: shared memory per block is nearest (99 KB parts get the sm_120 search space, not the H200's
-#: pruned), among the family's shipped deployments.
 def deployment_for_gpu(device_name: str, family: str = "kimi-k2", out_dir: str | Path = "runs/configs",
                        profile=None) -> Path:
     """The deployment file a sweep on the GPU `device_name` should use: the shipped
     `configs/deployments/<family>-*.yaml` whose device profile names that GPU, else one written
     for it under `out_dir` (`devices/<name>.yaml` from `profile()`, by default `calibrate("cuda")`,
     and `deployments/<family>-<name>.yaml` with the buckets of the shipped deployment of the
-    family whose device's shared memory per block is nearest this GPU's). Raises ValueError when
-    the family has no shipped deployment."""
+    family whose device's shared memory per block is nearest this GPU's without exceeding it, so
+    its search space fits: 99 KB parts get the sm_120 space, not the H200's pruned). A deployment
+    written there before for this GPU is reused; a profile name that a shipped profile or
+    deployment already uses gets `-local`. Raises ValueError when the family has no shipped
+    deployment."""
     shipped = [load_deployment(p) for p in sorted((CONFIG_DIR / "deployments").glob(f"{family}-*.yaml"))]
     if not shipped:
         raise ValueError(f"family: no deployment {family}-*.yaml in {CONFIG_DIR / 'deployments'}")
-    for dep in shipped:
+    out = Path(out_dir)
+    # a deployment written here before for this GPU is reused: its profile's ceilings are the
+    # floors of the trials a resumed sweep already holds
+    written = [load_deployment(p) for p in sorted((out / "deployments").glob(f"{family}-*.yaml"))]
+    for dep in shipped + written:
         if dep.device.device_name == device_name:
             return Path(dep.source)
     prof = profile() if profile is not None else calibrate("cuda")
     if prof.device_name != device_name:
         raise ValueError(f"profile: measured {prof.device_name!r}, asked for {device_name!r}")
-    base = min(shipped, key=lambda d: (abs(d.device.smem_per_block_bytes - prof.smem_per_block_bytes),
+    if f"{family}-{prof.name}" in {d.name for d in shipped} or (CONFIG_DIR / "devices" / f"{prof.name}.yaml").exists():
+        # another GPU's shipped name ("NVIDIA H100" slugs to h100): never file these timings under it
+        prof = dataclasses.replace(prof, name=f"{prof.name}-local")
+    # the nearest shared memory per block, preferring a base whose configs fit this GPU's
+    base = min(shipped, key=lambda d: (d.device.smem_per_block_bytes > prof.smem_per_block_bytes,
+                                       abs(d.device.smem_per_block_bytes - prof.smem_per_block_bytes),
                                        d.device.arch != prof.arch, d.name))
-    out = Path(out_dir)
     (out / "devices").mkdir(parents=True, exist_ok=True)
     (out / "deployments").mkdir(parents=True, exist_ok=True)
     (out / "devices" / f"{prof.name}.yaml").write_text(yaml.safe_dump(prof.to_dict(), sort_keys=False))

@@ -433,14 +433,14 @@ def check_device_name(dep: Deployment, info: dict, other_device: bool = False) -
     the export files this GPU's timings under the deployment's name. `info`: the runner's
     (its `device_name` and `arch`)."""
     prof = dep.device
-    if prof.device_name == info["device_name"]:
+    if (prof.device_name, prof.arch) == (info["device_name"], info["arch"]):
         return
     msg = (f"{dep.source}: device {prof.name!r} ({prof.source}) is {prof.device_name!r} ({prof.arch}), this GPU "
            f"is {info['device_name']!r} ({info['arch']}): the export would file this GPU's timings under "
            f"{dep.name!r}, with floors from the profile's ceilings")
     if not other_device:
-        raise ConfigError(msg + "; sweep a deployment whose device profile names this GPU (`kvtune calibrate` "
-                          "writes one), or pass --other-device")
+        raise ConfigError(msg + "; sweep a deployment whose device profile names this GPU (`kvtune calibrate "
+                          "--deployment-for <family>` finds or writes one), or pass --other-device")
     log.warning("%s (--other-device)", msg)
 
 def run_sweep(deployment, opts: SweepOptions | None = None, **kw) -> Sweep:
