@@ -245,6 +245,8 @@ class SharedSweep(Sweep):
     def _work(self) -> str:
         self.intr.install()
         if self.children_cmd:
+            if self.device == "cuda":
+                self._check_gpus_named()   # before N children each fail on it
             status = self._run_children()
             if status != "complete":
                 return status
@@ -272,6 +274,17 @@ class SharedSweep(Sweep):
         super()._close(status)
 
     # -- the parent's children ------------------------------------------------------------
+    def _check_gpus_named(self) -> None:
+        """Every visible GPU is the one the deployment's device profile names (or --other-device):
+        the check each worker's set-up makes, made once before any is started."""
+        import torch
+
+        from .sweep import check_device_name
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            check_device_name(self.dep, {"device_name": p.name, "arch": f"sm_{p.major}{p.minor}"},
+                              self.o.other_device)
+
     def _run_children(self) -> str:
         n = len(self.children_cmd)
         for cmd, env in self.children_cmd:
