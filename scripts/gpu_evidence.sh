@@ -170,18 +170,13 @@ serving)
         --layers 2 --out $o/tp8-repeat$i > $o/serving-tp8-repeat$i.log 2>&1
     echo "bench_serving tp8 repeat $i rc=$?" >> $o/serving-tp8-repeat$i.log; pack
   done
-  # the tp 4 and dispatch parts given 0 seconds are left out (timeout 0 would mean no limit)
-  if [ "${BENCH4_S:-100}" -gt 0 ]; then  # a part given 0 s leaves no log behind
-    part ${BENCH4_S:-100} python3 scripts/bench_serving.py --defaults-of cuda --tp 4 --batches 1,8,16 --no-ragged \
-        --out $o/tp4 > $o/serving-tp4.log 2>&1
-    echo "bench_serving tp4 rc=$?" >> $o/serving-tp4.log; pack
-  fi
-  if [ "${DISPATCH_S:-60}" -gt 0 ]; then
-    # the tp8 batch-1 bucket's best compile-time config at 4k (trials table) against the exported one
-    part ${DISPATCH_S:-60} python3 scripts/bench_dispatch.py --out $o --exported NSPLIT=132 \
-        --alt NSPLIT=33,HEADS_PER_BLOCK=2,STAGES=3 > $o/dispatch.log 2>&1
-    echo "bench_dispatch rc=$?" >> $o/dispatch.log; pack
-  fi
+  part ${BENCH4_S:-100} python3 scripts/bench_serving.py --defaults-of cuda --tp 4 --batches 1,8,16 --no-ragged \
+      --out $o/tp4 > $o/serving-tp4.log 2>&1
+  echo "bench_serving tp4 rc=$?" >> $o/serving-tp4.log; pack
+  # the tp8 batch-1 bucket's best compile-time config at 4k (trials table) against the exported one
+  part ${DISPATCH_S:-60} python3 scripts/bench_dispatch.py --out $o --exported NSPLIT=132 \
+      --alt NSPLIT=33,HEADS_PER_BLOCK=2,STAGES=3 > $o/dispatch.log 2>&1
+  echo "bench_dispatch rc=$?" >> $o/dispatch.log; pack
   cp $o/pytest.log $o/serving-tp8.log $OUT/
   tail -n 30 $o/serving-tp8.log; tail -n 8 $o/serving-tp4.log 2>/dev/null; tail -n 7 $o/dispatch.log 2>/dev/null
   grep -h -E "^ragged|^B64xP4096" $o/serving-tp8-repeat*.log 2>/dev/null | grep -E "tuned"
@@ -208,12 +203,10 @@ dispatch)
   part ${EXPORT_S:-200} $kv export $h200 --out $r > $OUT/export.log 2>&1
   echo "export rc=$?" >> $OUT/export.log
   tar czf $OUT/export.tgz -C $r kimi-k2-h200
-  if [ "${BENCH_S:-150}" -gt 0 ]; then
-    part ${BENCH_S:-150} python3 scripts/bench_serving.py --defaults $r/kimi-k2-h200/kimi-k2-h200.yaml \
-        --defaults-of cuda --tp 8 --batches 1,8,16,64 --prefixes 4096,65536 --layers 8 --out $OUT/serving \
-        > $OUT/serving.log 2>&1
-    echo "bench_serving rc=$?" >> $OUT/serving.log
-  fi
+  part ${BENCH_S:-150} python3 scripts/bench_serving.py --defaults $r/kimi-k2-h200/kimi-k2-h200.yaml \
+      --defaults-of cuda --tp 8 --batches 1,8,16,64 --prefixes 4096,65536 --layers 8 --out $OUT/serving \
+      > $OUT/serving.log 2>&1
+  echo "bench_serving rc=$?" >> $OUT/serving.log
   grep -E "note:|rc=" $OUT/export.log | tail -n 12; tail -n 22 $OUT/serving.log 2>/dev/null
   ;;
 tests)

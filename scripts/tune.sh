@@ -20,10 +20,10 @@ if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)
     # sm_90: only the name tells their timings apart)
     dep=${KVTUNE_DEPLOYMENT:-$(kvtune calibrate --deployment-for kimi-k2 --out-dir "$out/configs")}
     # the shipped sweeps' settings (results/kimi-k2-h200/, results/kimi-k2-h100/: every tp and
-    # batch bucket in 9.4 min of one H200, 12.2 of one H100). Where the wgmma kernel runs (H100/H200) it serves every entry: the CUDA kernel is
-    # searched no further than its default config (the fallback, and the export's CUDA-default
-    # column; the ragged phase still times a few NSPLIT values at batch buckets > 1), and wgmma
-    # gets 8 trials per study over NSPLIT x ROWS x COPY_LANES. On other GPUs the CUDA kernel is the
+    # batch bucket in 9.4 min of one H200, 12.2 of one H100). Where the wgmma kernel runs
+    # (H100/H200) it serves every entry: the CUDA kernel is searched no further than its default
+    # config (the fallback, and the export's CUDA-default column; the ragged phase still times a
+    # few NSPLIT values at batch buckets > 1), and wgmma gets 8 trials per study over NSPLIT x ROWS x COPY_LANES. On other GPUs the CUDA kernel is the
     # one tuned, 8 trials per study. --max-minutes stops resumably if a pass runs long (run the
     # script again to resume). The Triton backend is 3-6x slower and never served: add
     # `--backend triton` to a pass to sweep it too.

@@ -131,7 +131,8 @@ def _cmd_calibrate(args) -> int:
     if args.deployment_for:
         if not torch.cuda.is_available():
             raise ValueError("--deployment-for: no CUDA GPU is visible to torch here")
-        print(deployment_for_gpu(torch.cuda.get_device_name(0), args.deployment_for, args.out_dir,
+        from kvtune.kernels.lookup import device_name   # the spelling a device profile's device_name takes
+        print(deployment_for_gpu(device_name("cuda"), args.deployment_for, args.out_dir,
                                  lambda: calibrate("cuda", args.name, args.reps)))
         return 0
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -48,11 +48,10 @@ def nsplit_candidates(measured: dict[int, float], legal, choices=()) -> list[int
     """NSPLIT values to time on the ragged batch, from one compile-time config's latencies on
     equal requests ({NSPLIT: us}): the best, the runner-up, and the least legal value of at
     least twice the best among `choices` (the space's NSPLIT values) and 2 x best itself. Not
-    2 x best alone: a space of [.., 26, 33, 44, 66, ..] has no 52, and at batch 64 an NSPLIT of
-    26 cuts a ragged batch into 26 key ranges (52 CTAs at two row blocks); measured on the H100
-    (kimi-k2-h100, tp 4, batch 64 x 16k), that config with eight lanes won on equal requests
-    (771 us) and lost the ragged batch at 26 (1308 against the default's 670), and its NSPLIT 66,
-    which serves 1.13x faster than the export's pick, was never timed there."""
+    2 x best alone: a space of [.., 26, 33, 44, 66, ..] has no 52. Measured on the H100
+    (kimi-k2-h100, tp 4, batch 64 x 16k): eight lanes won on equal requests at NSPLIT 26 (771 us)
+    and lost the ragged batch there (1308 against the default's 670), and its NSPLIT 66, which
+    serves 1.13x faster than the export's pick, was never timed on it."""
     ranked = sorted(measured, key=lambda n: measured[n])
     out = ranked[:2]
     if ranked:

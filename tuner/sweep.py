@@ -425,7 +425,6 @@ class Sweep(StudyLoop):
         return "\n".join(lines)
 
 
-
 def check_device_name(dep: Deployment, info: dict, other_device: bool = False) -> None:
     """A GPU sweep measures the GPU its deployment's device profile names (`device_name`), or
     raises ConfigError naming both; with `other_device`, logs the difference once and goes on.
@@ -442,6 +441,7 @@ def check_device_name(dep: Deployment, info: dict, other_device: bool = False) -
         raise ConfigError(msg + "; sweep a deployment whose device profile names this GPU (`kvtune calibrate "
                           "--deployment-for <family>` finds or writes one), or pass --other-device")
     log.warning("%s (--other-device)", msg)
+
 
 def run_sweep(deployment, opts: SweepOptions | None = None, **kw) -> Sweep:
     """Sweep a deployment (a path, a name, or a Deployment); returns the finished Sweep."""

@@ -279,10 +279,12 @@ class SharedSweep(Sweep):
         the check each worker's set-up makes, made once before any is started."""
         import torch
 
+        from kvtune.kernels.lookup import device_arch, device_name   # the spellings provenance records
+
         from .sweep import check_device_name
         for i in range(torch.cuda.device_count()):
-            p = torch.cuda.get_device_properties(i)
-            check_device_name(self.dep, {"device_name": p.name, "arch": f"sm_{p.major}{p.minor}"},
+            gpu = f"cuda:{i}"
+            check_device_name(self.dep, {"device_name": device_name(gpu), "arch": device_arch(gpu)},
                               self.o.other_device)
 
     def _run_children(self) -> str:
