@@ -23,10 +23,10 @@ if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)
     # batch bucket in 9.4 min of one H200, 12.2 of one H100). Where the wgmma kernel runs
     # (H100/H200) it serves every entry: the CUDA kernel is searched no further than its default
     # config (the fallback, and the export's CUDA-default column; the ragged phase still times a
-    # few NSPLIT values at batch buckets > 1), and wgmma gets 8 trials per study over NSPLIT x ROWS x COPY_LANES. On other GPUs the CUDA kernel is the
-    # one tuned, 8 trials per study. --max-minutes stops resumably if a pass runs long (run the
-    # script again to resume). The Triton backend is 3-6x slower and never served: add
-    # `--backend triton` to a pass to sweep it too.
+    # few NSPLIT values at batch buckets > 1), and wgmma gets 8 trials per study over NSPLIT x
+    # ROWS x COPY_LANES. On other GPUs the CUDA kernel is the one tuned, 8 trials per study.
+    # --max-minutes stops resumably if a pass runs long (run the script again to resume). The
+    # Triton backend is 3-6x slower and never served: add `--backend triton` to a pass to sweep it.
     wgmma=0
     python -c "import sys, torch; from kvtune.kernels import get_backend
 sys.exit(get_backend('wgmma').supports(torch.device('cuda')) is not None)" 2>/dev/null && wgmma=1
