@@ -7,7 +7,9 @@
 #   bash scripts/gpu_evidence.sh sweep        # (carry .whl) kimi-k2-h200 (DEP=<deployment name>: another) from
 #                                             # scratch, export, GPU tests with it, the serving benchmark
 #                                             # (CALIBRATE=<device profile name>: measure this GPU's ceilings
-#                                             # into configs/devices/<name>.yaml first; PRE_S=N: precompile)
+#                                             # into configs/devices/<name>.yaml first; PRE_S=N: precompile;
+#                                             # RESUME=1: resume the committed results/<deployment>;
+#                                             # COMPARE_S=N: serve the changed entries, before and after)
 #   bash scripts/gpu_evidence.sh serving      # serving GPU tests with the packaged defaults, the serving
 #                                             # benchmark at tp 8 and tp 4, the per-bucket dispatch cost
 #                                             # (RAGGED_REPEATS=N: tp 8's ragged batches N more times)
@@ -106,6 +108,13 @@ sweep)
   cap() { local left=$(( end - SECONDS )); [ "$left" -lt "$1" ] && echo $(( left > 5 ? left : 5 )) || echo "$1"; }
   . scripts/device_env.sh wheels
   res=/tmp/res; mkdir -p $res/logs   # a copy of results/$dep_name placed there first is resumed
+  if [ "${RESUME:-0}" = 1 ]; then  # RESUME=1: that copy made here, from the committed sweep
+    mkdir -p $res/$dep_name
+    cp results/$dep_name/trials.csv results/$dep_name/studies.db results/$dep_name/runs.jsonl $res/$dep_name/
+    cp results/$dep_name/logs/*.log $res/logs/ 2>/dev/null
+    echo "== resumed from results/$dep_name ($(git log -1 --format=%h -- results/$dep_name/trials.csv 2>/dev/null))" \
+        >> $res/logs/sweep.log
+  fi
   pack() { tar czf $OUT/sweep.tgz -C $res .; }
   nvidia-smi --query-gpu=name,driver_version --format=csv >> $res/logs/env.log 2>&1
   if [ -n "${CALIBRATE:-}" ]; then  # this GPU's ceilings, the floors' denominators, before any trial
@@ -130,6 +139,26 @@ sweep)
     echo "export rc=$? wall_s=$(( $(date +%s) - start ))" >> $res/logs/sweep.log; pack
     cp $res/$dep_name/$dep_name.yaml kernels/defaults/$dep_name.yaml
   fi
+  # COMPARE_S=N: each (tp, batch bucket) whose buckets the export changed, served by the committed
+  # file (before) and the new one (after), N seconds each, contexts up to 16k (2 layers a step)
+  if [ "${COMPARE_S:-0}" -gt 0 ] && [ -f $res/$dep_name/$dep_name.yaml ]; then
+    old=results/$dep_name/$dep_name.yaml new=$res/$dep_name/$dep_name.yaml; mkdir -p $res/compare
+    python3 scripts/diff_defaults.py $old $new > $res/compare/diff.md 2>&1
+    python3 scripts/diff_defaults.py $old $new --changed > $res/compare/changed.txt 2>&1
+    while read -r tp bs ctxs; do
+      pre=$(echo $ctxs | tr , '\n' | awk '$1 <= 16384' | paste -sd,)
+      [ -n "$pre" ] || continue
+      rag=$([ "$bs" -ge 16 ] || echo --no-ragged)
+      for side in before after; do
+        f=$([ $side = before ] && echo $old || echo $new)
+        timeout $(cap $COMPARE_S) python3 scripts/bench_serving.py --defaults $f --deployment $dep_name --tp $tp \
+            --batches $bs --prefixes $pre $rag --layers 2 --defaults-of "" --out $res/compare/tp$tp-b$bs-$side \
+            > $res/compare/tp$tp-b$bs-$side.log 2>&1
+        echo "bench_serving rc=$?" >> $res/compare/tp$tp-b$bs-$side.log
+      done
+      pack
+    done < <(sort -k1,1nr $res/compare/changed.txt)   # tp 8 and 4 first
+  fi
   if [ "${TEST_S:-150}" -gt 0 ]; then
     timeout $(cap ${TEST_S:-150}) python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --timeout 120 \
         tests/test_contract.py tests/test_cuda_gpu.py tests/test_runtime_gpu.py tests/test_packaged_defaults.py \
@@ -143,6 +172,7 @@ sweep)
   fi
   pack
   tail -n 25 $res/logs/sweep.log; tail -n 4 $res/logs/pytest.log 2>/dev/null; tail -n 30 $res/logs/serving.log 2>/dev/null
+  cat $res/compare/diff.md 2>/dev/null | cut -c1-200; grep -h "\"variant\": \"tuned\"" $res/compare/*.log 2>/dev/null | cut -c1-160
   ;;
 sanitize)
   . scripts/device_env.sh tree
