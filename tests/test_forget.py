@@ -53,9 +53,33 @@ def test_forget_moves_one_backends_rows_and_deletes_its_studies(out, capsys):
     assert len(_rows(out / "kimi-k2-h200" / "trials.forgotten.csv")) == n_wgmma
 
 
+def _studies(out):
+    return {s.study_name for s in optuna.get_all_study_summaries(f"sqlite:///{out / 'kimi-k2-h200' / 'studies.db'}")}
+
+
+def test_forget_only_the_buckets_named(out, capsys):
+    """--tp 4 --bs 64 --ctx 16384 65536: those two studies of wgmma and their rows (every phase:
+    search, re-measurement, ragged, the export's serving checks), nothing else."""
+    before, studies = _rows(out / "kimi-k2-h200" / "trials.csv"), _studies(out)
+
+    def named(r):
+        return r["backend"] == "wgmma" and (r["tp"], r["bs"]) == ("4", "64") and r["ctx"] in ("16384", "65536")
+    n = sum(map(named, before))
+    assert n and len({r["phase"] for r in before if named(r)}) >= 3
+    assert main(["forget", str(DEP), "--backend", "wgmma", "--tp", "4", "--bs", "64", "--ctx", "16384", "65536",
+                 "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert f"{n} trial row(s) moved" in said and "2 studies deleted" in said
+    assert _rows(out / "kimi-k2-h200" / "trials.csv") == [r for r in before if not named(r)]
+    assert _rows(out / "kimi-k2-h200" / "trials.forgotten.csv") == [r for r in before if named(r)]
+    assert studies - _studies(out) == {f"kimi-k2-h200|wgmma|tp4|bs64|ctx{c}" for c in (16384, 65536)}
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--backend", "wgmm"], "--backend wgmm: not a backend"),
     (["--backend", "wgmma", "--out", "/nonexistent-kvtune"], "trials.csv: no trials table"),
+    (["--backend", "wgmma", "--tp", "3"], "--tp 3: not swept by kimi-k2-h200 (tp buckets: 1, 2, 4, 8)"),
+    (["--backend", "wgmma", "--ctx", "4096", "5000"], "--ctx 5000: not swept by kimi-k2-h200"),
 ])
 def test_forget_names_what_is_wrong(out, capsys, argv, says):
     argv = ["forget", str(DEP), *argv] + ([] if "--out" in argv else ["--out", str(out)])

@@ -4,7 +4,10 @@ over, e.g. after its kernel source changed (its trials were measured on code tha
 The backend's Optuna studies are deleted from the study storage (a resumed sweep would otherwise
 find them finished), and its rows move from `trials.csv` to `trials.forgotten.csv` beside it
 (appended: nothing measured is lost, and export no longer reads them). The other backends' rows
-and studies are untouched. Stop any sweep writing into the folder first.
+and studies are untouched. `--tp`, `--bs` and `--ctx` narrow it to those buckets (e.g. after a
+change of the ragged phase's rules, or to re-tune the buckets a new workload serves most); each
+given filter must match, and a value the deployment does not sweep is an error. Stop any sweep
+writing into the folder first.
 """
 from __future__ import annotations
 
@@ -14,14 +17,17 @@ from .config import load_deployment
 from .study import STUDY_SEP
 from .table import _set_aside, _warn_bad, row_key, scan_table, write_table
 
-def forget_backend(deployment: str, backends: list[str], out: str = "runs", storage: str | None = None) -> dict:
+def forget_backend(deployment: str, backends: list[str], out: str = "runs", storage: str | None = None,
+                   tp=None, bs=None, ctx=None) -> dict:
     """Move `backends`' rows of `<out>/<deployment>/trials.csv` to `trials.forgotten.csv` and
-    delete their studies. Returns {"rows": rows moved, "studies": studies deleted, "dir": the folder}."""
+    delete their studies; `tp`, `bs`, `ctx` (lists of ints, None: all) keep it to those buckets.
+    Returns {"rows": rows moved, "studies": studies deleted, "dir": the folder}."""
     from kvtune.kernels.tuned import BACKEND_NAMES
     unknown = [b for b in backends if b not in BACKEND_NAMES]
     if unknown:
         raise ValueError(f"--backend {' '.join(unknown)}: not a backend (known: {', '.join(BACKEND_NAMES)})")
     dep = load_deployment(deployment)
+    only = _bucket_filter(dep, tp=tp, bs=bs, ctx=ctx)
     out_dir = Path(out) / dep.name
     table = out_dir / "trials.csv"
     if not table.is_file():
@@ -33,13 +39,37 @@ def forget_backend(deployment: str, backends: list[str], out: str = "runs", stor
         _set_aside(table, keep_text, bad)
     if "backend" not in cols:
         raise ValueError(f"{table}: no 'backend' column in its header")
-    gone = [r for r in rows if r["backend"] in backends]
-    keep = [r for r in rows if r["backend"] not in backends]
+    gone = [r for r in rows if r["backend"] in backends and _in(only, r)]
+    keep = [r for r in rows if not (r["backend"] in backends and _in(only, r))]
     if gone:
         _append_rows(out_dir / "trials.forgotten.csv", cols, gone)
         write_table(table, cols, keep)
-    studies = sum(_delete_studies(url, dep.name, backends) for url in urls)
+    studies = sum(_delete_studies(url, dep.name, backends, only) for url in urls)
     return {"rows": len(gone), "studies": studies, "dir": out_dir}
+
+
+def _bucket_filter(dep, **given) -> dict[str, set[int]]:
+    """{"tp" | "bs" | "ctx": the values kept} for each filter given; a value the deployment does not
+    sweep is an error naming the option (it would forget nothing, and the next sweep resume)."""
+    swept = {"tp": dep.tp, "bs": dep.batches, "ctx": dep.contexts}
+    only = {}
+    for key, vals in given.items():
+        if vals is None:
+            continue
+        bad = [v for v in vals if v not in swept[key]]
+        if bad:
+            raise ValueError(f"--{key} {' '.join(map(str, bad))}: not swept by {dep.name} "
+                             f"({key} buckets: {', '.join(map(str, swept[key]))})")
+        only[key] = set(vals)
+    return only
+
+
+def _in(only: dict, row: dict) -> bool:
+    """Whether a trials-table row (or a study's {tp, bs, ctx}) is in the buckets `only` keeps."""
+    try:
+        return all(int(float(row[k])) in v for k, v in only.items())
+    except (KeyError, TypeError, ValueError):
+        return False   # a row without the bucket is not one of the buckets named
 
 
 def model_changes(rows, dep) -> list[str]:
@@ -114,22 +144,26 @@ def _study_storages(out_dir: Path, storage: str | None) -> list[str]:
                                (f"journal:{out_dir / 'studies.journal'}", out_dir / "studies.journal")) if f.is_file()]
 
 
-def _delete_studies(url: str, dep: str, backends: list[str]) -> int:
+def _delete_studies(url: str, dep: str, backends: list[str], only: dict) -> int:
     import optuna
     from .storage import open_storage
     st, _ = open_storage(url)
     n = 0
     for s in optuna.get_all_study_summaries(st, include_best_trial=False):
-        parts = s.study_name.split(STUDY_SEP)
-        if len(parts) >= 2 and parts[0] == dep and parts[1] in backends:
+        parts = s.study_name.split(STUDY_SEP)   # dep | backend | tp8 | bs1 | ctx4096
+        bucket = {k: p[len(k):] for k, p in zip(("tp", "bs", "ctx"), parts[2:]) if p.startswith(k)}
+        if len(parts) >= 2 and parts[0] == dep and parts[1] in backends and (not only or _in(only, bucket)):
             optuna.delete_study(study_name=s.study_name, storage=st)
             n += 1
     return n
 
 
 def _cmd_forget(args) -> int:
-    got = forget_backend(args.deployment, args.backend, out=args.out, storage=args.storage)
-    print(f"forgot {', '.join(args.backend)} in {got['dir']}: {got['rows']} trial row(s) moved to "
+    got = forget_backend(args.deployment, args.backend, out=args.out, storage=args.storage, tp=args.tp, bs=args.bs,
+                         ctx=args.ctx)
+    where = "".join(f" --{k} {' '.join(map(str, v))}" for k, v in (("tp", args.tp), ("bs", args.bs), ("ctx", args.ctx))
+                    if v)
+    print(f"forgot {', '.join(args.backend)}{where} in {got['dir']}: {got['rows']} trial row(s) moved to "
           f"trials.forgotten.csv, {got['studies']} stud{'y' if got['studies'] == 1 else 'ies'} deleted")
     return 0
 
@@ -141,4 +175,7 @@ def register(subparsers) -> None:
     p.add_argument("--backend", nargs="+", required=True, help="the backend(s) to forget, e.g. wgmma")
     p.add_argument("--out", default="runs", help="the sweep's output root (default ./runs)")
     p.add_argument("--storage", help="Optuna storage URL, when not <out>/<deployment>/studies.db")
+    p.add_argument("--tp", type=int, nargs="+", help="only these tp degrees")
+    p.add_argument("--bs", type=int, nargs="+", help="only these batch buckets")
+    p.add_argument("--ctx", type=int, nargs="+", help="only these context buckets")
     p.set_defaults(func=_cmd_forget)
