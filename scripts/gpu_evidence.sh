@@ -9,6 +9,7 @@
 #                                             # (CALIBRATE=<device profile name>: measure this GPU's ceilings
 #                                             # into configs/devices/<name>.yaml first; PRE_S=N: precompile;
 #                                             # RESUME=1: resume the committed results/<deployment>;
+#                                             # FORGET="--backend B --tp N ...": kvtune forget those first;
 #                                             # COMPARE_S=N: serve the changed entries, before and after)
 #   bash scripts/gpu_evidence.sh serving      # serving GPU tests with the packaged defaults, the serving
 #                                             # benchmark at tp 8 and tp 4, the per-bucket dispatch cost
@@ -114,6 +115,10 @@ sweep)
     cp results/$dep_name/logs/*.log $res/logs/ 2>/dev/null
     echo "== resumed from results/$dep_name ($(git log -1 --format=%h -- results/$dep_name/trials.csv 2>/dev/null))" \
         >> $res/logs/sweep.log
+  fi
+  if [ -n "${FORGET:-}" ]; then  # FORGET="--backend B [--tp ..] [--bs ..] [--ctx ..]": those buckets tuned afresh
+    echo "== forget $FORGET" >> $res/logs/sweep.log
+    $kv forget $dep_name --out $res $FORGET >> $res/logs/sweep.log 2>&1
   fi
   pack() { tar czf $OUT/sweep.tgz -C $res .; }
   nvidia-smi --query-gpu=name,driver_version --format=csv >> $res/logs/env.log 2>&1
