@@ -166,7 +166,7 @@ sweep)
   fi
   if [ "${TEST_S:-150}" -gt 0 ]; then
     timeout $(cap ${TEST_S:-150}) python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --timeout 120 \
-        tests/test_contract.py tests/test_cuda_gpu.py tests/test_runtime_gpu.py tests/test_packaged_defaults.py \
+        tests/test_packaged_defaults.py tests/test_runtime_gpu.py tests/test_contract.py tests/test_cuda_gpu.py \
         tests/test_serving_gpu.py > $res/logs/pytest.log 2>&1
     echo "pytest rc=$?" >> $res/logs/pytest.log
   fi
