@@ -116,6 +116,29 @@ def _dep(**over):
     return d
 
 
+def test_the_ragged_phase_revisits_groups_an_earlier_pick_timed():
+    """A group timed on the ragged batch by an earlier pick, and then passed over, is still scored
+    (so a resumed sweep times the candidates a changed rule adds for it); without ragged rows of
+    the deployment's round only the pick and the default are."""
+    import pandas as pd
+    from kvtune.tuner.ragged import served_groups
+    from kvtune.tuner.study import compile_key
+
+    def row(params, us, phase="search", role="search", rnd="0"):
+        return {"backend": "wgmma", "tp": 4, "bs": 64, "ctx": 16384, "params": params, "median_us": us,
+                "outcome": "ok", "phase": phase, "role": role, "round": rnd}
+    four = {"ROWS": 72, "COPY_LANES": 4}
+    eight = {"ROWS": 72, "COPY_LANES": 8}
+    rows = [row(dict(four, NSPLIT=66), 853.0, role="baseline"), row(dict(eight, NSPLIT=26), 771.0),
+            row(dict(eight, NSPLIT=16), 790.0), row(dict(eight, NSPLIT=26), 1308.0, phase="ragged", rnd="x8")]
+    df = pd.DataFrame(rows)
+    got = served_groups(df, "wgmma", 4, 64, [16384], compile_key(dict(four, NSPLIT=66)), ragged_round(8.0))
+    assert set(got) == {compile_key(four), compile_key(eight)}
+    assert got[compile_key(eight)] == {16384: {26: 771.0, 16: 790.0}}
+    assert set(served_groups(df, "wgmma", 4, 64, [16384], compile_key(four), ragged_round(4.0))) == {compile_key(four)}
+    assert set(served_groups(df, "wgmma", 4, 64, [16384], compile_key(four))) == {compile_key(four)}
+
+
 def test_deployment_ragged_spread():
     assert parse_deployment(_dep(), "d.yaml").ragged_spread == 8.0
     assert parse_deployment(_dep(ragged_spread=3), "d.yaml").ragged_spread == 3.0

@@ -60,12 +60,19 @@ def nsplit_candidates(measured: dict[int, float], legal, choices=()) -> list[int
     return list(dict.fromkeys(out))[:MAX_CANDIDATES]
 
 
-def served_groups(df, backend, tp, bs, ctxs, pick: str | None) -> dict:
+def served_groups(df, backend, tp, bs, ctxs, pick: str | None, rnd: str | None = None) -> dict:
     """{compile key: {ctx: {NSPLIT: us}}} of the configs the export may serve at (backend, tp,
-    bs): `pick` (the export's choice on the table so far, `ragged_pick`) and the backend's
-    default."""
-    from .export import latencies   # the export imports this module
+    bs): `pick` (the export's choice on the table so far, `ragged_pick`), the groups an earlier
+    pick timed on the ragged batches of round `rnd` (so that a sweep resumed under a changed
+    candidate rule times their new candidates too: the kimi-k2-h100 sweep passed over eight lanes
+    at tp 4 batch 64 after timing NSPLIT 26 and 16 on the ragged batch, and a resume that timed
+    only the pick left their NSPLIT 66 untimed), and the backend's default."""
+    from .export import latencies, ragged_latencies   # the export imports this module
     keys = [pick] if pick else []
+    for (b, t, s, ctx, pj) in ragged_latencies(df, rnd) if rnd else ():
+        ck = compile_key(json.loads(pj))
+        if (b, t, s) == (backend, tp, bs) and ctx in ctxs and ck not in keys:
+            keys.append(ck)
     out: dict = {}
     for (b, t, s, ctx, pj), (v, role) in latencies(df).items():
         if (b, t, s) != (backend, tp, bs) or ctx not in ctxs:
@@ -121,7 +128,7 @@ def measure_ragged(sweep, backend, tp, bs, df, pick: str | None) -> bool:
     from kvtune.kernels.backends import split_bounds
 
     rnd = ragged_round(spread)
-    groups = served_groups(df, backend, tp, bs, sweep.ctxs, pick)
+    groups = served_groups(df, backend, tp, bs, sweep.ctxs, pick, rnd)
     bounds = split_bounds(backend, list(sweep.ctxs), sweep.dep.model.draft_tokens, bs)
     new = False
     for ctx in sweep.ctxs:
