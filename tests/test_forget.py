@@ -28,9 +28,12 @@ def _rows(path):
         return list(csv.DictReader(f))
 
 
+def _studies(out):
+    return {s.study_name for s in optuna.get_all_study_summaries(f"sqlite:///{out / 'kimi-k2-h200' / 'studies.db'}")}
+
+
 def _study_backends(out):
-    summaries = optuna.get_all_study_summaries(f"sqlite:///{out / 'kimi-k2-h200' / 'studies.db'}")
-    return {s.study_name.split("|")[1] for s in summaries}
+    return {name.split("|")[1] for name in _studies(out)}
 
 
 def test_forget_moves_one_backends_rows_and_deletes_its_studies(out, capsys):
@@ -51,10 +54,6 @@ def test_forget_moves_one_backends_rows_and_deletes_its_studies(out, capsys):
     assert main(["forget", str(DEP), "--backend", "wgmma", "--out", str(out)]) == 0
     assert "0 trial row(s) moved" in capsys.readouterr().out
     assert len(_rows(out / "kimi-k2-h200" / "trials.forgotten.csv")) == n_wgmma
-
-
-def _studies(out):
-    return {s.study_name for s in optuna.get_all_study_summaries(f"sqlite:///{out / 'kimi-k2-h200' / 'studies.db'}")}
 
 
 def test_forget_only_the_buckets_named(out, capsys):

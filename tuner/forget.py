@@ -39,8 +39,9 @@ def forget_backend(deployment: str, backends: list[str], out: str = "runs", stor
         _set_aside(table, keep_text, bad)
     if "backend" not in cols:
         raise ValueError(f"{table}: no 'backend' column in its header")
-    gone = [r for r in rows if r["backend"] in backends and _in(only, r)]
-    keep = [r for r in rows if not (r["backend"] in backends and _in(only, r))]
+    named = [r["backend"] in backends and _in(only, r) for r in rows]
+    gone = [r for r, n in zip(rows, named) if n]
+    keep = [r for r, n in zip(rows, named) if not n]
     if gone:
         _append_rows(out_dir / "trials.forgotten.csv", cols, gone)
         write_table(table, cols, keep)
@@ -152,7 +153,7 @@ def _delete_studies(url: str, dep: str, backends: list[str], only: dict) -> int:
     for s in optuna.get_all_study_summaries(st, include_best_trial=False):
         parts = s.study_name.split(STUDY_SEP)   # dep | backend | tp8 | bs1 | ctx4096
         bucket = {k: p[len(k):] for k, p in zip(("tp", "bs", "ctx"), parts[2:]) if p.startswith(k)}
-        if len(parts) >= 2 and parts[0] == dep and parts[1] in backends and (not only or _in(only, bucket)):
+        if len(parts) >= 2 and parts[0] == dep and parts[1] in backends and _in(only, bucket):
             optuna.delete_study(study_name=s.study_name, storage=st)
             n += 1
     return n
