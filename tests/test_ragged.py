@@ -99,11 +99,25 @@ def test_the_ragged_candidate_above_the_best_is_the_least_legal_value_of_at_leas
     space = [7, 14, 16, 26, 29, 33, 44, 66, 88, 132, 264]
     equal = {26: 773.8, 16: 784.0, 132: 795.1}
     in_space = set(space).__contains__
-    assert nsplit_candidates(equal, in_space, space) == [26, 16, 66]
-    assert nsplit_candidates(equal, lambda n: in_space(n) and n != 66, space) == [26, 16, 88]
-    assert nsplit_candidates(equal, lambda n: n <= 44, space) == [26, 16]   # nothing legal above
-    assert nsplit_candidates({66: 509.8, 33: 514.2}, in_space, space) == [66, 33, 132]
+    assert nsplit_candidates(equal, in_space, space) == [26, 16, 66, 29]
+    assert nsplit_candidates(equal, lambda n: in_space(n) and n != 66, space) == [26, 16, 88, 29]
+    assert nsplit_candidates(equal, lambda n: n <= 44, space) == [26, 16, 29]   # nothing legal at 52+
+    assert nsplit_candidates({66: 509.8, 33: 514.2}, in_space, space) == [66, 33, 132, 44, 88]
 
+
+
+def test_the_ragged_candidates_include_the_legal_values_next_to_the_best():
+    """kimi-k2-h100's tp 4 batch 64 x 4k, eight lanes: the search timed NSPLIT 44, 132 and 88; 66,
+    next above the best, served 1.06x faster than the export's 132 and was never timed there."""
+    space = [7, 14, 16, 26, 29, 33, 44, 66, 88, 132, 264]
+    equal = {44: 218.8, 132: 232.3, 88: 340.3}
+    in_space = set(space).__contains__
+    assert nsplit_candidates(equal, in_space, space) == [44, 132, 88, 33, 66]
+    # an illegal neighbour is skipped for the next legal one; measured values count as neighbours
+    assert nsplit_candidates(equal, lambda n: in_space(n) and n not in (33, 66), space) == [44, 132, 88, 29]
+    assert nsplit_candidates({44: 1.0, 50: 2.0}, lambda n: in_space(n) or n == 50, space) == [44, 50, 88, 33]
+    assert nsplit_candidates({7: 1.0}, in_space, space) == [7, 14]   # the space's ends
+    assert nsplit_candidates({264: 1.0}, in_space, space) == [264, 132]
 
 def _compile_part(params: dict) -> str:
     return json.dumps({k: v for k, v in params.items() if k != "NSPLIT"}, sort_keys=True)
@@ -155,7 +169,7 @@ def _sweep(tmp_path, dep, spaces, **kw):
 
 def test_sweep_scores_batch_buckets_on_a_ragged_batch(tmp_path):
     """At batch 3 every context bucket's NSPLIT candidates (the best and runner-up on equal
-    requests, and twice the best) are timed on the bucket's ragged batch, each a row that
+    requests, twice the best and the values next to it) are timed on the bucket's ragged batch, each a row that
     names its equal-requests trial; batch 1 gets none; a second run measures nothing again;
     the export serves, per bucket, what the oracle works out from the table."""
     doc = _dep(name="ragged-tiny", contexts=[64, 300], batches=[1, 3], trials=3, timing="eager", ragged_spread=4)
@@ -187,6 +201,9 @@ def test_sweep_scores_batch_buckets_on_a_ragged_batch(tmp_path):
             at = lat[(lat["compile"] == ck) & (lat["ctx"] == ctx)].sort_values("latency_us")
             ranked = list(at["NSPLIT"])
             want |= {(ck, n) for n in ranked[:2]} | ({(ck, 2 * ranked[0])} if 2 * ranked[0] in legal else set())
+            grid = sorted(legal | set(ranked))   # and the values next to the best, below and above
+            i = grid.index(ranked[0])
+            want |= {(ck, n) for n in grid[max(i - 1, 0):i] + grid[i + 1:i + 2]}
             want |= {(ck, n) for n in at[at["default"]]["NSPLIT"]}   # the default, reported beside the pick
         assert {(_compile_part(p), p["NSPLIT"]) for p in g["params"]} == want, (ctx, want)
         for _, r in g.iterrows():   # the row names the trial of the same config on equal requests
