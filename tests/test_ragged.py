@@ -196,16 +196,20 @@ def test_sweep_scores_batch_buckets_on_a_ragged_batch(tmp_path):
     legal = {1, 2, 4} | set(lat[lat["default"]]["NSPLIT"])
     for ctx, g in rag.groupby("ctx"):
         study = g["study"].iloc[0]
-        want = set()
+        want, near = set(), set()
         for ck in scored:
             at = lat[(lat["compile"] == ck) & (lat["ctx"] == ctx)].sort_values("latency_us")
             ranked = list(at["NSPLIT"])
             want |= {(ck, n) for n in ranked[:2]} | ({(ck, 2 * ranked[0])} if 2 * ranked[0] in legal else set())
-            grid = sorted(legal | set(ranked))   # and the values next to the best, below and above
-            i = grid.index(ranked[0])
-            want |= {(ck, n) for n in grid[max(i - 1, 0):i] + grid[i + 1:i + 2]}
+            # and the values next to the best, below and above: of either of the top two here, as
+            # this table's median and the phase's own latency may rank a near tie either way
+            grid = sorted(legal | set(ranked))
+            for b in ranked[:2]:
+                i = grid.index(b)
+                near |= {(ck, n) for n in grid[max(i - 1, 0):i] + grid[i + 1:i + 2]}
             want |= {(ck, n) for n in at[at["default"]]["NSPLIT"]}   # the default, reported beside the pick
-        assert {(_compile_part(p), p["NSPLIT"]) for p in g["params"]} == want, (ctx, want)
+        got = {(_compile_part(p), p["NSPLIT"]) for p in g["params"]}
+        assert want <= got <= want | near, (ctx, want, near)
         for _, r in g.iterrows():   # the row names the trial of the same config on equal requests
             twin = df[(df["study"] == study) & (df["phase"] == "search") & (df["trial"] == r["trial"])]
             assert len(twin) == 1 and twin["params"].iloc[0] == r["params"]
