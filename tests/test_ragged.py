@@ -105,7 +105,6 @@ def test_the_ragged_candidate_above_the_best_is_the_least_legal_value_of_at_leas
     assert nsplit_candidates({66: 509.8, 33: 514.2}, in_space, space) == [66, 33, 132, 44, 88]
 
 
-
 def test_the_ragged_candidates_include_the_legal_values_next_to_the_best():
     """kimi-k2-h100's tp 4 batch 64 x 4k, eight lanes: the search timed NSPLIT 44, 132 and 88; 66,
     next above the best, served 1.06x faster than the export's 132 and was never timed there."""
@@ -118,6 +117,7 @@ def test_the_ragged_candidates_include_the_legal_values_next_to_the_best():
     assert nsplit_candidates({44: 1.0, 50: 2.0}, lambda n: in_space(n) or n == 50, space) == [44, 50, 88, 33]
     assert nsplit_candidates({7: 1.0}, in_space, space) == [7, 14]   # the space's ends
     assert nsplit_candidates({264: 1.0}, in_space, space) == [264, 132]
+
 
 def _compile_part(params: dict) -> str:
     return json.dumps({k: v for k, v in params.items() if k != "NSPLIT"}, sort_keys=True)
@@ -169,8 +169,8 @@ def _sweep(tmp_path, dep, spaces, **kw):
 
 def test_sweep_scores_batch_buckets_on_a_ragged_batch(tmp_path):
     """At batch 3 every context bucket's NSPLIT candidates (the best and runner-up on equal
-    requests, twice the best and the values next to it) are timed on the bucket's ragged batch, each a row that
-    names its equal-requests trial; batch 1 gets none; a second run measures nothing again;
+    requests, twice the best and the values next to it) are timed on the bucket's ragged batch,
+    each a row that names its equal-requests trial; batch 1 gets none; a second run measures nothing again;
     the export serves, per bucket, what the oracle works out from the table."""
     doc = _dep(name="ragged-tiny", contexts=[64, 300], batches=[1, 3], trials=3, timing="eager", ragged_spread=4)
     dep = tmp_path / "ragged-tiny.yaml"
