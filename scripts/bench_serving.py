@@ -210,18 +210,22 @@ def _default_backends(names: str, dev) -> dict:
 def _kernel_variants(va, va_b1, defaults: dict, B: int, out, nsplits: list[int] = (), keys: int | None = None) -> dict:
     """variant name -> (make(inputs) -> launch, config text) for one layer's kernel; `nsplits`:
     the CUDA default again at each of these NSPLIT (`default-cuda-nsplitN`); `keys`: the batch's
-    keys in all (under a per-context dispatch the config text is the serving config's)."""
+    keys in all (the config text is then what runs for them, NSPLIT included)."""
     def runtime_launch(rt):
         def launch_on(inp):
             step = rt.plan(inp.kv_indptr, inp.kv_indices, inp.tree_mask, check_values=False)
             return lambda: rt.run(inp.q, inp.kv_cache, out, plan=step)
         return launch_on
-    def config_text(rt):   # under a per-context dispatch: the launch serving `keys`, on its backend
-        p = rt.plan_for(B)
-        if keys is not None and p.others:
-            params, _, be = p.launch_for_keys(keys, rt.T)
-            return f"{be.name} {params}"
-        return f"{p.backend.name} {rt.params_for(B)}"
+    def config_text(rt):
+        # what runs for `keys`: the config serving them, NSPLIT its split table's value (the
+        # grid's NSPLIT, the plan's largest, is not what a 4k batch launches)
+        if keys is not None:
+            try:
+                be, params = rt.direct_config(B, keys)
+                return f"{be.name} {params}"
+            except ValueError:
+                pass   # NSPLIT per request (Triton): the grid's parameters
+        return f"{rt.plan_for(B).backend.name} {rt.params_for(B)}"
     variants = {"tuned": (runtime_launch(va), config_text(va))}
     if va_b1 is not None:
         variants["tuned-b1"] = (runtime_launch(va_b1), config_text(va_b1))

@@ -10,7 +10,8 @@
 #                                             # into configs/devices/<name>.yaml first; PRE_S=N: precompile;
 #                                             # RESUME=1: resume the committed results/<deployment>;
 #                                             # FORGET="--backend B --tp N ...": kvtune forget those first;
-#                                             # COMPARE_S=N: serve the changed entries, before and after)
+#                                             # COMPARE_S=N: serve the changed entries, before and after;
+#                                             # BEFORE=<file>: "before" is that file, not the committed one)
 #   bash scripts/gpu_evidence.sh serving      # serving GPU tests with the packaged defaults, the serving
 #                                             # benchmark at tp 8 and tp 4, the per-bucket dispatch cost
 #                                             # (RAGGED_REPEATS=N: tp 8's ragged batches N more times)
@@ -147,7 +148,8 @@ sweep)
   # COMPARE_S=N: each (tp, batch bucket) whose buckets the export changed, served by the committed
   # file (before) and the new one (after), N seconds each, contexts up to 16k (2 layers a step)
   if [ "${COMPARE_S:-0}" -gt 0 ] && [ -f $res/$dep_name/$dep_name.yaml ]; then
-    old=results/$dep_name/$dep_name.yaml new=$res/$dep_name/$dep_name.yaml; mkdir -p $res/compare
+    # BEFORE=<file>: the "before" side is that file (e.g. an earlier commit's export) instead
+    old=${BEFORE:-results/$dep_name/$dep_name.yaml} new=$res/$dep_name/$dep_name.yaml; mkdir -p $res/compare
     python3 scripts/diff_defaults.py $old $new > $res/compare/diff.md 2>&1
     python3 scripts/diff_defaults.py $old $new --changed > $res/compare/changed.txt 2>&1
     while read -r tp bs ctxs; do
