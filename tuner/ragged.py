@@ -56,9 +56,9 @@ def nsplit_candidates(measured: dict[int, float], legal, choices=()) -> list[int
 
     Then the legal values next to the best, below and above it (among `choices` and the values
     measured): a search of a few trials samples NSPLIT sparsely per compile-time config. Measured
-    on the H100 (tp 4, batch 64 x 4k, eight lanes): the search timed NSPLIT 44 and 132, the export
-    served 132 (235.3 us), and 66, never timed there, served 220.4 us, and ragged64 212.1 against
-    227.7 (results/serving/h100/tp4-h100-yaml/)."""
+    on the H100 (tp 4, batch 64 x 4k, eight lanes, ROWS 72): the search timed NSPLIT 44, 88 (2 x
+    44) and 132, the export served 132 (235.3 us), and 66, never timed there, served 220.4 us, and
+    ragged64 212.1 against 227.7 (results/serving/h100/tp4-h100-yaml/)."""
     ranked = sorted(measured, key=lambda n: measured[n])
     out = ranked[:2]
     if ranked:
