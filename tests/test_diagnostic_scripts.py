@@ -366,3 +366,26 @@ def test_fp8_accuracy_emulation_against_the_oracle():
             for fq in (False, True) for fp in (False, True)}
     assert errs[False, False] < 4e-3
     assert min(errs[True, False], errs[False, True], errs[True, True]) > 2 * errs[False, False]
+
+
+def test_cluster_merge_probe_compiles_and_its_two_level_merge_is_the_one_level_merge():
+    """cluster_merge_probe.py: its epilogue builds for sm_90a at every cluster size it launches,
+    without spills; each grid splits into whole clusters and each cluster's rows into whole
+    slices; and merging the synthetic partials in clusters first, then across clusters (what the
+    probe's cluster epilogue and merge kernel compute), gives torch's one-level merge."""
+    import torch
+
+    import cluster_merge_probe as p
+    from mma_ceiling import nvrtc_cubin
+    for cl in sorted({cl for _, cls in p.CONFIGS for cl in cls}):
+        _, log = nvrtc_cubin(p.source(cl), f"cluster_merge_{cl}.cu",
+                             ["--gpu-architecture=sm_90a", "-std=c++17", "--ptxas-options=-v"])
+        assert log.count(" 0 bytes spill stores") == log.count("spill stores") == 2, log   # epilogue, merge
+    for nsplit, cls in p.CONFIGS:
+        for cl in cls:
+            assert nsplit % cl == 0 and p.ROWS % cl == 0, (nsplit, cl)
+    m, ell, o = p.synthetic(12, "cpu")
+    for cl in (2, 3, 4, 6):
+        parts = [p.merge_partials(m[i:i + cl], ell[i:i + cl], o[i:i + cl]) for i in range(0, 12, cl)]
+        two = p.merge_partials(*(torch.stack(x) for x in zip(*parts)))[2]
+        assert torch.allclose(two, p.merge_partials(m, ell, o)[2], rtol=1e-12, atol=1e-12)
