@@ -223,7 +223,9 @@ def reference(nsplit: int, device: str = "cuda"):
 
 
 def graph_us(fn, reps: int) -> float:
-    """Median us of one replay of a CUDA graph capturing fn(), CUDA events around each replay."""
+    """Median us of one replay of a CUDA graph capturing fn(), CUDA events around each replay.
+    Not `sol_read.graph_us`: at a few us per replay the host's enqueue of the replay would be
+    timed too, so the GPU is kept busy while it happens (as `probe_harness.median_us` does)."""
     import torch
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
