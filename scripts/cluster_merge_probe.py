@@ -246,13 +246,14 @@ def graph_us(fn, reps: int) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
-def max_active_clusters(kernel, cl: int, smem: int) -> int | None:
-    """How many clusters of `cl` CTAs of `kernel` the GPU holds at once (the driver's occupancy
-    query; None where it fails): a grid of more clusters runs in more than one wave."""
+def max_active_clusters(kernel, grid: int, cl: int, smem: int) -> int | None:
+    """How many clusters of `cl` CTAs of `kernel` (launched on `grid` CTAs) the GPU holds at once
+    (the driver's occupancy query; None where it fails): a grid of more clusters runs in more
+    than one wave."""
     drv = kernel.drv
     try:
         cfg = drv.CUlaunchConfig()
-        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = 132 * cl, 1, 1
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid, 1, 1
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = kernel.threads, 1, 1
         cfg.sharedMemBytes = smem
         attr = drv.CUlaunchAttribute()
@@ -289,7 +290,7 @@ def measure(nsplit: int, cl: int, kernels, ref, reps: int, smem: int) -> dict:
         return ((out.float() - ref).norm() / ref.norm()).item()
 
     err = rel_err()
-    most = max_active_clusters(ep, cl, smem)
+    most = max_active_clusters(ep, nsplit, cl, smem)
     row = {"nsplit": nsplit, "cluster": cl, "partials_written": n_out,
            "partial_mb": round(n_out * ROWS * DV * 2 / 1e6, 2), "max_active_clusters": most,
            "one_wave": None if most is None else n_out <= most, "rel_err": err}
@@ -321,14 +322,15 @@ def main(argv=None) -> int:
         return 0
     if not a.out:
         ap.error("--out is required unless --compile-only")
-    need = ROWS * DV * 2 + (2 + 2 + max(sizes)) * ROWS * 4
-    if not need <= a.smem <= 227 * 1024:
-        ap.error(f"--smem: {a.smem} bytes; the epilogue needs {need} to 232448 (sm_90's most per block)")
+    from kvtune.kernels.cuda.params import arch_limits
+    need, most = ROWS * DV * 2 + (2 + 2 + max(sizes)) * ROWS * 4, arch_limits("sm_90").smem_per_block
+    if not need <= a.smem <= most:
+        ap.error(f"--smem: {a.smem} bytes; the epilogue needs {need} to {most} (sm_90's most per block)")
     import torch
     from probe_harness import Kernel
     res = {"device": torch.cuda.get_device_name(0), "smem": a.smem, "rows": []}
-    kernels = {cl: (Kernel(source(cl), f"cluster_merge_{cl}.cu", "epilogue", a.smem),
-                    Kernel(source(cl), f"cluster_merge_{cl}.cu", "merge", 0)) for cl in sizes}
+    merge = Kernel(source(1), "cluster_merge_1.cu", "merge", 0)   # the same at every cluster size
+    kernels = {cl: (Kernel(source(cl), f"cluster_merge_{cl}.cu", "epilogue", a.smem), merge) for cl in sizes}
     for nsplit, cls in CONFIGS:
         ref = reference(nsplit)
         for cl in cls:
