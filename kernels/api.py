@@ -130,7 +130,9 @@ def check_values(problem: VerifyProblem, kv_cache, kv_indptr, kv_indices, tree_m
     if used.numel():
         lo, hi = int(used.min()), int(used.max())
         if lo < 0 or hi >= kv_cache.shape[0]:
-            raise ValueError(f"kv_indices: slot {lo if lo < 0 else hi} out of range [0, {kv_cache.shape[0]})")
+            n = kv_cache.shape[0]   # the runtime's plan without num_slots passes an unbounded stand-in
+            bound = f"[0, {n})" if n < 1 << 62 else "[0, ...): slots are >= 0"
+            raise ValueError(f"kv_indices: slot {lo if lo < 0 else hi} out of range {bound}")
         return hi + 1
     return 0
 
@@ -138,8 +140,19 @@ def check_values(problem: VerifyProblem, kv_cache, kv_indptr, kv_indices, tree_m
 def workspace_bytes(problem: VerifyProblem, backend: str | Backend = "triton", params: Any = None) -> int:
     """Scratch bytes `verify_attention` needs for `problem` with `backend`/`params`."""
     be = get_backend(backend)
-    params = be.default_params(problem) if params is None else params
+    params = _resolve_params(be, params, problem, "params")
     return be.workspace_bytes(problem, params)
+
+
+def _resolve_params(be: Backend, params: Any, problem: VerifyProblem, what: str) -> Any:
+    """`params`, or the backend's default when None, after checking it is the backend's
+    parameter type and legal for `problem` (a ValueError naming `what` otherwise)."""
+    if params is None:
+        return be.default_params(problem)
+    if be.params_type is not None and not isinstance(params, be.params_type):
+        raise ValueError(f"{what}: backend {be.name!r} takes {be.params_type.__name__}, got {type(params).__name__}")
+    be.check_params(params, problem)
+    return params
 
 
 def verify_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, backend="triton",
@@ -172,12 +185,7 @@ def verify_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, ba
     why = be.supports(problem.device)
     if why:
         raise ValueError(f"backend: {be.name} cannot run here: {why}")
-    if params is None:
-        params = be.default_params(problem)
-    elif be.params_type is not None and not isinstance(params, be.params_type):
-        raise ValueError(f"params: backend {be.name!r} takes {be.params_type.__name__}, "
-                         f"got {type(params).__name__}")
-    be.check_params(params, problem)
+    params = _resolve_params(be, params, problem, "params")
     capturing = _is_capturing(problem.device)
     do_check = (not capturing) if check_values_ is None else check_values_
     if do_check:
@@ -222,10 +230,7 @@ def verify_attention_dispatch(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_
         why = be.supports(problem.device)
         if why:
             raise ValueError(f"launches[{i}]: {be.name} cannot run here: {why}")
-        if be.params_type is not None and not isinstance(params, be.params_type):
-            raise ValueError(f"launches[{i}]: backend {be.name!r} takes {be.params_type.__name__}, "
-                             f"got {type(params).__name__}")
-        be.check_params(params, problem)
+        params = _resolve_params(be, params, problem, f"launches[{i}]")
         if table is not None:
             _check_split_table(table, problem.device, be)
         calls.append((be, params, table))
@@ -266,9 +271,10 @@ def _check_lse(lse, problem) -> None:
 def _check_workspace(workspace, problem, need: int) -> None:
     _need_tensor(workspace, "workspace")
     have = workspace.numel() * workspace.element_size()
-    if workspace.device != problem.device or not workspace.is_contiguous() or have < need:
-        raise ValueError(f"workspace: need a contiguous tensor of >= {need} bytes on {problem.device}, "
-                         f"got {have} bytes on {workspace.device}")
+    # 1-D: the backends cut their partials out of it by byte offset
+    if workspace.device != problem.device or workspace.dim() != 1 or not workspace.is_contiguous() or have < need:
+        raise ValueError(f"workspace: need a contiguous 1-D tensor (e.g. torch.uint8) of >= {need} bytes on "
+                         f"{problem.device}, got {workspace.dim()}-D, {have} bytes on {workspace.device}")
     if workspace.data_ptr() % 16:
         raise ValueError("workspace: must start at a 16-byte aligned address (kernels use vector accesses)")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import importlib
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -43,6 +44,10 @@ class SplitTable:
     def build(max_keys: list[int], nsplit: list[int], device) -> "SplitTable":
         if len(max_keys) != len(nsplit) or not max_keys:
             raise ValueError("SplitTable needs as many NSPLIT values as bucket bounds (at least one)")
+        for name, vals in (("bounds", max_keys), ("NSPLIT values", nsplit)):   # int32 on the device
+            if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) or not -2**31 <= v < 2**31
+                   for v in vals):
+                raise ValueError(f"SplitTable {name} must be int32 integers, got {list(vals)}")
         if any(b <= a for a, b in zip(max_keys, max_keys[1:])):
             raise ValueError(f"SplitTable bounds must increase strictly, got {max_keys}")
         if any(int(n) < 0 for n in nsplit) or not any(int(n) > 0 for n in nsplit):

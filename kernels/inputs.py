@@ -63,11 +63,17 @@ def make_inputs(batch: int, draft_tokens: int, heads: int, prefix_lens: int | Se
     if generator is None:
         generator = torch.Generator().manual_seed(seed if seed is not None else
                                                   int(torch.randint(0, 2**31 - 1, (1,))))
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch: expected an int >= 1, got {batch!r}")
     if isinstance(prefix_lens, int):
         prefix_lens = [prefix_lens] * batch
     prefix_lens = [int(p) for p in prefix_lens]
     if len(prefix_lens) != batch:
         raise ValueError(f"prefix_lens: {len(prefix_lens)} values for batch={batch}")
+    if min(prefix_lens) < 0:
+        raise ValueError(f"prefix_lens: a prefix holds >= 0 keys, got {min(prefix_lens)}")
+    if isinstance(tree, str) and tree not in ("chain", "random"):
+        raise ValueError(f"tree: expected 'chain', 'random' or parent lists, got {tree!r}")
     T, H = draft_tokens, heads
     Dk = kv_lora_rank + rope_dim
     if tree == "chain":

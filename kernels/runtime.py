@@ -363,14 +363,15 @@ class VerifyAttention:
             raise ValueError(f"num_slots: expected an int >= 1 or None, got {num_slots!r}")
         problem = self._problems[B]
         do_check = self.check_values if check_values is None else check_values
-        if do_check is not False and not _is_capturing(dev):
+        if do_check and not _is_capturing(dev):
             # the one host sync of a step, outside graphs (the api's checks: one definition)
             top = api_check_values(problem, _Pool(num_slots), kv_indptr, kv_indices, tree_mask)
             slots_used = top if num_slots is None else None
         else:
             slots_used = None
         p, params, table = self._launch[B]
-        step = StepPlan(B, rows, kv_indptr, kv_indices, tree_mask, num_slots, p, params, table, problem, slots_used)
+        step = StepPlan(B, rows, kv_indptr, kv_indices, tree_mask, num_slots, p, params, table, problem, slots_used,
+                        owner=self)
         self._step = step
         return step
 
@@ -397,6 +398,9 @@ class VerifyAttention:
         if not isinstance(step, StepPlan):
             raise ValueError("plan: no StepPlan to run; call plan(kv_indptr, kv_indices, tree_mask) first"
                              if step is None else f"plan: expected a StepPlan, got {type(step).__name__}")
+        if step.owner is not self:   # its batch entry, problem and split table are another object's
+            raise ValueError("plan: made by another VerifyAttention's plan(); run a plan of this object (its workspace "
+                             "and launches are sized for its own tp, heads and max_batch)")
         dev, rows = self.device, step.rows
         if not isinstance(q, torch.Tensor) or tuple(q.shape) != (rows, self.H, self.Dk):
             raise ValueError(f"q: expected [{rows}, {self.H}, {self.Dk}] (B*T, H, Dk) for the planned B={step.B}, "
@@ -481,6 +485,8 @@ class StepPlan:
     problem: VerifyProblem
     #: without num_slots, the highest slot the checked kv_indices use + 1 (None: not read)
     slots_used: int | None = None
+    #: the VerifyAttention that made it: its workspace and launches are sized for this plan only
+    owner: Any = dataclasses.field(default=None, repr=False, compare=False)
 
 
 class _Pool:

@@ -39,8 +39,9 @@ with `check_values=True` raise instead.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import numbers
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import triton
@@ -160,6 +161,10 @@ class AdapterPlan:
     num_slots: int | None
     #: without num_slots, the highest slot the checked kv_indices and draft slots use + 1 (None: not read)
     slots_used: int | None = None
+    #: the adapter that packed it and its plan count then: every plan packs into the adapter's one
+    #: set of buffers (fixed addresses, so graphs can capture them), so only the latest can run
+    owner: Any = field(default=None, repr=False, compare=False)
+    generation: int = 0
 
 
 class SGLangVerifyAdapter:
@@ -194,6 +199,7 @@ class SGLangVerifyAdapter:
         self.allocated_bytes = v.allocated_bytes + 4 * (self.indptr.numel() + self.indices.numel() + 1) \
             + 8 * self.tree.numel()
         self._step: AdapterPlan | None = None
+        self._generation = 0
 
     @classmethod
     def from_defaults(cls, tuned=None, tp: int = 1, max_batch: int = 1, max_context: int = 131072, device=None,
@@ -246,7 +252,8 @@ class SGLangVerifyAdapter:
         B = qo_indptr.numel() - 1
         if B > v.max_batch:
             raise ValueError(f"qo_indptr: B={B} requests; this adapter serves 1..{v.max_batch}")
-        if max_len_extend is not None and (isinstance(max_len_extend, torch.Tensor) or int(max_len_extend) != T):
+        if max_len_extend is not None and (isinstance(max_len_extend, (bool, torch.Tensor)) or
+                                           not isinstance(max_len_extend, numbers.Integral) or max_len_extend != T):
             raise ValueError(f"max_len_extend: {max_len_extend!r}; this adapter was built for T={T} draft tokens")
         kv_indptr = _index_tensor(kv_indptr, "kv_indptr", dev, B + 1)
         if kv_indptr.numel() != B + 1:
@@ -268,7 +275,7 @@ class SGLangVerifyAdapter:
         if num_slots is not None and (isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1):
             raise ValueError(f"num_slots: expected an int >= 1 or None, got {num_slots!r}")
         do_check = v.check_values if check_values is None else check_values
-        if do_check is not False and not _is_capturing(dev):
+        if do_check and not _is_capturing(dev):
             slots_used = self._check_values(B, T, qo_indptr, kv_indptr, kv_indices, slots, num_slots, custom_mask,
                                             mask_indptr)
         else:
@@ -283,7 +290,8 @@ class SGLangVerifyAdapter:
         )
         # the packed buffers are right by construction (and clamped on overflow): no re-check
         vstep = v.plan(self.indptr[:B + 1], self.indices, self.tree[:B * T], check_values=False)
-        step = AdapterPlan(B, vstep, slots, write, num_slots, slots_used)
+        self._generation += 1
+        step = AdapterPlan(B, vstep, slots, write, num_slots, slots_used, owner=self, generation=self._generation)
         self._step = step
         return step
 
@@ -300,7 +308,10 @@ class SGLangVerifyAdapter:
         bf16, this layer's pool; o_extend `[B*T, H, Dv]` bf16, written; v_buffer (optional)
         must be k_buffer's first Dv columns; k_extend `[B*T, 1, Dk]` or `[B*T, Dk]` bf16,
         needed only when the plan writes the drafts' keys (scratch slots, write_draft_kv);
-        lse_extend optional `[B*T, H]` fp32; sm_scale: default 1/sqrt(Dk) (SGLang's).
+        lse_extend optional `[B*T, H]` fp32; sm_scale: default the model's (`verify.sm_scale`, from
+        the defaults file or `from_defaults(sm_scale=)`), not SGLang's 1/sqrt(Dk), which would drop
+        MLA's 1/sqrt(192) and YaRN's mscale. plan: an `AdapterPlan` from this adapter's latest
+        `plan` (default); an earlier one is refused, since each plan repacks the same buffers.
 
         Shape, dtype and device checks only; no packing, no allocation, no host sync.
         Returns o_extend (or (o_extend, lse_extend)).
@@ -310,6 +321,12 @@ class SGLangVerifyAdapter:
         if not isinstance(step, AdapterPlan):
             raise ValueError("plan: no AdapterPlan to run; call plan(qo_indptr, kv_indptr, kv_indices, ...) first"
                              if step is None else f"plan: expected an AdapterPlan, got {type(step).__name__}")
+        if step.owner is not self:
+            raise ValueError("plan: made by another SGLangVerifyAdapter; run a plan of this adapter")
+        if step.generation != self._generation:
+            raise ValueError(f"plan: superseded (plan {step.generation} of this adapter; plan {self._generation} has "
+                             "since repacked its buffers, which every plan shares so CUDA graphs can capture them); "
+                             "run the latest plan, or use one adapter per micro-batch")
         dev, rows = v.device, step.B * v.T
         for name, t, shape in (("q_extend", q_extend, (rows, v.H, v.Dk)), ("o_extend", o_extend, (rows, v.H, v.Dv))):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
@@ -328,9 +345,8 @@ class SGLangVerifyAdapter:
             _write_drafts_kernel[(step.B,)](k_ext, step.slots, kv, k_ext.stride(0), kv.stride(0), T=v.T,
                                             BLOCK_T=max(16, next_pow2(v.T)), DK=v.Dk, BLOCK_DK=next_pow2(v.Dk),
                                             num_warps=4)
-        scale = 1.0 / math.sqrt(v.Dk) if sm_scale is None else sm_scale   # SGLang's default; 0 is refused
-        try:
-            return v.run(q_extend, kv, o_extend, lse=lse_extend, sm_scale=scale, plan=step.verify_plan)
+        try:   # sm_scale None: the runtime's, the model's scale
+            return v.run(q_extend, kv, o_extend, lse=lse_extend, sm_scale=sm_scale, plan=step.verify_plan)
         except ValueError as exc:  # the runtime's checks, in the caller's argument names
             head, sep, rest = str(exc).partition(":")
             if sep and head in _RUNTIME_NAMES:
@@ -365,7 +381,8 @@ class SGLangVerifyAdapter:
         `[num_slots, Dk]` bf16; v_buffer its first Dv columns (a view); qo_indptr `[B+1]`
         (= arange*T); kv_indptr `[B+1]` int32/int64 over prefixes; kv_indices the prefix
         slots; custom_mask flat bool/uint8 (or None: is_causal picks chain or all-visible);
-        mask_indptr `[B+1]` int32/int64; max_len_extend == T.
+        mask_indptr `[B+1]` int32/int64; max_len_extend == T; sm_scale: None is the model's
+        (`verify.sm_scale`), not SGLang's 1/sqrt(Dk).
         out_cache_loc: `[>= B*T]` int32/int64, the drafts' slots in k_buffer (SGLang's
             `forward_batch.out_cache_loc`); None = use `scratch_slots` and copy k_extend there.
         write_draft_kv: also copy k_extend into `out_cache_loc` (when SGLang did not save it).
@@ -387,7 +404,8 @@ class SGLangVerifyAdapter:
         if xai_temperature_len is not None and xai_temperature_len > 0:
             raise ValueError(f"xai_temperature_len: {xai_temperature_len}; not supported")
         for name, val in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if val is not None and (isinstance(val, torch.Tensor) or float(val) != 1.0):
+            if val is not None and (isinstance(val, (bool, torch.Tensor)) or not isinstance(val, numbers.Real)
+                                    or float(val) != 1.0):
                 raise ValueError(f"{name}: {val!r}; kvtune reads an unscaled bf16 KV cache (1.0 or None). On an "
                                  "SGLang without k_scale/v_scale arguments pass sm_scale= by keyword")
         if not isinstance(q_extend, torch.Tensor) or q_extend.dim() != 3:
@@ -425,6 +443,9 @@ class SGLangVerifyAdapter:
             raise ValueError(f"k_buffer: expected bf16, got {kv.dtype} (kvtune's kernels read a bf16 KV cache; "
                              "an fp8 one is not supported yet)")
         if v_buffer is not None:
+            if not isinstance(v_buffer, torch.Tensor):
+                raise ValueError(f"v_buffer: expected a view of k_buffer's first {Dv} columns (MLA) or None, got "
+                                 f"{type(v_buffer).__name__}")
             vb = v_buffer[:, 0, :] if v_buffer.dim() == 3 and v_buffer.shape[1] == 1 else v_buffer
             if vb.dim() != 2 or vb.data_ptr() != kv.data_ptr() or vb.shape[1] != Dv or vb.stride(0) != kv.stride(0):
                 raise ValueError(f"v_buffer: must be a view of k_buffer's first {Dv} columns (MLA); got "
@@ -460,8 +481,27 @@ class SGLangVerifyAdapter:
                 raise ValueError(f"{name}: slot {bad} out of range [0, {num_slots if num_slots is not None else 'inf'})"
                                  " (num_slots)")
             top = max(top, hi + 1)
+        _check_draft_slots(kv_indices[int(ip[0]):int(ip[-1])], slots[:B * T],
+                           "scratch_slots" if slots is self.scratch_slots else "out_cache_loc")
         # without num_slots, run refuses a k_buffer these slots would read or write past
         return top if num_slots is None else None
+
+
+def _check_draft_slots(prefix: torch.Tensor, drafts: torch.Tensor, name: str) -> None:
+    """A ValueError naming `name` unless the B*T draft slots are distinct and none is a prefix slot:
+    a draft slot shared with a prefix key (or another draft) would be read as both, and where
+    `run` writes the drafts' keys it would overwrite the other key in the pool."""
+    d = drafts.to(torch.int64)
+    if torch.unique(d).numel() != d.numel():
+        vals, counts = torch.unique(d, return_counts=True)
+        raise ValueError(f"{name}: slot {int(vals[counts > 1][0])} is given to two draft tokens; each draft needs "
+                         "its own slot")
+    if prefix.numel():
+        shared = torch.isin(d, prefix.to(torch.int64))
+        if bool(shared.any()):
+            i = int(torch.nonzero(shared)[0])
+            raise ValueError(f"{name}: slot {int(d[i])} (draft row {i}) is also a prefix slot in kv_indices; a "
+                             "draft's key must live in a slot of its own")
 
 
 def _custom_mask_args(custom_mask, mask_indptr, B: int, T: int, dev) -> tuple[torch.Tensor, torch.Tensor]:

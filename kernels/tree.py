@@ -6,6 +6,7 @@ sees its ancestors and itself. The prefix is always visible and is not in the ma
 """
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 import torch
@@ -19,6 +20,8 @@ def _row_bits(parents: Sequence[int], where: str) -> list[int]:
         raise ValueError(f"parents{where}: need 1..{MAX_DRAFT_TOKENS} draft tokens, got {T}")
     bits: list[int] = []
     for i, p in enumerate(parents):
+        if isinstance(p, bool) or not isinstance(p, numbers.Integral):   # 0.5 would silently become 0
+            raise ValueError(f"parents{where}[{i}] = {p!r}: a parent must be an int")
         p = int(p)
         if not -1 <= p < i:
             raise ValueError(f"parents{where}[{i}] = {p}: a parent must be -1 (root) or an earlier node (< {i})")

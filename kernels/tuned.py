@@ -252,24 +252,17 @@ def check_keys(src, key, d, allowed, required=(), error: type[ValueError] = Sche
     return d
 
 
-def parse_tuned(data: Any, source: str = "<memory>", check_params: bool = True,
-                legacy_names: bool = False) -> TunedDefaults:
-    """Validate a parsed YAML document and build `TunedDefaults` (SchemaError on any problem).
-
-    check_params: also build each entry's parameter dataclass (its declaration checks it).
-    legacy_names: give parameters a backend has renamed (`backends.RENAMED_PARAMS`, e.g.
-        Triton's BLOCK_H -> HEADS_PER_BLOCK) their current names, for reading committed
-        evidence written before the rename. Off (serving): an old name is an error naming
-        the current one.
-    """
-    src = source
+def _parse_head(src: str, data: Any) -> tuple[dict, dict, dict]:
+    """The document's top level, `model` and `provenance`, checked (SchemaError naming the key)."""
     d = check_keys(src, "<top>", data, ("schema_version", "deployment", "model", "provenance", "entries"),
           ("schema_version", "deployment", "model", "provenance", "entries"))
-    if d["schema_version"] != SCHEMA_VERSION:
+    if type(d["schema_version"]) is not int or d["schema_version"] != SCHEMA_VERSION:   # not 1.0, not true
         raise _err(src, "schema_version", f"expected {SCHEMA_VERSION}, got {d['schema_version']!r}")
     if not isinstance(d["deployment"], str) or not d["deployment"]:
         raise _err(src, "deployment", f"expected a non-empty string, got {d['deployment']!r}")
     model = check_keys(src, "model", d["model"], MODEL_KEYS, MODEL_KEYS[1:])
+    if "name" in model and not isinstance(model["name"], str):
+        raise _err(src, "model.name", f"expected a string, got {model['name']!r}")
     for k in ("num_heads", "kv_lora_rank", "qk_rope_head_dim", "draft_tokens"):
         _int(src, f"model.{k}", model[k])
     if model["draft_tokens"] > MAX_DRAFT_TOKENS:
@@ -281,7 +274,27 @@ def parse_tuned(data: Any, source: str = "<memory>", check_params: bool = True,
                       ("device_name", "arch", "kernel_hash", "date"))
     if not isinstance(prov["arch"], str) or not (prov["arch"].startswith("sm_") or prov["arch"] == "cpu"):
         raise _err(src, "provenance.arch", f"expected e.g. 'sm_90' (or 'cpu'), got {prov['arch']!r}")
-    _mapping(src, "provenance.kernel_hash", prov["kernel_hash"])
+    for k in ("device_name", "date"):   # an unquoted date would load as a datetime
+        if not isinstance(prov[k], str) or not prov[k]:
+            raise _err(src, f"provenance.{k}", f"expected a non-empty (quoted) string, got {prov[k]!r}")
+    for name, h in _mapping(src, "provenance.kernel_hash", prov["kernel_hash"]).items():
+        if not isinstance(h, str) or not h:
+            raise _err(src, f"provenance.kernel_hash.{name}", f"expected the source hash as a string, got {h!r}")
+    return d, model, prov
+
+
+def parse_tuned(data: Any, source: str = "<memory>", check_params: bool = True,
+                legacy_names: bool = False) -> TunedDefaults:
+    """Validate a parsed YAML document and build `TunedDefaults` (SchemaError on any problem).
+
+    check_params: also build each entry's parameter dataclass (its declaration checks it).
+    legacy_names: give parameters a backend has renamed (`backends.RENAMED_PARAMS`, e.g.
+        Triton's BLOCK_H -> HEADS_PER_BLOCK) their current names, for reading committed
+        evidence written before the rename. Off (serving): an old name is an error naming
+        the current one.
+    """
+    src = source
+    d, model, prov = _parse_head(src, data)
     entries_raw = d["entries"]
     if not isinstance(entries_raw, list) or not entries_raw:
         raise _err(src, "entries", "expected a non-empty list")
@@ -302,6 +315,8 @@ def parse_tuned(data: Any, source: str = "<memory>", check_params: bool = True,
         if e["backend"] not in BACKEND_NAMES:
             raise _err(src, f"{key}.backend", f"expected one of {list(BACKEND_NAMES)}, got {e['backend']!r}")
         params = _mapping(src, f"{key}.params", e["params"])
+        if check_params and e["backend"] == "reference" and params:
+            raise _err(src, f"{key}.params", f"backend 'reference' takes no parameters, got {sorted(params)}")
         if legacy_names:
             from .backends import rename_legacy_params
             params = rename_legacy_params(e["backend"], params)
@@ -418,6 +433,11 @@ def load_tuned(path: str | os.PathLike, check_params: bool = True, legacy_names:
         raise SchemaError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
                           "save the file as UTF-8") from None
     if text.startswith(EXPORT_HEADER) and text.rstrip().rsplit("\n", 1)[-1] != EXPORT_TRAILER:
+        lines = text.split("\n")
+        if EXPORT_TRAILER in lines:
+            raise SchemaError(f"{path}: line {lines.index(EXPORT_TRAILER) + 1} is the end marker "
+                              f"{EXPORT_TRAILER!r}, but text follows it; an exported file ends there (put "
+                              "notes above it, or in another file)")
         raise SchemaError(f"{path}: cut short: an exported file ends with the line {EXPORT_TRAILER!r}, and "
                           "this one does not (copy it again, or export again)")
     try:

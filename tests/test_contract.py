@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from kvtune.kernels import (SplitTable, backend_names, get_backend, make_inputs, reference_attention, rel_error,
-                            verify_attention)
+from kvtune.kernels import (SplitTable, backend_names, describe_problem, get_backend, make_inputs,
+                            reference_attention, rel_error, verify_attention, workspace_bytes)
+from kvtune.kernels.cuda.params import CudaParams
 
 TOL = 1e-2
 
@@ -143,6 +144,12 @@ def test_misuse_of_outputs_workspace_and_split_table_is_named():
     ws = torch.empty(1 << 24, dtype=torch.uint8, device=DEVICE)
     with pytest.raises(ValueError, match="^workspace: must start at a 16-byte"):
         verify_attention(*x.args, backend="triton", workspace=ws[4:])
+    # enough bytes, but 2-D: the backends cut partials out of it by byte offset
+    with pytest.raises(ValueError, match="^workspace: need a contiguous 1-D tensor .* got 2-D"):
+        verify_attention(*x.args, backend="triton", workspace=ws.view(1 << 12, 1 << 12))
+    problem = describe_problem(*x.args)
+    with pytest.raises(ValueError, match="^params: backend 'triton' takes TritonParams, got CudaParams"):
+        workspace_bytes(problem, "triton", CudaParams())
     bad = SplitTable(max_keys=torch.tensor([10, 20, 30], dtype=torch.int32, device=DEVICE),
                      nsplit=torch.tensor([1], dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="^split_table: needs as many"):

@@ -116,3 +116,17 @@ def test_model_shape():
         m.heads_per_rank(3)
     with pytest.raises(ValueError, match="draft_tokens"):
         ModelShape(num_heads=8, draft_tokens=65)
+
+
+@pytest.mark.parametrize("call_,match", [
+    (lambda: make_inputs(2, 3, 4, 5, tree="chian"), "^tree: expected 'chain', 'random'"),
+    (lambda: make_inputs(0, 3, 4, 5), "^batch: expected an int >= 1, got 0"),
+    (lambda: make_inputs(2, 3, 4, [5, -1]), "^prefix_lens: a prefix holds >= 0 keys, got -1"),
+    (lambda: tree_mask_from_parents([-1, 0.5]), r"^parents\[1\] = 0.5: a parent must be an int"),
+    (lambda: tree_mask_from_parents([[-1, 0], [-1, True]]), r"^parents\[1\]\[1\] = True"),
+])
+def test_input_builders_name_what_is_wrong(call_, match):
+    """A typo in a tree name, an empty batch, a negative prefix or a fractional parent is an
+    error, not inputs that silently differ from what was asked for."""
+    with pytest.raises(ValueError, match=match):
+        call_()

@@ -82,6 +82,18 @@ def test_runs_pick_their_plan(device, va):
     assert rel_error(va.run(b.q, b.kv_cache), reference_attention(*b.args)[0]) < TOL
 
 
+def test_run_refuses_another_objects_plan(device, va):
+    """A plan binds its batch entry and workspace layout: another VerifyAttention's plan (here
+    one of a larger max_batch, so a batch this object's workspace was not sized for) is refused."""
+    other = VerifyAttention.from_defaults(tuned(device), tp=1, max_batch=4, max_context=300, device=device,
+                                          warmup=False)
+    inp = make_inputs(2, T, H, [40, 120], tree="random", seed=4, device=device, sm_scale=va.sm_scale)
+    foreign = other.plan(*inp.args[2:5])
+    with pytest.raises(ValueError, match="plan: made by another VerifyAttention"):
+        va.run(inp.q, inp.kv_cache, plan=foreign)
+    assert rel_error(other.run(inp.q, inp.kv_cache), reference_attention(*inp.args)[0]) < TOL
+
+
 def _plan_errors(device):
     """(what, call(va, inp) that must raise, text the message must hold)."""
     i32, i64 = torch.int32, torch.int64
@@ -278,6 +290,25 @@ def test_adapter_plan_names_bad_metadata(device, ad, what, match):
         kw["num_slots"] = -1
     with pytest.raises(ValueError, match=match):
         ad.plan(*args, **kw)
+
+
+def test_adapter_runs_only_its_latest_plan(device, ad):
+    """Every adapter plan packs into the same buffers: after plan B, plan A's packed indices
+    are gone, so running A is refused (not a silent read of B's slots); so is another adapter's."""
+    a_inp = make_inputs(2, T, H, [20, 30], tree="random", seed=11, device=device, sm_scale=ad.verify.sm_scale)
+    b_inp = make_inputs(3, T, H, [200, 5, 90], tree="random", seed=12, device=device, sm_scale=ad.verify.sm_scale)
+    (a, aloc), (b, bloc) = _sglang(a_inp), _sglang(b_inp)
+    pa = ad.plan(a["qo_indptr"], a["kv_indptr"], a["kv_indices"], a["custom_mask"], a["mask_indptr"],
+                 out_cache_loc=aloc)
+    pb = ad.plan(b["qo_indptr"], b["kv_indptr"], b["kv_indices"], b["custom_mask"], b["mask_indptr"],
+                 out_cache_loc=bloc)
+    with pytest.raises(ValueError, match=r"plan: superseded \(plan \d+ of this adapter; plan \d+ has since"):
+        ad.run(a["q_extend"], a["k_buffer"], a["o_extend"], plan=pa)
+    o = ad.run(b["q_extend"], b["k_buffer"], b["o_extend"], plan=pb)
+    assert rel_error(o, reference_attention(*b_inp.args)[0]) < TOL
+    other = _built(SGLangVerifyAdapter)
+    with pytest.raises(ValueError, match="plan: made by another SGLangVerifyAdapter"):
+        other.run(b["q_extend"], b["k_buffer"], b["o_extend"], plan=pb)
 
 
 def test_adapter_run_names_shapes_that_do_not_match_the_plan(device, ad):

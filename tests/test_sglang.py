@@ -173,9 +173,12 @@ def test_env_off_returns_none(device, monkeypatch):
     assert adapter(device) is None
 
 
-def test_default_sm_scale_is_sglangs(device, shared):
+def test_default_sm_scale_is_the_models(device, shared):
+    """No sm_scale: the model's (0.0721 in the tuned file), not SGLang's 1/sqrt(Dk), which
+    would drop MLA's 1/sqrt(192) and any mscale and give a silently different softmax."""
     ad = shared
-    inp = make_inputs(1, T, H, [40], seed=3, device=device, sm_scale=1 / math.sqrt(DK))
+    assert ad.verify.sm_scale == 0.0721 and abs(0.0721 - 1 / math.sqrt(DK)) > 0.02
+    inp = make_inputs(1, T, H, [40], seed=3, device=device, sm_scale=0.0721)
     a, loc = sglang_args(inp)
     a["sm_scale"] = None
     assert rel_error(ad(**a, out_cache_loc=loc), reference_attention(*inp.args)[0]) < TOL
@@ -200,6 +203,13 @@ def test_default_sm_scale_is_sglangs(device, shared):
     # an fp16 (or fp8) pool beside SGLang's bf16 k_extend names the pool, not k_extend
     (dict(k_buffer="fp16", v_buffer=None), r"^k_buffer: expected bf16, got torch.float16"),
     (dict(sm_scale=0.0), r"sm_scale: expected a positive finite float, got 0.0"),
+    (dict(max_len_extend=T + 0.5), "max_len_extend"),
+    (dict(max_len_extend="9"), "max_len_extend"),
+    (dict(k_scale="x"), "k_scale"),
+    (dict(v_buffer=[1]), "v_buffer: expected a view of k_buffer's first 512 columns"),
+    # a draft slot that is also a prefix slot (the pool would hold one key for both), or given twice
+    (dict(out_cache_loc="prefix"), r"out_cache_loc: slot \d+ \(draft row 3\) is also a prefix slot"),
+    (dict(out_cache_loc="twice"), r"out_cache_loc: slot \d+ is given to two draft tokens"),
 ])
 def test_bad_arguments_are_named(device, shared, change, match):
     ad = shared
@@ -221,6 +231,12 @@ def test_bad_arguments_are_named(device, shared, change, match):
             v = loc[:-1] if k == "out_cache_loc" else a["k_extend"][:-1]
         elif v == "fp16":
             v = a[k].to(torch.float16)
+        elif v == "prefix":
+            v = loc.clone()
+            v[3] = a["kv_indices"][7]
+        elif v == "twice":
+            v = loc.clone()
+            v[4] = v[2]
         a[k] = v
     with pytest.raises(ValueError, match=match):
         ad(**a)
