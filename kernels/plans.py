@@ -106,6 +106,15 @@ def _usable_backend(name: str, device: torch.device, what: str) -> Backend:
     return be
 
 
+def _fallback_hint(fallback: str, device) -> str:
+    """The allow_mismatch hint, where the fallback backend can run here (else it would fail alike)."""
+    try:
+        _usable_backend(fallback, device, "fallback")
+    except ValueError:
+        return ""
+    return f" (allow_mismatch=True falls back to {fallback}'s defaults)"
+
+
 def _plan_from_entry(e: TunedEntry, forced: str | None, fallback: str, allow_mismatch: bool, kw: dict,
                      max_batch: int, source: str) -> Plan:
     """A Plan from one YAML entry. The entry's parameters and split table, unless
@@ -124,7 +133,7 @@ def _plan_from_entry(e: TunedEntry, forced: str | None, fallback: str, allow_mis
                 usable[name] = _usable_backend(name, kw["device"], f"{source}: backend")
         except ValueError as err:
             if forced is not None or not allow_mismatch:
-                raise ValueError(f"{err} (allow_mismatch=True falls back to {fallback}'s defaults)") from None
+                raise ValueError(f"{err}{_fallback_hint(fallback, kw['device'])}") from None
             why = f"{err}; falling back to {fallback}"
     if overridden or why is not None:
         be = _usable_backend(fallback, kw["device"], f"{ENV_VERIFY}={forced}" if forced else "backend")

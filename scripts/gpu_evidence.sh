@@ -26,6 +26,8 @@
 #   bash scripts/gpu_evidence.sh phases       # the fixed cost placed: split and merge apart, and source
 #                                             # variants with one stage left out, at 256-64k (or the
 #                                             # time_phases.py arguments given)
+#   bash scripts/gpu_evidence.sh cluster-merge  # the split partials combined through DSMEM in clusters of
+#                                             # C CTAs, against the staged store (sm_90; the probe only)
 #   bash scripts/gpu_evidence.sh proxy        # the sm_120 proxy: every config that fits sm_120, timed here
 #                                             # with sm_120's shared memory per SM, beside this GPU's default
 #   bash scripts/gpu_evidence.sh tpe-vs-grid  # (carry .whl) the search against an exhaustive grid at tp 8
@@ -39,7 +41,7 @@
 # every batch bucket at tp 8 and 4, then batch 1 at tp 2 and 1).
 set -u
 OUT=${OUT:?}
-step=${1:?say kernel, sweep, serving, dispatch, tests, sanitize, limits, phases, proxy, tpe-vs-grid or workers}; shift
+step=${1:?say kernel, sweep, serving, dispatch, tests, sanitize, limits, phases, cluster-merge, proxy, tpe-vs-grid or workers}; shift
 kv="python3 -m kvtune.tuner.cli"
 dep_name=${DEP:-kimi-k2-h200}   # the sweep step's deployment; the others are kimi-k2-h200's
 dep=configs/deployments/$dep_name.yaml
@@ -281,6 +283,14 @@ phases)
   part ${PHASES_S:-200} python3 scripts/time_phases.py --out $OUT "${args[@]}" > $OUT/phases.log 2>&1
   echo "phases rc=$?" >> $OUT/phases.log; tail -n 28 $OUT/phases.log
   ;;
+cluster-merge)
+  # issue 12's on-chip combine of a request's split partials (thread-block clusters, DSMEM), the
+  # epilogue alone against the staged store (sm_90) -> results/kernel/wgmma/cluster-merge-probe/
+  . scripts/device_env.sh tree
+  env_log
+  part ${PROBE_S:-240} python3 scripts/cluster_merge_probe.py --out $OUT "$@" > $OUT/cluster_merge_probe.log 2>&1
+  echo "cluster_merge_probe rc=$?" >> $OUT/cluster_merge_probe.log; tail -n 20 $OUT/cluster_merge_probe.log
+  ;;
 proxy)
   . scripts/device_env.sh tree
   part ${PROXY_S:-300} python3 scripts/bench_proxy.py --out $OUT "$@" > $OUT/proxy.log 2>&1
@@ -313,5 +323,5 @@ workers)
     $kv export kimi-k2-h200 --out $OUT/workers$w >> $OUT/workers$w.log 2>&1
   done
   ;;
-*) echo "gpu_evidence.sh: unknown step '$step' (kernel | sweep | serving | tests | limits | phases | proxy | tpe-vs-grid | workers)" >&2; exit 2 ;;
+*) echo "gpu_evidence.sh: unknown step '$step' (kernel | sweep | serving | dispatch | tests | sanitize | limits | phases | cluster-merge | proxy | tpe-vs-grid | workers)" >&2; exit 2 ;;
 esac

@@ -178,6 +178,25 @@ def test_report_storage_elsewhere(swept, tmp_path):
     assert "Source: Optuna storage sqlite:///" in page and "elsewhere.db" in page
 
 
+def test_report_storage_that_is_not_there_or_not_a_storage(swept, tmp_path, capsys):
+    """A --storage naming no file is an error (opening it would create an empty one and review
+    nothing, as if the sweep had no studies); an unopenable URL is one too, naming it."""
+    missing = tmp_path / "nope.db"
+    assert kvtune_main(["report", str(swept), "--out", str(tmp_path / "r"), "--storage", f"sqlite:///{missing}"]) == 2
+    assert f"--storage sqlite:///{missing}: no such file" in capsys.readouterr().err
+    assert not missing.exists()
+    assert kvtune_main(["report", str(swept), "--out", str(tmp_path / "r"), "--storage", "bogus://x"]) == 2
+    assert "--storage bogus://x: cannot open it as a study storage" in capsys.readouterr().err
+
+
+def test_report_names_the_error_of_a_deployment_file(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    assert kvtune_main(["report", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "bad.yaml" in err and "not valid YAML" in err and "neither a results folder" not in err
+
+
 def test_report_all_pruned(all_pruned, tmp_path):
     page, plots = _report(all_pruned, tmp_path / "report")
     assert plots == {"outcomes"}  # nothing else has a number to plot; no empty axes are written

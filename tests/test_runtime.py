@@ -404,6 +404,12 @@ def test_unrunnable_entry_backend_falls_back_only_when_allowed(device, caplog):
     tuned = parse_tuned(d, "mem", check_params=False)
     with pytest.raises(ValueError, match="cuda"):
         VerifyAttention.from_defaults(tuned, tp=TP, max_batch=1, max_context=128, device=device, warmup=False)
+    # this checkout's cuda source: the entry's backend is what cannot run; the hint is given
+    # because the fallback runs here (Triton under its interpreter, as the tests run it)
+    d["provenance"]["kernel_hash"]["cuda"] = lookup.backend_kernel_hash("cuda")
+    with pytest.raises(ValueError, match=r"backend 'cuda' cannot .*\(allow_mismatch=True falls back to triton's "):
+        VerifyAttention.from_defaults(parse_tuned(d, "mem", check_params=False), tp=TP, max_batch=1,
+                                      max_context=128, device=device, warmup=False)
     with caplog.at_level(logging.WARNING, logger="kvtune.runtime"):
         va = VerifyAttention.from_defaults(tuned, tp=TP, max_batch=1, max_context=128, device=device,
                                            allow_mismatch=True)

@@ -66,6 +66,7 @@ def test_shipped_devices_load():
 
 @pytest.mark.parametrize("mutate, key", [
     (lambda d: d.update(bogus=1), "bogus"),
+    (lambda d: d.update(name=".."), "name"),        # <out>/.. would put the run's files beside --out
     (lambda d: d.pop("tp"), "missing key(s) ['tp']"),
     (lambda d: d.update(tp=[3]), "tp[0]"),
     (lambda d: d.update(contexts=[300, 64]), "contexts"),

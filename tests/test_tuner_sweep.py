@@ -15,6 +15,7 @@ from export_oracle import check_export  # the export's choice worked out from th
 
 from kvtune.kernels.tuned import load_tuned
 from kvtune.tuner.cli import main
+from kvtune.tuner.config import ConfigError
 from kvtune.tuner.export import export_deployment
 from kvtune.tuner.sweep import SweepOptions, run_sweep
 from kvtune.tuner.table import read_trials
@@ -219,6 +220,41 @@ def test_interrupted_sweep_resumes_without_repeating(tmp_path):
     third = run_sweep(dep, SweepOptions(**kw))
     assert third.measured_now == 0, "a finished sweep re-ran trials"
 
+    # the re-measurement's rows live only in the table: a table that lost them (damaged, cut)
+    # gets them measured again, not a winner judged on what is left
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [ln for ln in lines if ",remeasure," not in ln]
+    lost = len(lines) - len(kept)
+    assert lost > 0
+    path.write_text("".join(kept))
+    fourth = run_sweep(dep, SweepOptions(**kw))
+    assert fourth.measured_now == lost
+    assert (read_trials(path)["phase"] == "remeasure").sum() == lost
+
+    # studies gone (deleted, or another storage opened) while the table holds their trials:
+    # searching on would number new trials over the recorded ones; refused, naming the table
+    (tmp_path / "results" / "resume" / "studies.db").unlink()
+    with pytest.raises(ConfigError, match=r"trials.csv: holds \d+ trial\(s\) of study .* that the study storage"):
+        run_sweep(dep, SweepOptions(**kw))
+
+
+def test_export_waits_for_a_complete_sweep(tmp_path, caplog):
+    """`kvtune sweep --export` that stops early (a measurement or time limit, Ctrl-C) exports
+    nothing: a half-searched bucket would replace the last good export's entry. Resumed to the
+    end, it exports."""
+    dep = _deployment(tmp_path, name="halfway", tp=[8], contexts=[64, 300], trials=3)
+    spaces = _space(tmp_path, {"NSPLIT": [1, 2], "BLOCK_N": [32], "HEADS_PER_BLOCK": [1], "NUM_WARPS": [4],
+                               "STAGES": [1, 2]}, [NO_EMPTY])
+    out = tmp_path / "results"
+    argv = ["sweep", str(dep), "--device", "cpu", "--out", str(out), "--space-dir", str(spaces), "--rounds", "1",
+            "--remeasure-top", "1", "--no-progress", "--in-process", "--export"]
+    assert main(argv + ["--max-measurements", "4"]) == 0   # the first study finished, the second did not
+    yaml_path = out / "halfway" / "halfway.yaml"
+    assert not yaml_path.exists()
+    assert "--export: not exported, the sweep stopped" in caplog.text
+    assert main(argv) == 0
+    assert load_tuned(yaml_path).entries
+
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_ctrl_c_loses_no_finished_trial(tmp_path, sig):
@@ -417,5 +453,8 @@ def test_export_after_a_stopped_sweep_names_what_is_missing(tmp_path, capsys):
     check_export(yaml.safe_load((tmp_path / "stopped (time limit of 6 min)" / "kimi-k2-h200" / "kimi-k2-h200.yaml")
                                 .read_text()), full[~gap])
     backends, err = export(full, "complete")
-    assert "warning" not in err
+    # v1's sources are gone: said once per backend; nothing else is warned
+    warned = [ln for ln in err.splitlines() if ln.startswith("warning")]
+    assert [ln.split(":")[1].strip() for ln in warned] == ["triton", "cuda"]
+    assert all("this checkout's" in ln and "the runtime refuses the exported entries" in ln for ln in warned)
     check_export(yaml.safe_load((tmp_path / "complete" / "kimi-k2-h200" / "kimi-k2-h200.yaml").read_text()), full)

@@ -139,12 +139,16 @@ def _cmd_calibrate(args) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA GPU is visible to torch here (calibrate this machine with "
                          "--device cpu, or run on the GPU's machine)")
+    for flag, p in (("--path", args.path), ("--out-dir", args.out_dir)):   # before the measurement, not after
+        if p and (Path(p).is_dir() if flag == "--path" else Path(p).exists() and not Path(p).is_dir()):
+            raise ValueError(f"{flag} {p}: is a {'folder' if flag == '--path' else 'file'}")
     prof = calibrate(device, args.name, args.reps)
-    dest = Path(args.path) if args.path else CONFIG_DIR / "devices" / f"{prof.name}-calibrated.yaml"
+    # under --out-dir (git-ignored runs/configs), named as the profile inside names itself
+    dest = Path(args.path) if args.path else Path(args.out_dir) / "devices" / f"{prof.name}.yaml"
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(yaml.safe_dump(prof.to_dict(), sort_keys=False))
     print(f"{prof.device_name} ({prof.arch}): read {prof.read_gbps} GB/s, bf16 {prof.bf16_tflops} TFLOP/s "
-          f"-> {dest}")
+          f"-> {dest} (a deployment takes it as `device: {dest}`)")
     return 0
 
 
@@ -153,12 +157,13 @@ def register(subparsers) -> None:
                               description=__doc__)
     p.add_argument("--device", choices=("cuda", "cpu"))
     p.add_argument("--name", help="profile name (default: from the device name)")
-    p.add_argument("--path", help="output file (default configs/devices/<name>-calibrated.yaml)")
+    p.add_argument("--path", help="output file (default <--out-dir>/devices/<name>.yaml)")
     p.add_argument("--reps", type=positive_int("--reps"), default=10)
     p.add_argument("--deployment-for", metavar="FAMILY",
                    help="print the deployment file to sweep this GPU with: the shipped FAMILY-*.yaml (e.g. kimi-k2) "
                         "whose device profile names this GPU, else one for it written under --out-dir after "
                         "measuring its ceilings")
     p.add_argument("--out-dir", default="runs/configs",
-                   help="where --deployment-for writes devices/ and deployments/ (default runs/configs)")
+                   help="where the profile (devices/) and --deployment-for's deployment (deployments/) are written "
+                        "(default runs/configs, git-ignored)")
     p.set_defaults(func=_cmd_calibrate)

@@ -44,9 +44,12 @@ def main(argv=None) -> int:
     set_level(args.verbose, args.quiet)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:   # OSError's text names the path (permission, a folder for a file, ...)
         print(f"kvtune {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:   # the sweep handles its own; any other command has nothing half-written to keep
+        print(f"kvtune {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -264,7 +264,7 @@ def _space_dir(sp: Any, src: str, path: Path | None) -> str:
 def parse_deployment(d: Any, src: str, path: Path | None = None) -> Deployment:
     check_keys(src, "<top>", d, _DEP_KEYS, _DEP_REQUIRED)
     name = d["name"]
-    if not isinstance(name, str) or not name or any(c in name for c in "/\\ |"):
+    if not isinstance(name, str) or not name or name in (".", "..") or any(c in name for c in "/\\ |"):
         raise _err(src, "name", f"expected a file-name-safe non-empty string, got {name!r}")
     m = check_keys(src, "model", d["model"], _MODEL_KEYS, ("name", "num_heads", "draft_tokens"))
     if not isinstance(m["name"], str) or not m["name"]:

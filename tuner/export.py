@@ -401,9 +401,23 @@ def _latest_source(df, warn: bool = True):
                             "and a sweep then re-tunes it)", be, int((hashes != latest).sum()),
                             sorted(set(hashes[hashes != latest])), latest, be)
             rows = rows[hashes == latest]
+        current = _current_source(be)
+        if warn and latest and current and latest != current:
+            log.warning("%s: its trials were measured on kernel source %s, this checkout's %s source is %s: the "
+                        "runtime refuses the exported entries of %s (provenance) until it is swept again "
+                        "(`kvtune sweep ... --retune-stale`)", be, latest, be, current, be)
         keep.append(rows)
     import pandas as pd
     return pd.concat(keep).sort_index()
+
+
+def _current_source(backend: str) -> str | None:
+    """This checkout's kernel source hash of `backend` (None: unknown here, or no kernel)."""
+    from kvtune.kernels.lookup import backend_kernel_hash
+    try:
+        return backend_kernel_hash(backend)
+    except (ImportError, ValueError, OSError):
+        return None
 
 
 def _pick_with_dispatch(df, backends, tp, bs, contexts, T, checker, rnd):

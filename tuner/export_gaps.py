@@ -10,6 +10,7 @@ from kvtune.kernels.tuned import BACKEND_NAMES
 
 from .config import Deployment
 from .log import get_logger
+from .runlock import unfinished_sweep
 from .study import ALL_PRUNED, all_pruned_note, pruned_summary
 from .table import read_jsonl
 
@@ -20,7 +21,11 @@ MAX_NAMED = 6   # buckets an error names one by one before it counts the rest
 def warn_incomplete(df, dep: Deployment, out_dir: Path) -> None:
     """Say when the last sweep stopped and which buckets have no trials."""
     status = last_sweep_status(out_dir)
-    if status and status.startswith(ALL_PRUNED):
+    unfinished = unfinished_sweep(out_dir)
+    if unfinished:   # runs.jsonl only has the sweeps that ended
+        log.warning("the last sweep into %s %s: studies it did not finish are missing below; run the same sweep "
+                    "command again to resume it, then export again", out_dir, unfinished)
+    elif status and status.startswith(ALL_PRUNED):
         log.warning("the last sweep into %s ended %r: fix the deployment or the search space (the sweep's summary "
                     "gives the prune reasons), then sweep again into a new --out", out_dir, status)
     elif status and status != "complete":

@@ -128,6 +128,8 @@ def add_sweep_arguments(p, worker: bool = False) -> None:
                    "measure every feasible config (exhaustive grid; to check TPE against, use another --out)")
     p.add_argument("--max-minutes", type=non_negative_minutes("--max-minutes"),
                    help=None if worker else "stop (resumably, like Ctrl-C) after this much wall time")
+    p.add_argument("--max-measurements", type=non_negative_int("--max-measurements"),
+                   help=None if worker else "stop (resumably, like Ctrl-C) after this many measurements in this run")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--heartbeat", type=int, default=10, help="seconds between a worker's heartbeats (default 10)")
     p.add_argument("--other-device", action="store_true", help=None if worker else
@@ -145,5 +147,6 @@ def options_from_args(args) -> SweepOptions:
                         rounds=getattr(args, "rounds", 3), isolate=not getattr(args, "in_process", False),
                         trial_timeout_s=args.trial_timeout,
                         progress=not (args.no_progress or getattr(args, "quiet", 0)),
-                        max_minutes=args.max_minutes, compile_workers=args.compile_workers, grid=args.grid,
+                        max_minutes=args.max_minutes, max_measurements=args.max_measurements,
+                        compile_workers=args.compile_workers, grid=args.grid,
                         retune_stale=getattr(args, "retune_stale", False), other_device=args.other_device)

@@ -211,6 +211,7 @@ class StudyLoop:
                 study._storage.set_trial_user_attr(t._trial_id, "interrupted", True)
                 study.tell(t.number, state=TS.FAIL)
         self._check_dists(study, name, plan)
+        self._check_storage_holds_table(study, name)
         self._reconcile(study)
         self._enqueue_start(study, plan, key)
         return True
@@ -224,6 +225,20 @@ class StudyLoop:
             raise ConfigError(f"{plan.space.source}: the search space of {plan.space.backend} changed since study "
                               f"{name!r} was created in {redact_url(self.storage_url)}; sweep into a new "
                               "--storage/--out, or delete it")
+
+    def _check_storage_holds_table(self, study, name):
+        """Every search row of the table is a trial of the study: rows the storage lacks mean its
+        studies were deleted or another storage was opened, and searching on would number new
+        trials over the recorded ones (duplicate rows, two sweeps mixed in one export)."""
+        numbers = {t.number for t in study.get_trials(deepcopy=False)}
+        lost = sorted({int(k[2]) for k in self.table.keys if k[0] == name and k[1] == "search"
+                       and k[2].isdigit()} - numbers)
+        if lost:
+            raise ConfigError(
+                f"{self.table.path}: holds {len(lost)} trial(s) of study {name!r} (trial {lost[0]}, ...) that the "
+                f"study storage {redact_url(self.storage_url)} lacks: its studies were deleted, or this sweep opened "
+                "another storage than the one that recorded them (a --workers sweep keeps them in studies.journal). "
+                "Pass that storage with --storage, or move the trials table aside to sweep afresh")
 
     def _enqueue_start(self, study, plan: StudyPlan, key):
         """Queue the baseline, the warm starts and the grid, each unless measured, queued or

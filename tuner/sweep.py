@@ -39,6 +39,7 @@ from .runner import Runner
 from .space import load_space, problem_env
 from .strategy import params_key
 from .study import ALL_PRUNED, StudyLoop, compile_key, dead_buckets
+from .runlock import RunLock
 from .table import TrialsTable, append_jsonl, scan_table
 
 log = get_logger(__name__)
@@ -127,7 +128,11 @@ class Sweep(StudyLoop):
     skipped = property(lambda self: self.runner.skipped)
 
     def _default_storage(self) -> str:
-        return f"sqlite:///{self.out_dir / 'studies.db'}"
+        db, journal = self.out_dir / "studies.db", self.out_dir / "studies.journal"
+        if journal.is_file() and not db.is_file():   # a `--workers` sweep's folder: resume its studies
+            log.info("studies: %s (the storage of a --workers sweep of this folder)", journal)
+            return f"journal:{journal}"
+        return f"sqlite:///{db}"
 
     def _open_storage(self):
         from .storage import open_storage
@@ -296,22 +301,23 @@ class Sweep(StudyLoop):
             chosen = oks[ctx][: self.o.remeasure_top] + [per[ck][ctx] for ck in top_keys]
             chosen += [t for t in oks[ctx] if t.user_attrs.get("role") == "baseline"]
             uniq = list({t.number: t for t in chosen}.values())
-            sig = ",".join(str(t.number) for t in sorted(uniq, key=lambda t: t.number))
-            if study.user_attrs.get("remeasured") == sig or len(uniq) < 2:
+            # the rows live only in the table (not in the study): each one the table lacks, never
+            # measured or lost with a damaged table, is measured (again)
+            owed = {(t.number, r) for r in range(self.o.rounds) for t in uniq
+                    if not self.table.has({"study": name, "phase": "remeasure", "trial": t.number, "round": r})}
+            if not owed or len(uniq) < 2:
                 continue
             spec = self.runner.spec(tp, bs, ctx)
             for r in range(self.o.rounds):
                 order = uniq[r % len(uniq):] + uniq[: r % len(uniq)]
                 for t in order:
-                    row_probe = {"study": name, "phase": "remeasure", "trial": t.number, "round": r}
-                    if self.table.has(row_probe):
+                    if (t.number, r) not in owed:
                         continue
                     m = self._measure(backend, dict(t.params), spec, seed + 100003 * (r + 1) + t.number)
                     self.table.append(self.runner.row(backend, tp, bs, ctx, spec, name, t.number,
                                                 t.user_attrs.get("role", "search"), dict(t.params), m,
                                                 phase="remeasure", rnd=r))
                     self._progress(m, count=False, best=False)
-            study.set_user_attr("remeasured", sig)
 
     def after_search(self, backend, tp, bs):
         """The phases after the studies of one (backend, tp, bs), in order: cross-bucket,
@@ -351,6 +357,9 @@ class Sweep(StudyLoop):
     def run(self) -> list:
         t0 = self.t0 = time.time()
         status = "complete"
+        lock = RunLock(self.out_dir)
+        if not self.shared or getattr(self, "post", False):   # the sweep itself, not a worker that joins it
+            lock.acquire(" ".join(redact_argv(sys.argv)))
         self.stops.install()
         try:
             status = self._work()
@@ -366,7 +375,10 @@ class Sweep(StudyLoop):
             status = f"{ALL_PRUNED} at {len(dead)} of {len(buckets)} (tp, batch, context) buckets"
         self.status = status
         self.wall_s = time.time() - t0
-        self._log_run(t0)
+        try:
+            self._log_run(t0)
+        finally:
+            lock.release()
         return self.results
 
     def _work(self) -> str:

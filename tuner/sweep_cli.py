@@ -45,6 +45,11 @@ def _cmd_sweep(args) -> int:
     print(f"trials: {sw.out_dir / 'trials.csv'}   studies: {redact_url(sw.storage_url)}"
           + (f"   workers: {args.workers}" if args.workers is not None else ""))
     if not sw.results and sw.status != "interrupted":
+        if sw.status.startswith("stopped") and getattr(sw, "measured_now", 0):
+            # a time limit inside the first study: its trials are saved, the next run resumes them
+            log.warning("no study finished before the sweep %s (%d measurements saved); re-run the same command "
+                        "to resume", sw.status, sw.measured_now)
+            return 0
         log.error("no study ran (%s)", sw.status)
         return 1
     dead = set(dead_buckets(sw.results))
@@ -63,9 +68,12 @@ def _cmd_sweep(args) -> int:
                  _listed([r for r in pruned if r not in gone]))
     if every:
         return 1
-    if args.export and sw.results and (sw.status == "complete" or sw.status.startswith(ALL_PRUNED)
-                                       or args.workers is None):
-        _export(sw, args)
+    if args.export and sw.results:
+        if sw.status == "complete" or sw.status.startswith(ALL_PRUNED):
+            _export(sw, args)
+        else:   # a half-searched bucket would replace the last good export's entry
+            log.warning("--export: not exported, the sweep %s; re-run the same command to resume it (then it "
+                        "exports), or `kvtune export` to export what is measured so far", sw.status)
     return 130 if sw.status == "interrupted" else 0
 
 

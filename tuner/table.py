@@ -51,6 +51,10 @@ def columns(param_names: list[str]) -> list[str]:
     return LEAD + list(param_names) + RESULT + PROVENANCE
 
 
+#: the columns every trials table has had: without them a first line is not a header
+_CORE = ("study", "phase", "trial", "params")
+
+
 def row_key(row: dict) -> tuple:
     return (str(row["study"]), str(row["phase"]), str(row["trial"]), str(row.get("round", "")))
 
@@ -173,6 +177,11 @@ def scan_table(path: str | os.PathLike):
     if header is None:
         return [], [], [], ""
     cols = list(header)
+    lacks = [c for c in _CORE if c not in cols]
+    if lacks:   # a lost header line: the first row would be read (and rewritten) as the column names
+        raise ValueError(f"{path}: line 1 is not a trials-table header (it lacks the columns {', '.join(lacks)}): "
+                         "the file lost its first line, or is not a kvtune trials table; restore it, or move it "
+                         "aside to sweep afresh")
     keep = [ln for ln in lines[:consumed[0]]]
     rows, bad = [], []
     first = consumed[0]

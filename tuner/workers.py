@@ -44,7 +44,7 @@ import time
 import warnings
 from datetime import datetime
 
-from .config import Deployment, redact_url
+from .config import ConfigError, Deployment, redact_url
 from .log import get_logger
 from .options import SweepOptions
 from .progress import Progress
@@ -123,7 +123,12 @@ class SharedSweep(Sweep):
         self.children: list = []
 
     def _default_storage(self) -> str:
-        return f"journal:{self.out_dir / 'studies.journal'}"
+        db, journal = self.out_dir / "studies.db", self.out_dir / "studies.journal"
+        if db.is_file() and not journal.is_file():
+            # SQLite is not safe for several processes, and a new journal would lack those studies
+            raise ConfigError(f"{db}: this folder's studies were swept without --workers (SQLite, one process); "
+                              "resume it without --workers, or sweep with --workers into a new --out")
+        return f"journal:{journal}"
 
     def _open_storage(self):
         from .storage import open_shared_storage

@@ -39,6 +39,8 @@ def resolve_results_dir(target: str | os.PathLike) -> Path:
     try:
         dep = load_deployment(target)
     except ConfigError:
+        if p.is_file():   # a deployment file that does not load: its error says why, not "neither"
+            raise
         dep = None
     if dep is not None:
         for base in bases:
@@ -140,11 +142,17 @@ def load_results(target: str | os.PathLike, storage: str | None = None) -> Resul
             except SchemaError as e:
                 res.tuned_error = str(e)
             break
-    db = folder / "studies.db"
+    db, journal = folder / "studies.db", folder / "studies.journal"
     if storage:
+        # a file the storage names must exist: opening it would create an empty one and review nothing
+        for prefix in ("sqlite:///", "journal:"):
+            if storage.startswith(prefix) and not Path(storage[len(prefix):]).is_file():
+                raise ConfigError(f"--storage {storage}: no such file")
         res.storage = storage
     elif db.is_file():
         res.storage = f"sqlite:///{db.resolve()}"
+    elif journal.is_file():   # a --workers sweep's
+        res.storage = f"journal:{journal.resolve()}"
     return res
 
 def ctx_label(c) -> str:

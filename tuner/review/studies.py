@@ -31,12 +31,13 @@ def _load_optuna_trials(res: Results) -> pd.DataFrame | None:
         optuna = None
     if res.storage and optuna is not None:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+        storage = _storage(res)
         rows = []
-        for summ in optuna.get_all_study_summaries(res.storage, include_best_trial=False):
+        for summ in optuna.get_all_study_summaries(storage, include_best_trial=False):
             keys = _study_keys(summ.study_name, res.deployment)
             if keys is None:
                 continue
-            study = optuna.load_study(study_name=summ.study_name, storage=res.storage)
+            study = optuna.load_study(study_name=summ.study_name, storage=storage)
             for t in study.get_trials(deepcopy=False):
                 ua = t.user_attrs
                 if "duplicate_of" in ua or ua.get("interrupted") or t.state.name in ("RUNNING", "WAITING"):
@@ -47,6 +48,15 @@ def _load_optuna_trials(res: Results) -> pd.DataFrame | None:
         out = pd.DataFrame(rows)
     res._cache["optuna"] = out
     return out
+
+def _storage(res: Results):
+    """The opened storage of `res.storage` (an SQLAlchemy URL or journal:PATH, as the sweep takes
+    them); a ConfigError naming it when it cannot be opened."""
+    if "optuna_storage" not in res._cache:
+        from ..storage import open_storage
+        res._cache["optuna_storage"] = open_storage(res.storage)[0]
+    return res._cache["optuna_storage"]
+
 
 def _study_keys(name: str, deployment: str) -> dict | None:
     """(backend, tp, bs, ctx) of a study named `deployment|backend|tpN|bsN|ctxN` (sweep.study_name);
@@ -76,8 +86,9 @@ def history_frame(res: Results) -> tuple[pd.DataFrame, str]:
         df = search_trials(res.trials)
         h = df[[*STUDY_KEYS, "trial", "role"]].copy()
         h["latency_us"] = np.where(df["outcome"] == "ok", df["median_us"], np.nan)
-        source = "the trials table" + (" (no studies.db in this folder)" if not res.storage else
-                                       " (optuna is not installed)")
+        source = "the trials table" + (" (no study storage in this folder)" if not res.storage else
+                                       " (optuna is not installed)" if ot is None else
+                                       f" (the storage {storage_name(res)} holds no study of {res.deployment})")
     h["latency_us"] = pd.to_numeric(h["latency_us"], errors="coerce")  # all-None (no ok trial) is object dtype
     h = h.sort_values([*STUDY_KEYS, "trial"], ignore_index=True)
     # the best so far carries over the trials that produced no latency (pruned, wrong, failed)
@@ -116,7 +127,7 @@ def _optuna_importances(res: Results, ot: pd.DataFrame) -> tuple[list[dict], str
         done = g[g["state"] == "COMPLETE"]
         if len(done) < 3 or not _varies(done["params"]):
             continue
-        study = optuna.load_study(study_name=sname, storage=res.storage)
+        study = optuna.load_study(study_name=sname, storage=_storage(res))
         try:
             imp = get_param_importances(study, evaluator=evaluator)
         except Exception:  # noqa: BLE001 - a degenerate study (one distinct value...) has none

@@ -1,0 +1,74 @@
+"""`<out>/<deployment>/sweep.lock`: one sweep at a time per run folder, and a trace of a sweep
+that was killed.
+
+A sweep holds an exclusive `flock` on the file while it runs and writes its pid, start and
+command into it; it empties the file when it ends (however it ends, short of SIGKILL or a
+power cut). So a second sweep into the folder is refused while the first runs (two would fail
+each other's running trials), and `kvtune export` can tell a sweep that never recorded its end
+(`runs.jsonl` is written at the end) from one that finished. The kernel drops the lock when the
+process dies, so a killed sweep never blocks the next one.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from pathlib import Path
+
+from .config import ConfigError
+
+NAME = "sweep.lock"
+
+
+def _holder(f) -> dict:
+    f.seek(0)
+    try:
+        return json.loads(f.read() or "{}")
+    except json.JSONDecodeError:
+        return {}
+
+
+class RunLock:
+    def __init__(self, out_dir: Path):
+        self.path = Path(out_dir) / NAME
+        self._f = None
+
+    def acquire(self, command: str) -> None:
+        f = self.path.open("a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            h = _holder(f)
+            f.close()
+            raise ConfigError(f"{self.path.parent}: another kvtune sweep is writing this folder (pid "
+                              f"{h.get('pid', '?')}, started {h.get('start', '?')}: {h.get('command', '?')}); wait "
+                              "for it or stop it, or sweep into another --out") from None
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps({"pid": os.getpid(), "start": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                            "command": command}))
+        f.flush()
+        self._f = f
+
+    def release(self) -> None:
+        if self._f is not None:
+            self._f.truncate(0)
+            self._f.close()   # closing drops the flock
+            self._f = None
+
+
+def unfinished_sweep(out_dir: Path) -> str | None:
+    """How the folder's last sweep left it, when it did not end cleanly: 'running now (...)' or
+    'was killed (...)'; None when no sweep is running and the last one ended."""
+    path = Path(out_dir) / NAME
+    if not path.is_file() or not path.stat().st_size:
+        return None
+    with path.open("r") as f:
+        h = _holder(f)
+        who = f"pid {h.get('pid', '?')}, started {h.get('start', '?')}"
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f"is running now ({who})"
+    return f"was killed before it recorded its end ({who})"
