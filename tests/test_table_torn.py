@@ -192,3 +192,16 @@ def test_export_names_every_missing_bucket(tmp_path, capsys):
     for tp, ctx in ((4, 300), (8, 64), (8, 300)):
         assert f"triton (tp={tp}, bs=1, ctx={ctx})" in err
     assert "triton (tp=4, bs=1, ctx=64)" not in err
+
+
+def test_a_quote_left_open_names_every_line_it_took(tmp_path, capsys):
+    """A row cut inside its quoted params, with rows after it: the unclosed quote reads on to the
+    next quote, so the next row goes with it; the warning names both lines, not only the first."""
+    lines = COMMITTED.read_bytes().split(b"\r\n")
+    cut = lines[10][:lines[10].index(b'"{') + 11]   # inside the quoted JSON: the quote stays open
+    p = tmp_path / "trials.csv"
+    p.write_bytes(b"\r\n".join(lines[:10] + [cut] + lines[11:]))
+    df = read_trials(p)
+    err = capsys.readouterr().err
+    assert f"{p}: lines 11-12: " in err, err
+    assert len(df) == 86   # 88 rows less the cut one and the one it took in

@@ -124,7 +124,7 @@ def _set_aside(path: Path, keep: str, bad: list[tuple[int, str, str]]) -> None:
     torn = Path(str(path) + ".torn")
     with torn.open("a", encoding="utf-8", errors="surrogateescape") as f:
         for line, text, why in bad:
-            f.write(f"# {path}: line {line}: {why}\n{text}")
+            f.write(f"# {path}: {_lines_of(line, text)}: {why}\n{text}")
             if not text.endswith("\n"):
                 f.write("\n")
         f.flush()
@@ -137,9 +137,16 @@ def _set_aside(path: Path, keep: str, bad: list[tuple[int, str, str]]) -> None:
     os.replace(tmp, path)
 
 
+def _lines_of(line: int, text: str) -> str:
+    """'line N', or 'lines N-M' for a record that took in the lines after it (an unclosed quote
+    reads on until the next quote: a good row there goes with it, and is restored or measured again)."""
+    n = len(text.splitlines())
+    return f"line {line}" if n <= 1 else f"lines {line}-{line + n - 1}"
+
+
 def _warn_bad(path, bad, action):
     for line, text, why in bad:
-        log.warning("%s: line %s: %s; %s", path, line, why, action)
+        log.warning("%s: %s: %s; %s", path, _lines_of(line, text), why, action)
 
 
 #: columns whose values, where given, are numbers (a row with another value there is malformed)
