@@ -85,6 +85,8 @@ class VerifyAttention:
         self.max_batch, self.max_context = max_batch, max_context
         self.device = device
         self.tuned = tuned
+        if not isinstance(check_values, bool):   # None or 0 would read as "off" in plan()
+            raise ValueError(f"check_values: expected True or False, got {check_values!r}")
         self.check_values = check_values
         # batch size -> plan index, so the call does one list lookup
         self._plan_of_batch = [0] * (max_batch + 1)

@@ -78,6 +78,10 @@ def test_every_bucket_on_other_params_or_a_per_request_backend_is_refused():
 def test_a_split_table_of_another_configs_buckets():
     t = SplitTable.build([10, 20], [0, 5], "cpu")
     assert t.dispatch and not SplitTable.build([10, 20], [1, 5], "cpu").dispatch
+    # int32 on the device: a fraction would be cut, a value past int32 would wrap
+    for bounds, nsplit in (([10.5, 20], [1, 5]), ([10, 2**40], [1, 5]), ([10, 20], [1, True])):
+        with pytest.raises(ValueError, match="SplitTable .* must be int32 integers"):
+            SplitTable.build(bounds, nsplit, "cpu")
     with pytest.raises(ValueError, match="one at least"):
         SplitTable.build([10, 20], [0, 0], "cpu")
     with pytest.raises(ValueError, match=">= 1"):

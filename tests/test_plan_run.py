@@ -170,6 +170,10 @@ def test_run_refuses_a_pool_the_planned_slots_pass(device, va):
     with pytest.raises(ValueError, match=f"kv_cache: {top} slots, but the planned kv_indices use slot {top}"):
         va.run(inp.q, inp.kv_cache[:top])
     assert va.plan(*inp.args[2:5], check_values=False).slots_used is None
+    assert va.plan(*inp.args[2:5], check_values=0).slots_used is None   # falsy is off, as for the adapter
+    with pytest.raises(ValueError, match="check_values: expected True or False, got None"):
+        VerifyAttention.from_defaults(tuned(device), tp=1, max_batch=1, max_context=64, device=device,
+                                      check_values=None, warmup=False)
 
 
 def test_run_before_any_plan_is_an_error(device):

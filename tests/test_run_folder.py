@@ -3,6 +3,7 @@ sweep is told from a finished one, the studies' storage is the folder's own, and
 that lost its header line is refused rather than rewritten under a row (CPU, no kernel runs)."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -59,8 +60,8 @@ def test_a_killed_sweep_is_told_apart_and_does_not_block_the_next(tmp_path, capl
 
 def test_the_folders_own_storage_is_resumed(tmp_path, capsys):
     """A folder a `--workers` sweep wrote (studies.journal) resumes from its journal without
-    --workers; a folder a one-process sweep wrote (studies.db) is refused by --workers, whose
-    new journal would lack every study."""
+    --workers; a folder a one-process sweep wrote (studies.db and trials) is refused by
+    --workers, whose new journal would lack every study."""
     out = tmp_path / "out"
     (out / "tiny").mkdir(parents=True)
     (out / "tiny" / "studies.journal").write_text("")
@@ -69,6 +70,7 @@ def test_the_folders_own_storage_is_resumed(tmp_path, capsys):
     other = tmp_path / "other"
     (other / "tiny").mkdir(parents=True)
     (other / "tiny" / "studies.db").write_bytes(b"")
+    (other / "tiny" / "trials.csv").write_text('study,phase,trial,params\ntiny|triton|tp8|bs1|ctx64,search,0,"{}"\n')
     rc = main(["sweep", str(_dep(tmp_path)), "--device", "cpu", "--out", str(other), "--workers", "1",
                "--no-progress"])
     assert rc == 2
@@ -85,3 +87,55 @@ def test_a_table_without_its_header_is_refused_not_rewritten(tmp_path):
     with pytest.raises(ValueError, match="line 1 is not a trials-table header"):
         TrialsTable(path, ["NSPLIT"])
     assert path.read_text() == rows
+
+
+def test_the_lock_is_emptied_when_a_sweep_fails(tmp_path):
+    """An error (here: a table without its header) ends the sweep, not the folder: the lock is
+    emptied, so export does not call it killed and the next sweep is not refused as a second."""
+    out = tmp_path / "out"
+    (out / "tiny").mkdir(parents=True)
+    (out / "tiny" / "trials.csv").write_text("not,a,header\n")
+    for _ in range(2):   # the second meets the same error, not "another kvtune sweep"
+        with pytest.raises(ValueError, match="line 1 is not a trials-table header"):
+            run_sweep(str(_dep(tmp_path)), SweepOptions(device="cpu", out=str(out), progress=False, isolate=False))
+        assert unfinished_sweep(out / "tiny") is None
+
+
+def test_workers_refuse_a_storage_that_lacks_the_tables_trials(tmp_path, capsys):
+    """The journal of a --workers sweep deleted: the table's trials are in no study, and the
+    workers stop with the table named instead of numbering new trials over them."""
+    out = tmp_path / "out"
+    argv = ["sweep", str(_dep(tmp_path)), "--device", "cpu", "--out", str(out), "--no-progress", "--trials", "1",
+            "--rounds", "0", "--workers", "1"]
+    assert main(argv) == 0
+    table = out / "tiny" / "trials.csv"
+    rows = table.read_text()
+    (out / "tiny" / "studies.journal").unlink()
+    assert main(argv) != 0
+    captured = capsys.readouterr()
+    assert "that the study storage journal:" in captured.err + captured.out
+    assert table.read_text() == rows
+
+
+def test_a_limit_inside_the_first_study_saves_and_exits_0(tmp_path, caplog):
+    out = tmp_path / "out"
+    argv = ["sweep", str(_dep(tmp_path)), "--device", "cpu", "--out", str(out), "--no-progress", "--in-process",
+            "--max-measurements", "1"]
+    assert main(argv) == 0
+    assert "no study finished before the sweep stopped (measurement limit); its 1 measurement(s) are saved: re-run" \
+        in caplog.text
+    run = json.loads((out / "tiny" / "runs.jsonl").read_text().splitlines()[-1])
+    assert run["measurements"] == 1 and run["status"].startswith("stopped")
+    assert (read_trials(out / "tiny" / "trials.csv")["outcome"] == "ok").sum() == 1   # saved for the resume
+
+
+def test_os_errors_are_one_line_errors(tmp_path, capsys):
+    """A path that is a file where a folder is needed: the CLI names it (exit 2), no traceback;
+    calibrate checks --path before it measures."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert main(["export", "cpu-tiny", "--out", "results", "--no-check", "--path", str(afile / "x.yaml")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("kvtune export: error: ") and "afile" in err[-1] and "Traceback" not in "".join(err)
+    assert main(["calibrate", "--device", "cpu", "--path", str(tmp_path)]) == 2
+    assert f"--path {tmp_path}: is a folder" in capsys.readouterr().err

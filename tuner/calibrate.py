@@ -145,6 +145,9 @@ def _cmd_calibrate(args) -> int:
     prof = calibrate(device, args.name, args.reps)
     # under --out-dir (git-ignored runs/configs), named as the profile inside names itself
     dest = Path(args.path) if args.path else Path(args.out_dir) / "devices" / f"{prof.name}.yaml"
+    if not args.path and dest.exists():   # its ceilings may be the floors of a run's recorded trials
+        raise ValueError(f"{dest}: a device profile of that name exists (measured now: read {prof.read_gbps} GB/s, "
+                         f"bf16 {prof.bf16_tflops} TFLOP/s); pass --path {dest} to replace it, or --name for another")
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(yaml.safe_dump(prof.to_dict(), sort_keys=False))
     print(f"{prof.device_name} ({prof.arch}): read {prof.read_gbps} GB/s, bf16 {prof.bf16_tflops} TFLOP/s "

@@ -129,7 +129,8 @@ def add_sweep_arguments(p, worker: bool = False) -> None:
     p.add_argument("--max-minutes", type=non_negative_minutes("--max-minutes"),
                    help=None if worker else "stop (resumably, like Ctrl-C) after this much wall time")
     p.add_argument("--max-measurements", type=non_negative_int("--max-measurements"),
-                   help=None if worker else "stop (resumably, like Ctrl-C) after this many measurements in this run")
+                   help=None if worker else "stop (resumably, like Ctrl-C) after this many measurements in this run "
+                   "(with --workers: in each worker)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--heartbeat", type=int, default=10, help="seconds between a worker's heartbeats (default 10)")
     p.add_argument("--other-device", action="store_true", help=None if worker else

@@ -2,8 +2,8 @@
 that was killed.
 
 A sweep holds an exclusive `flock` on the file while it runs and writes its pid, start and
-command into it; it empties the file when it ends (however it ends, short of SIGKILL or a
-power cut). So a second sweep into the folder is refused while the first runs (two would fail
+command into it; it empties the file when it ends, however it ends (an error included) short
+of SIGKILL or a power cut. So a second sweep into the folder is refused while the first runs (two would fail
 each other's running trials), and `kvtune export` can tell a sweep that never recorded its end
 (`runs.jsonl` is written at the end) from one that finished. The kernel drops the lock when the
 process dies, so a killed sweep never blocks the next one.
@@ -17,6 +17,9 @@ import time
 from pathlib import Path
 
 from .config import ConfigError
+from .log import get_logger
+
+log = get_logger(__name__)
 
 NAME = "sweep.lock"
 
@@ -38,7 +41,11 @@ class RunLock:
         f = self.path.open("a+")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError as e:
+            if not isinstance(e, BlockingIOError):   # a filesystem without flock (NFS without lockd, ...)
+                f.close()
+                log.warning("%s: cannot lock (%s); sweeping without the one-sweep-per-folder guard", self.path, e)
+                return
             h = _holder(f)
             f.close()
             raise ConfigError(f"{self.path.parent}: another kvtune sweep is writing this folder (pid "
@@ -71,4 +78,6 @@ def unfinished_sweep(out_dir: Path) -> str | None:
             fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             return f"is running now ({who})"
+        except OSError:   # no flock on this filesystem: a running sweep cannot be told from a killed one
+            return f"did not record its end, or is running now ({who})"
     return f"was killed before it recorded its end ({who})"

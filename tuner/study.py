@@ -224,15 +224,16 @@ class StudyLoop:
         elif {n: tuple(v) for n, v in stored.items()} != plan.dists:
             raise ConfigError(f"{plan.space.source}: the search space of {plan.space.backend} changed since study "
                               f"{name!r} was created in {redact_url(self.storage_url)}; sweep into a new "
-                              "--storage/--out, or delete it")
+                              "--out, or delete it")
 
     def _check_storage_holds_table(self, study, name):
         """Every search row of the table is a trial of the study: rows the storage lacks mean its
         studies were deleted or another storage was opened, and searching on would number new
         trials over the recorded ones (duplicate rows, two sweeps mixed in one export)."""
-        numbers = {t.number for t in study.get_trials(deepcopy=False)}
-        lost = sorted({int(k[2]) for k in self.table.keys if k[0] == name and k[1] == "search"
-                       and k[2].isdigit()} - numbers)
+        # the table's keys before the study's trials: a row is appended only after its trial was
+        # told, so another process's trial in this snapshot of the table is in the study after it
+        rows = {int(k[2]) for k in list(self.table.keys) if k[0] == name and k[1] == "search" and k[2].isdigit()}
+        lost = sorted(rows - {t.number for t in study.get_trials(deepcopy=False)})
         if lost:
             raise ConfigError(
                 f"{self.table.path}: holds {len(lost)} trial(s) of study {name!r} (trial {lost[0]}, ...) that the "

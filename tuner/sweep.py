@@ -356,10 +356,17 @@ class Sweep(StudyLoop):
 
     def run(self) -> list:
         t0 = self.t0 = time.time()
-        status = "complete"
         lock = RunLock(self.out_dir)
         if not self.shared or getattr(self, "post", False):   # the sweep itself, not a worker that joins it
             lock.acquire(" ".join(redact_argv(sys.argv)))
+        try:   # every way out but SIGKILL empties the lock: an error is not a killed sweep
+            self._run(t0)
+        finally:
+            lock.release()
+        return self.results
+
+    def _run(self, t0) -> None:
+        status = "complete"
         self.stops.install()
         try:
             status = self._work()
@@ -375,11 +382,7 @@ class Sweep(StudyLoop):
             status = f"{ALL_PRUNED} at {len(dead)} of {len(buckets)} (tp, batch, context) buckets"
         self.status = status
         self.wall_s = time.time() - t0
-        try:
-            self._log_run(t0)
-        finally:
-            lock.release()
-        return self.results
+        self._log_run(t0)
 
     def _work(self) -> str:
         """Each (tp, bs, backend): its studies one after another, then the phases after them."""

@@ -47,8 +47,8 @@ def _cmd_sweep(args) -> int:
     if not sw.results and sw.status != "interrupted":
         if sw.status.startswith("stopped") and getattr(sw, "measured_now", 0):
             # a time limit inside the first study: its trials are saved, the next run resumes them
-            log.warning("no study finished before the sweep %s (%d measurements saved); re-run the same command "
-                        "to resume", sw.status, sw.measured_now)
+            log.warning("no study finished before the sweep %s; its %d measurement(s) are saved: re-run the same "
+                        "command to resume", sw.status, sw.measured_now)
             return 0
         log.error("no study ran (%s)", sw.status)
         return 1
@@ -108,7 +108,8 @@ def _worker_args(args, dep: Deployment, storage: str, device: str) -> list[str]:
         if vals:
             cmd += [flag, *[str(v) for v in vals]]
     for flag, val in (("--trials", args.trials), ("--timing", args.timing), ("--space-dir", args.space_dir),
-                      ("--max-minutes", args.max_minutes), ("--compile-workers", args.compile_workers)):
+                      ("--max-minutes", args.max_minutes), ("--max-measurements", args.max_measurements),
+                      ("--compile-workers", args.compile_workers)):
         if val is not None:
             cmd += [flag, str(val)]
     for flag, on in (("--grid", args.grid), ("--other-device", args.other_device)):
@@ -163,7 +164,8 @@ def register(subparsers) -> None:
                               description=sweep.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_sweep_arguments(p)
     p.add_argument("--storage", help="Optuna storage: an SQLAlchemy URL (default sqlite:///<out>/<deployment>/"
-                   "studies.db) or journal:PATH; keep passwords out of it (PGPASSWORD or ~/.pgpass)")
+                   "studies.db, or that folder's studies.journal when only it exists) or journal:PATH; keep "
+                   "passwords out of it (PGPASSWORD or ~/.pgpass)")
     p.add_argument("--remeasure-top", type=non_negative_int("--remeasure-top"), default=3,
                    help="configs per bucket re-measured against the baseline (0: none)")
     p.add_argument("--retune-stale", action="store_true",

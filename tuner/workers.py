@@ -118,13 +118,15 @@ class SharedSweep(Sweep):
         self.beats = Heartbeats(self.storage, self.heartbeat_s)
         self.intr = Interrupts()
         self._created: dict = {}
+        self._storage_checked: set = set()
         self._first_seen: dict = {}
         self.dropped = 0
         self.children: list = []
 
     def _default_storage(self) -> str:
         db, journal = self.out_dir / "studies.db", self.out_dir / "studies.journal"
-        if db.is_file() and not journal.is_file():
+        table = self.out_dir / "trials.csv"
+        if db.is_file() and not journal.is_file() and table.is_file() and len(table.read_bytes().splitlines()) > 1:
             # SQLite is not safe for several processes, and a new journal would lack those studies
             raise ConfigError(f"{db}: this folder's studies were swept without --workers (SQLite, one process); "
                               "resume it without --workers, or sweep with --workers into a new --out")
@@ -154,6 +156,9 @@ class SharedSweep(Sweep):
         return self._studies[key]
 
     def _prepare(self, key, plan, name, study) -> bool:
+        if key not in self._storage_checked:   # once per study and process: the table only grows
+            self._check_storage_holds_table(study, name)
+            self._storage_checked.add(key)
         if "ready" in study.user_attrs:
             self._check_dists(study, name, plan)
             return True
