@@ -33,6 +33,8 @@ def _listed(results) -> str:
 
 def _cmd_sweep(args) -> int:
     opts = options_from_args(args)
+    if args.workers is not None and args.in_process:
+        log.warning("--in-process: ignored with --workers (each worker process measures its own trials)")
     try:
         if args.workers is not None:
             sw = launch(args, opts, args.workers, post=True)
