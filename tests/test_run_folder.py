@@ -10,6 +10,7 @@ import textwrap
 
 import pandas as pd
 import pytest
+import yaml
 from test_cli_input import _dep  # the one-study CPU deployment
 
 from kvtune.tuner.cli import main
@@ -139,3 +140,27 @@ def test_os_errors_are_one_line_errors(tmp_path, capsys):
     assert err[-1].startswith("kvtune export: error: ") and "afile" in err[-1] and "Traceback" not in "".join(err)
     assert main(["calibrate", "--device", "cpu", "--path", str(tmp_path)]) == 2
     assert f"--path {tmp_path}: is a folder" in capsys.readouterr().err
+
+
+def test_a_grace_no_longer_than_the_heartbeat_is_refused(tmp_path, capsys):
+    """Every live trial would be failed as stale between two heartbeats (and its retries given up)."""
+    rc = main(["sweep", str(_dep(tmp_path)), "--device", "cpu", "--out", str(tmp_path / "out"), "--no-progress",
+               "--workers", "1", "--heartbeat", "5", "--grace", "5"])
+    assert rc == 2 and "--grace 5: must exceed --heartbeat 5" in capsys.readouterr().err
+
+
+def test_a_worker_of_another_model_shape_is_refused(tmp_path, capsys):
+    """A worker whose deployment file has the sweep's name but other draft tokens would put
+    another problem's numbers into the shared studies; it is refused, naming the difference."""
+    out = tmp_path / "out"
+    assert main(["sweep", str(_dep(tmp_path)), "--device", "cpu", "--out", str(out), "--no-progress", "--trials", "1",
+                 "--rounds", "0", "--workers", "1"]) == 0
+    other = tmp_path / "other"
+    other.mkdir()
+    doc = yaml.safe_load(_dep(other).read_text())
+    doc["model"]["draft_tokens"] = 2
+    (other / "tiny.yaml").write_text(yaml.safe_dump(doc))
+    capsys.readouterr()
+    rc = main(["worker", str(other / "tiny.yaml"), "--device", "cpu", "--out", str(tmp_path / "joiner"),
+               "--no-progress", "--trials", "1", "--storage", f"journal:{out / 'tiny' / 'studies.journal'}"])
+    assert rc == 2 and "was created for draft_tokens 4 (here 2)" in capsys.readouterr().err

@@ -361,8 +361,20 @@ class StudyLoop:
                     "search space exhausted (the sampler kept proposing measured configs)"
                 log.info("note: %s: %s", name, self._notes[key])
                 return not st.running, worked
+            self._requeue_baseline(plan, study, st)
             batch = self._ask_batch(key, plan, study, st, min(owed, cap - self._asks.get(key, 0)), rng)
             worked = self._measure_batch(key, plan, name, study, seed, st, batch, rng) or worked
+
+    def _requeue_baseline(self, plan: StudyPlan, study, st: _State) -> None:
+        """Queue the baseline again while it is neither measured, queued nor running: a trial
+        given up after failing as stale too often would otherwise leave the study owing it for
+        good (`_owed`), with no default to judge against and its budget overrun by proposals."""
+        base = params_key(plan.default)
+        if base in st.measured or base in st.waiting or base in st.busy or \
+                any(plan.default.get(n) not in plan.dists[n] for n in plan.dists):
+            return
+        study.enqueue_trial(plan.default, user_attrs={"role": "baseline"})
+        st.waiting.add(base)
 
     def _ask_batch(self, key, plan: StudyPlan, study, st: _State, owed: int, rng) -> list:
         """Ask for up to one config per compile worker (`SearchStrategy.width`) and start

@@ -34,6 +34,7 @@ same order as a single-process sweep, so the export of the same trials is the sa
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -99,6 +100,22 @@ class Interrupts:
         return self._Safe(self)
 
 
+def _die_with_parent(parent: int):
+    """A child's pre-exec hook (Linux): SIGTERM when the parent sweep dies, SIGKILL included, so
+    no orphaned worker goes on measuring beside the next run's (two processes on one GPU would
+    skew both's timings). The worker takes SIGTERM as an interrupt: its held trials are failed
+    as interrupted and queued again."""
+    def hook():
+        try:
+            import ctypes
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):   # not Linux: the parent's own exit paths stop its workers
+            return
+        if os.getppid() != parent:   # the parent died before the hook ran
+            os._exit(1)
+    return hook
+
+
 class SharedSweep(Sweep):
     """A sweep whose studies other processes share: a worker's search (`search`), and for the
     parent of `--workers` its children, their progress, and the phases after the search
@@ -111,6 +128,9 @@ class SharedSweep(Sweep):
                  index: int = 0, of: int = 1, post: bool = False):
         from .storage import Heartbeats
         self.heartbeat_s, self.grace_s = max(1, int(heartbeat_s)), max(1, int(grace_s))
+        if self.grace_s <= self.heartbeat_s:   # every live trial would be failed as stale between two beats
+            raise ConfigError(f"--grace {grace_s}: must exceed --heartbeat {heartbeat_s} (a trial is failed as "
+                              "stale after --grace seconds without a heartbeat; give it several)")
         super().__init__(dep, dataclasses.replace(opts, reclaim_running=False))
         warnings.filterwarnings("ignore", message=".*[Hh]eartbeat.*")
         self.index, self.of, self.post = index, max(1, of), post
@@ -161,6 +181,7 @@ class SharedSweep(Sweep):
             self._storage_checked.add(key)
         if "ready" in study.user_attrs:
             self._check_dists(study, name, plan)
+            self._check_joined(study, name, plan)
             return True
         first = self._first_seen.setdefault(key, time.time())
         if not self._created.get(key) and time.time() - first < self.grace_s:
@@ -169,6 +190,17 @@ class SharedSweep(Sweep):
         self._enqueue_start(study, plan, key)
         study.set_user_attr("ready", self.worker_id)
         return True
+
+    def _check_joined(self, study, name, plan) -> None:
+        """A worker joining a study measures the problem it was created for: another model shape
+        (draft tokens, heads, tree) would put other numbers into its trials. (Another --trials is
+        not refused: a resume may widen the budget, and every process of it passes the new one.)"""
+        ua, mine = study.user_attrs, json.loads(json.dumps(dataclasses.asdict(plan.spec)))   # as stored
+        made = ua.get("spec") or {}
+        diff = [f"{k} {made[k]!r} (here {mine[k]!r})" for k in made if k in mine and made[k] != mine[k]]
+        if diff:
+            raise ConfigError(f"study {name!r} in {redact_url(self.storage_url)} was created for {', '.join(diff)}: "
+                              "a worker joins with the sweep's own deployment file")
 
     def _before_batch(self, study) -> None:
         self.intr.check()                  # between batches: nothing held
@@ -300,7 +332,7 @@ class SharedSweep(Sweep):
     def _run_children(self) -> str:
         n = len(self.children_cmd)
         for cmd, env in self.children_cmd:
-            self.children.append(subprocess.Popen(cmd, env=env))
+            self.children.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent(os.getpid())))
         log.info("sweep %s: %d worker process(es) %s sharing %s", self.dep.name, n,
                  [p.pid for p in self.children], redact_url(self.storage_url))
         if self.o.progress:
