@@ -115,7 +115,7 @@ def make_inputs(batch: int, draft_tokens: int, heads: int, prefix_lens: int | Se
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in fp32; NaN or inf anywhere gives inf (never passes)."""
     out = out.float()
-    ref = ref.float()
+    ref = ref.float().to(out.device)   # an oracle computed on the CPU against a GPU output
     if not torch.isfinite(out).all():
         return float("inf")
     den = ref.norm().item()

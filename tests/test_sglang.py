@@ -68,7 +68,9 @@ def sglang_args(inp, *, prefix_noise=False, generator=None, **dtypes):
 def sglang_semantics(a) -> torch.Tensor:
     """fp32 torch rendering of SGLang's extend_attention_fwd (skip_prefix_custom_mask=True):
     prefix keys from k_buffer through kv_indices, draft keys from k_extend, draft columns of
-    the custom mask. Independent of kvtune's index merge and mask packing."""
+    the custom mask. Independent of kvtune's index merge and mask packing. On the CPU, whatever
+    device the arguments are on."""
+    a = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in a.items()}
     q, kb, ke = a["q_extend"].float(), a["k_buffer"][:, 0].float(), a["k_extend"][:, 0].float()
     B = a["qo_indptr"].numel() - 1
     ip = a["kv_indptr"].tolist()
