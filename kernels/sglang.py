@@ -492,8 +492,8 @@ def _check_draft_slots(prefix: torch.Tensor, drafts: torch.Tensor, name: str) ->
     a draft slot shared with a prefix key (or another draft) would be read as both, and where
     `run` writes the drafts' keys it would overwrite the other key in the pool."""
     d = drafts.to(torch.int64)
-    if torch.unique(d).numel() != d.numel():
-        vals, counts = torch.unique(d, return_counts=True)
+    vals, counts = torch.unique(d, return_counts=True)
+    if bool((counts > 1).any()):
         raise ValueError(f"{name}: slot {int(vals[counts > 1][0])} is given to two draft tokens; each draft needs "
                          "its own slot")
     if prefix.numel():

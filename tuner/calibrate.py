@@ -139,9 +139,11 @@ def _cmd_calibrate(args) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA GPU is visible to torch here (calibrate this machine with "
                          "--device cpu, or run on the GPU's machine)")
-    for flag, p in (("--path", args.path), ("--out-dir", args.out_dir)):   # before the measurement, not after
-        if p and (Path(p).is_dir() if flag == "--path" else Path(p).exists() and not Path(p).is_dir()):
-            raise ValueError(f"{flag} {p}: is a {'folder' if flag == '--path' else 'file'}")
+    # checked before the measurement, not after it
+    if args.path and Path(args.path).is_dir():
+        raise ValueError(f"--path {args.path}: is a folder")
+    if args.out_dir and Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
+        raise ValueError(f"--out-dir {args.out_dir}: is a file")
     prof = calibrate(device, args.name, args.reps)
     # under --out-dir (git-ignored runs/configs), named as the profile inside names itself
     dest = Path(args.path) if args.path else Path(args.out_dir) / "devices" / f"{prof.name}.yaml"

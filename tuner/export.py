@@ -401,8 +401,8 @@ def _latest_source(df, warn: bool = True):
                             "and a sweep then re-tunes it)", be, int((hashes != latest).sum()),
                             sorted(set(hashes[hashes != latest])), latest, be)
             rows = rows[hashes == latest]
-        current = _current_source(be)
-        if warn and latest and current and latest != current:
+        current = _current_source(be) if warn and latest else None   # the sweep's ragged phase calls this per pick
+        if current and latest != current:
             log.warning("%s: its trials were measured on kernel source %s, this checkout's %s source is %s: the "
                         "runtime refuses the exported entries of %s (provenance) until it is swept again "
                         "(`kvtune sweep ... --retune-stale`)", be, latest, be, current, be)
