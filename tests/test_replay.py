@@ -8,6 +8,7 @@ import json
 import io
 import math
 import random
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -171,3 +172,20 @@ def test_cross_phase_times_each_winning_group_at_every_buckets_best_nsplit(tmp_p
                     mine = searched[(searched["ctx"] == ctx) & (searched["params"].map(compile_part) == ck)]
                     met_elsewhere += len(mine) > 0 and all(p["NSPLIT"] != n for p in mine["params"])
     assert met_elsewhere, "no seed met a group at another NSPLIT only: the case the check is for never arose"
+
+
+def test_grid_sweep_progress_counts_the_grid(tmp_path):
+    """`--grid` sweeps every feasible config, more than `--trials`: the progress total grows with
+    each study's grid, so a line never reads more trials done than planned."""
+    from kvtune.tuner.config import load_deployment
+    from kvtune.tuner.replay import GridTable, ReplaySweep, space_fields
+    opts = SweepOptions(tps=[8], ctxs=[4096, 65536], bss=[1], backends=["cuda"], trials=2, grid=True,
+                        space_dir=str(SPACES), out=str(tmp_path))
+    sw = ReplaySweep(load_deployment(DEPLOYMENT), opts, GridTable(GRID), space_fields(SPACES, ["cuda"]))
+    sw.o = replace(sw.o, progress=True)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        sw.run()
+    lines = [tuple(map(int, m)) for m in re.findall(r"^\[(\d+)/(\d+) trials\]", err.getvalue(), re.M)]
+    assert len(lines) == 2, err.getvalue()                # one per study (two context buckets)
+    assert all(n <= total for n, total in lines) and lines[-1][1] > 2 * 2, lines

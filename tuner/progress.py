@@ -26,6 +26,13 @@ class Progress:
         if self.bar is not None:
             self.bar.update(k)
 
+    def expect(self, k: int) -> None:
+        """`k` more trials than planned (a study that sweeps a grid larger than the budget)."""
+        self.total += k
+        if self.bar is not None:
+            self.bar.total = self.total
+            self.bar.refresh()
+
     def best(self, study: str, us: float, pct_floor: float | None) -> None:
         """The best latency `study` has measured so far (its share of the roofline floor)."""
         pf = f"{pct_floor:.1f}%" if pct_floor is not None else "?"

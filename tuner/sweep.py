@@ -395,6 +395,9 @@ class Sweep(StudyLoop):
                 for be in backends:
                     for ctx in self.ctxs:
                         self._study, self._best = f"{be} tp{tp} bs{bs} ctx{ctx}", None
+                        grid = self._plan((be, tp, bs, ctx)).grid
+                        if self.bar is not None and grid and len(grid) > self.trials:   # --grid
+                            self.bar.expect(len(grid) - self.trials)
                         self.search_study(be, tp, bs, ctx)
                         self.results.append(self._study_result(be, tp, bs, ctx))
                     self._study = f"{be} tp{tp} bs{bs} cross/remeasure/ragged"
