@@ -80,3 +80,11 @@ def test_report_of_nothing_lists_every_place_it_looked(tmp_path, monkeypatch):
     for place in ("runs/never-swept/", "results/never-swept/", f"{REPO_ROOT / 'runs' / 'never-swept'}/",
                   f"{REPO_ROOT / 'results' / 'never-swept'}/"):
         assert place in str(e.value), (place, str(e.value))
+
+
+def test_kvtune_without_a_command_is_a_usage_error(capsys):
+    """Plain `kvtune` prints the commands on stderr and fails, as argparse's own usage errors do:
+    a script that lost its subcommand does not pass as a success."""
+    assert main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "sweep" in err and "export" in err

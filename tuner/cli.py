@@ -38,9 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
+    if args.command is None:   # a usage error, as argparse treats one: a script calling plain `kvtune` fails
+        parser.print_help(sys.stderr)
+        return 2
     set_level(args.verbose, args.quiet)
     try:
         return int(args.func(args) or 0)
