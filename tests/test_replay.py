@@ -189,3 +189,31 @@ def test_grid_sweep_progress_counts_the_grid(tmp_path):
     lines = [tuple(map(int, m)) for m in re.findall(r"^\[(\d+)/(\d+) trials\]", err.getvalue(), re.M)]
     assert len(lines) == 2, err.getvalue()                # one per study (two context buckets)
     assert all(n <= total for n, total in lines) and lines[-1][1] > 2 * 2, lines
+
+
+def test_a_baseline_given_up_is_queued_again(tmp_path):
+    """The baseline's queued trial failed for good (a retry given up after its workers died): the
+    study queues it again and measures it, rather than owing it forever and asking past its budget."""
+    from kvtune.tuner.config import load_deployment
+    from kvtune.tuner.replay import GridTable, ReplaySweep, space_fields
+    from kvtune.tuner.table import read_trials
+
+    class BaselineGivenUp(ReplaySweep):
+        def _enqueue_start(self, study, plan, key):
+            super()._enqueue_start(study, plan, key)
+            TS = self.optuna.trial.TrialState
+            for t in study.get_trials(deepcopy=False, states=(TS.WAITING,)):
+                if t.user_attrs.get("role") == "baseline":
+                    study._storage.set_trial_state_values(t._trial_id, TS.FAIL)
+
+    opts = SweepOptions(tps=[8], ctxs=[4096], bss=[1], backends=["cuda"], trials=3, space_dir=str(SPACES),
+                        out=str(tmp_path))
+    sw = BaselineGivenUp(load_deployment(DEPLOYMENT), opts, GridTable(GRID), space_fields(SPACES, ["cuda"]))
+    with contextlib.redirect_stderr(io.StringIO()):
+        sw.run()
+    assert sw.status == "complete", sw.status
+    df = read_trials(sw.out_dir / "trials.csv")
+    search = df[df["phase"] == "search"]
+    assert (search["role"] == "baseline").sum() == 1, search[["role", "outcome"]]
+    measured = search[search["outcome"] != "pruned"]
+    assert len(measured) <= 3 + 1, measured[["role", "outcome"]]          # the budget, + a cross-bucket trial

@@ -298,6 +298,37 @@ def test_postgres_workers_survive_a_killed_worker(tmp_path, postgres_db):
     storage.engine.dispose()
 
 
+def test_postgres_one_sweep_per_deployment_and_no_worker_without_one(tmp_path, postgres_db, capsys):
+    """Two sweeps of one deployment on one PostgreSQL storage (from two hosts) would each run the
+    phases after the search and export over the other: the second is refused while the first
+    holds the storage's lock, and runs once it is gone. A worker pointed at a database with no
+    sweep of its deployment (a mistyped URL) waits --grace seconds, then is refused instead of
+    starting a sweep of its own there."""
+    from kvtune.tuner.cli import main
+    from kvtune.tuner.runlock import StorageLock
+    name = "pgl"
+    dep, spaces = _deployment(tmp_path, name)
+    common = ["--device", "cpu", "--space-dir", str(spaces), "--storage", postgres_db, "--no-progress",
+              "--heartbeat", "1", "--grace", "2"]
+    rc = main(["worker", str(dep), "--out", str(tmp_path / "w"), *common])
+    assert rc == 2 and f"no sweep of {name} there after 2 s" in capsys.readouterr().err
+    storage = _storage(postgres_db)
+    assert not storage.get_all_studies(), "the worker created studies"
+    first = StorageLock(storage, postgres_db, name)   # the first sweep, as it holds the lock
+    first.acquire()
+    try:
+        rc = main(["sweep", str(dep), "--out", str(tmp_path / "b"), "--trials", "1", "--rounds", "0", *common])
+        assert rc == 2 and f"another kvtune sweep of {name} is running on this storage" in capsys.readouterr().err
+        assert not storage.get_all_studies() and not (tmp_path / "b" / name / "trials.csv").exists()
+    finally:
+        first.release()
+    rc = main(["sweep", str(dep), "--out", str(tmp_path / "b"), "--trials", "1", "--rounds", "0",
+               "--remeasure-top", "0", *common])
+    assert rc == 0, capsys.readouterr().err
+    assert storage.get_all_studies()
+    storage.engine.dispose()
+
+
 def test_ctrl_c_of_workers_resumes(tmp_path):
     """SIGINT to `kvtune sweep --workers 2` mid-sweep: it exits 130, the trials its workers held
     are failed as interrupted (none left running) and queued again; the re-run completes with

@@ -1,5 +1,5 @@
 """`<out>/<deployment>/sweep.lock`: one sweep at a time per run folder, and a trace of a sweep
-that was killed.
+that was killed; `StorageLock`: one sweep at a time per deployment in a PostgreSQL storage.
 
 A sweep holds an exclusive `flock` on the file while it runs and writes its pid, start and
 command into it; it empties the file when it ends, however it ends (an error included) short
@@ -11,12 +11,13 @@ process dies, so a killed sweep never blocks the next one.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import time
 from pathlib import Path
 
-from .config import ConfigError
+from .config import ConfigError, redact_url
 from .log import get_logger
 
 log = get_logger(__name__)
@@ -81,3 +82,44 @@ def unfinished_sweep(out_dir: Path) -> str | None:
         except OSError:   # no flock on this filesystem: a running sweep cannot be told from a killed one
             return f"did not record its end, or is running now ({who})"
     return f"was killed before it recorded its end ({who})"
+
+
+class StorageLock:
+    """One sweep of a deployment per PostgreSQL storage, whatever host it runs on: a session-level
+    advisory lock held on a connection of its own for the sweep's life. Two sweeps sharing the
+    studies would each run the phases after the search and export over the other (workers join
+    with `kvtune worker`, which takes no lock). The server drops the lock when the connection
+    ends, so a killed sweep never blocks the next. Other storages: no-op (journal and SQLite
+    live in the run folder, which `RunLock` guards)."""
+
+    def __init__(self, storage, url: str, deployment: str):
+        self.engine = getattr(storage, "engine", None)
+        self.url, self.deployment = url, deployment
+        # pg_advisory_lock takes a signed 64-bit key; the name's hash keeps deployments apart
+        h = hashlib.blake2b(f"kvtune sweep {deployment}".encode(), digest_size=8).digest()
+        self.key = int.from_bytes(h, "big", signed=True)
+        self._conn = None
+
+    def acquire(self) -> None:
+        if self.engine is None or self.engine.dialect.name != "postgresql":
+            return
+        import sqlalchemy as sa
+        conn = self.engine.connect()
+        got = conn.execute(sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": self.key}).scalar()
+        if not got:
+            conn.close()
+            raise ConfigError(f"--storage {redact_url(self.url)}: another kvtune sweep of {self.deployment} is "
+                              "running on this storage (on some host); join it with `kvtune worker`, or wait for it "
+                              "to end")
+        conn.commit()   # the session lock outlives the transaction; the connection stays checked out
+        self._conn = conn
+
+    def release(self) -> None:
+        if self._conn is not None:
+            try:
+                import sqlalchemy as sa
+                self._conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": self.key})
+                self._conn.commit()
+            finally:
+                self._conn.close()
+                self._conn = None

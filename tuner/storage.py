@@ -34,7 +34,7 @@ def open_storage(url: str):
         return JournalStorage(journal_backend(url[len("journal:"):])), url
     kw = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
     try:
-        return optuna.storages.RDBStorage(url, engine_kwargs=kw), url
+        return optuna.storages.RDBStorage(with_driver(url), engine_kwargs=kw), url
     except Exception as exc:  # SQLAlchemy's URL parse, dialect and connection errors
         raise _unopenable(url, exc, "sqlite:///PATH, postgresql://USER@HOST/DB or journal:PATH") from None
 

@@ -39,7 +39,7 @@ from .runner import Runner
 from .space import load_space, problem_env
 from .strategy import params_key
 from .study import ALL_PRUNED, StudyLoop, compile_key, dead_buckets
-from .runlock import RunLock
+from .runlock import RunLock, StorageLock
 from .table import TrialsTable, append_jsonl, scan_table
 
 log = get_logger(__name__)
@@ -356,12 +356,18 @@ class Sweep(StudyLoop):
 
     def run(self) -> list:
         t0 = self.t0 = time.time()
-        lock = RunLock(self.out_dir)
+        lock, shared = RunLock(self.out_dir), StorageLock(self.storage, self.storage_url, self.dep.name)
         if not self.shared or getattr(self, "post", False):   # the sweep itself, not a worker that joins it
             lock.acquire(" ".join(redact_argv(sys.argv)))
+            try:
+                shared.acquire()
+            except BaseException:
+                lock.release()
+                raise
         try:   # every way out but SIGKILL empties the lock: an error is not a killed sweep
             self._run(t0)
         finally:
+            shared.release()
             lock.release()
         return self.results
 

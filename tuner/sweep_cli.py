@@ -87,11 +87,16 @@ def _cmd_worker(args) -> int:
         # finds none was pointed at the wrong path, and would otherwise start a sweep of its own
         raise ConfigError(f"--storage {args.storage}: no such journal file; a worker joins the sweep whose "
                           "journal that is (`kvtune sweep --workers N` starts one), it does not start one")
+    # --index is given only to the workers a sweep (or a worker with --workers) starts: the
+    # sweep's own create its studies, the others' parent has waited for them
+    by_hand = args.index is None
     if args.workers:
-        sw = launch(args, opts, args.workers, post=False)
+        sw = launch(args, opts, args.workers, post=False, join=by_hand)
     else:
         sw = workers.SharedSweep(load_deployment(args.deployment), opts, args.heartbeat, args.grace,
-                                 index=args.index, of=args.of)
+                                 index=args.index or 0, of=args.of)
+        if by_hand:
+            sw.await_sweep(sw.grace_s)
         sw.run()
     log.info("worker %s: %s, %d measurements, %d dropped as stale, %.1f s (%s)", sw.worker_id, sw.status,
              sw.measured_now, sw.dropped, sw.wall_s, redact_url(sw.storage_url))
@@ -138,10 +143,13 @@ def _slots(device: str, n: int) -> list[str | None]:
     return ids[:n]
 
 
-def launch(args, opts: SweepOptions, n: int, post: bool) -> workers.SharedSweep:
-    """Parent of `n` worker processes; then mop-up search and (post) the phases after it."""
+def launch(args, opts: SweepOptions, n: int, post: bool, join: bool = False) -> workers.SharedSweep:
+    """Parent of `n` worker processes; then mop-up search and (post) the phases after it. `join`:
+    a `kvtune worker --workers N` started by hand, which waits for the sweep's studies first."""
     dep = load_deployment(args.deployment)
     sw = workers.SharedSweep(dep, opts, args.heartbeat, args.grace, post=post)
+    if join:
+        sw.await_sweep(sw.grace_s)
     base = _worker_args(args, dep, sw.storage_url, sw.device)
     slots = _slots(sw.device, n)
     cw = opts.compile_workers
@@ -190,6 +198,6 @@ def register(subparsers) -> None:
     p.add_argument("--storage", required=True,
                    help="the sweep's Optuna storage: journal:PATH (one host) or postgresql://... (several)")
     p.add_argument("--workers", type=int, help="start this many worker processes here, one per visible GPU")
-    p.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)   # this worker's start offset
+    p.add_argument("--index", type=int, help=argparse.SUPPRESS)   # this worker's start offset
     p.add_argument("--of", type=int, default=1, help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_worker)

@@ -191,6 +191,22 @@ class SharedSweep(Sweep):
         study.set_user_attr("ready", self.worker_id)
         return True
 
+    def await_sweep(self, wait_s: float) -> None:
+        """A worker started by hand joins a running sweep: wait up to `wait_s` for the storage to
+        hold a study of this deployment (the sweep's own workers create them as they start), then
+        refuse. A mistyped URL or database would otherwise start a sweep of its own there."""
+        deadline, said = time.time() + wait_s, False
+        while not any(s.study_name.startswith(self.dep.name + STUDY_SEP) for s in self.storage.get_all_studies()):
+            if time.time() >= deadline:
+                raise ConfigError(f"--storage {redact_url(self.storage_url)}: no sweep of {self.dep.name} there after "
+                                  f"{wait_s:.0f} s; a worker joins a sweep (`kvtune sweep {self.dep.source} --workers "
+                                  "N --storage URL` on one host starts it), it does not start one")
+            if not said:
+                log.info("waiting up to %.0f s for the sweep of %s to create its studies in %s", wait_s,
+                         self.dep.name, redact_url(self.storage_url))
+                said = True
+            time.sleep(min(1.0, wait_s / 10))
+
     def _check_joined(self, study, name, plan) -> None:
         """A worker joining a study measures the problem it was created for: another model shape
         (draft tokens, heads, tree) would put other numbers into its trials. (Another --trials is
