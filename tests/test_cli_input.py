@@ -84,11 +84,13 @@ def test_other_commands_check_their_numbers(tmp_path, capsys, argv, msg):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_worker_pointed_at_no_journal_does_not_start_a_sweep(tmp_path, capsys):
+@pytest.mark.parametrize("workers", [[], ["--workers", "1"]])
+def test_a_worker_pointed_at_no_journal_does_not_start_a_sweep(tmp_path, capsys, workers):
     """`kvtune worker --storage journal:<a mistyped path>` used to start a sweep of its own and
-    report it complete; the journal of the sweep it joins exists (its parent opened it)."""
+    report it complete; the journal of the sweep it joins exists (its parent opened it). With
+    --workers it is refused at once too, leaving no empty journal at the typo."""
     rc = main(["worker", str(_dep(tmp_path)), "--device", "cpu", "--out", str(tmp_path / "out"),
-               "--storage", f"journal:{tmp_path / 'typo.journal'}"])
+               "--storage", f"journal:{tmp_path / 'typo.journal'}", *workers])
     assert rc != 0
     assert "typo.journal: no such journal file; a worker joins" in capsys.readouterr().err
     assert not (tmp_path / "out").exists() and not (tmp_path / "typo.journal").exists()

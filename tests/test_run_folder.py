@@ -168,7 +168,7 @@ def test_a_worker_of_another_model_shape_is_refused(tmp_path, capsys):
 
 def test_a_worker_finding_no_sweep_in_its_storage_does_not_start_one(tmp_path, capsys):
     """A journal that exists but holds no study of the worker's deployment (another deployment's,
-    or a sweep that never started): the worker waits --grace seconds for the sweep's studies, then
+    or a sweep that never started): the worker waits --wait seconds for the sweep's studies, then
     is refused, measuring nothing."""
     out = tmp_path / "out"
     assert main(["sweep", str(_dep(tmp_path)), "--device", "cpu", "--out", str(out), "--no-progress", "--trials", "1",
@@ -182,6 +182,6 @@ def test_a_worker_finding_no_sweep_in_its_storage_does_not_start_one(tmp_path, c
     before = journal.read_bytes()
     capsys.readouterr()
     rc = main(["worker", str(other / "tiny2.yaml"), "--device", "cpu", "--out", str(tmp_path / "joiner"),
-               "--no-progress", "--heartbeat", "1", "--grace", "2", "--storage", f"journal:{journal}"])
+               "--no-progress", "--wait", "2", "--storage", f"journal:{journal}"])
     assert rc == 2 and "no sweep of tiny2 there after 2 s; a worker joins a sweep" in capsys.readouterr().err
     assert journal.read_bytes() == before and not (tmp_path / "joiner" / "tiny2" / "trials.csv").exists()

@@ -302,7 +302,7 @@ def test_postgres_one_sweep_per_deployment_and_no_worker_without_one(tmp_path, p
     """Two sweeps of one deployment on one PostgreSQL storage (from two hosts) would each run the
     phases after the search and export over the other: the second is refused while the first
     holds the storage's lock, and runs once it is gone. A worker pointed at a database with no
-    sweep of its deployment (a mistyped URL) waits --grace seconds, then is refused instead of
+    sweep of its deployment (a mistyped URL) waits --wait seconds, then is refused instead of
     starting a sweep of its own there."""
     from kvtune.tuner.cli import main
     from kvtune.tuner.runlock import StorageLock
@@ -310,7 +310,7 @@ def test_postgres_one_sweep_per_deployment_and_no_worker_without_one(tmp_path, p
     dep, spaces = _deployment(tmp_path, name)
     common = ["--device", "cpu", "--space-dir", str(spaces), "--storage", postgres_db, "--no-progress",
               "--heartbeat", "1", "--grace", "2"]
-    rc = main(["worker", str(dep), "--out", str(tmp_path / "w"), *common])
+    rc = main(["worker", str(dep), "--out", str(tmp_path / "w"), "--wait", "2", *common])
     assert rc == 2 and f"no sweep of {name} there after 2 s" in capsys.readouterr().err
     storage = _storage(postgres_db)
     assert not storage.get_all_studies(), "the worker created studies"

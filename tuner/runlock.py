@@ -23,6 +23,7 @@ from .log import get_logger
 log = get_logger(__name__)
 
 NAME = "sweep.lock"
+LOCK_CLASS = 0x6B767475   # "kvtu": the first key of kvtune's advisory locks in a shared PostgreSQL
 
 
 def _holder(f) -> dict:
@@ -95,31 +96,35 @@ class StorageLock:
     def __init__(self, storage, url: str, deployment: str):
         self.engine = getattr(storage, "engine", None)
         self.url, self.deployment = url, deployment
-        # pg_advisory_lock takes a signed 64-bit key; the name's hash keeps deployments apart
-        h = hashlib.blake2b(f"kvtune sweep {deployment}".encode(), digest_size=8).digest()
-        self.key = int.from_bytes(h, "big", signed=True)
+        # the two-int4 form of the advisory lock: kvtune's class, and the deployment name's hash;
+        # written into the statement as literals (both ints of ours), no bound parameters
+        h = hashlib.blake2b(f"kvtune sweep {deployment}".encode(), digest_size=4).digest()
+        self.key = (LOCK_CLASS, int.from_bytes(h, "big", signed=True))
         self._conn = None
 
     def acquire(self) -> None:
         if self.engine is None or self.engine.dialect.name != "postgresql":
             return
         import sqlalchemy as sa
-        conn = self.engine.connect()
-        got = conn.execute(sa.text("SELECT pg_try_advisory_lock(:k)"), {"k": self.key}).scalar()
+        # autocommit: never idle in a transaction, and SQLAlchemy 1.4's legacy connections have no commit()
+        conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        got = conn.execute(sa.text("SELECT pg_try_advisory_lock(%d, %d)" % self.key)).scalar()
         if not got:
             conn.close()
             raise ConfigError(f"--storage {redact_url(self.url)}: another kvtune sweep of {self.deployment} is "
                               "running on this storage (on some host); join it with `kvtune worker`, or wait for it "
                               "to end")
-        conn.commit()   # the session lock outlives the transaction; the connection stays checked out
-        self._conn = conn
+        self._conn = conn   # checked out of the pool for the sweep's life: the lock is this session's
 
     def release(self) -> None:
         if self._conn is not None:
             try:
                 import sqlalchemy as sa
-                self._conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": self.key})
-                self._conn.commit()
+                self._conn.execute(sa.text("SELECT pg_advisory_unlock(%d, %d)" % self.key))
+            except Exception as e:  # noqa: BLE001 - a lost connection: the server dropped the lock with it
+                log.warning("--storage %s: the one-sweep lock's connection was lost (%s); the server dropped the "
+                            "lock then, so another sweep could have started since", redact_url(self.url),
+                            type(e).__name__)
             finally:
                 self._conn.close()
                 self._conn = None

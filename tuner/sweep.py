@@ -367,8 +367,10 @@ class Sweep(StudyLoop):
         try:   # every way out but SIGKILL empties the lock: an error is not a killed sweep
             self._run(t0)
         finally:
-            shared.release()
-            lock.release()
+            try:
+                shared.release()
+            finally:
+                lock.release()
         return self.results
 
     def _run(self, t0) -> None:

@@ -81,22 +81,22 @@ def _cmd_sweep(args) -> int:
 
 def _cmd_worker(args) -> int:
     opts = replace(options_from_args(args), progress=False)
+    # --index is given only to the workers a sweep (or a worker with --workers) starts: the
+    # sweep's own create its studies, the others' parent has waited for them
+    by_hand = args.index is None
     journal = args.storage[len("journal:"):] if args.storage.startswith("journal:") else None
-    if journal is not None and not args.workers and not Path(journal).is_file():
+    if journal is not None and by_hand and not Path(journal).is_file():
         # `kvtune sweep --workers N` opens the journal before it starts its workers: a worker that
         # finds none was pointed at the wrong path, and would otherwise start a sweep of its own
         raise ConfigError(f"--storage {args.storage}: no such journal file; a worker joins the sweep whose "
                           "journal that is (`kvtune sweep --workers N` starts one), it does not start one")
-    # --index is given only to the workers a sweep (or a worker with --workers) starts: the
-    # sweep's own create its studies, the others' parent has waited for them
-    by_hand = args.index is None
     if args.workers:
         sw = launch(args, opts, args.workers, post=False, join=by_hand)
     else:
         sw = workers.SharedSweep(load_deployment(args.deployment), opts, args.heartbeat, args.grace,
                                  index=args.index or 0, of=args.of)
         if by_hand:
-            sw.await_sweep(sw.grace_s)
+            sw.await_sweep(args.wait)
         sw.run()
     log.info("worker %s: %s, %d measurements, %d dropped as stale, %.1f s (%s)", sw.worker_id, sw.status,
              sw.measured_now, sw.dropped, sw.wall_s, redact_url(sw.storage_url))
@@ -149,7 +149,7 @@ def launch(args, opts: SweepOptions, n: int, post: bool, join: bool = False) -> 
     dep = load_deployment(args.deployment)
     sw = workers.SharedSweep(dep, opts, args.heartbeat, args.grace, post=post)
     if join:
-        sw.await_sweep(sw.grace_s)
+        sw.await_sweep(args.wait)
     base = _worker_args(args, dep, sw.storage_url, sw.device)
     slots = _slots(sw.device, n)
     cw = opts.compile_workers
@@ -198,6 +198,9 @@ def register(subparsers) -> None:
     p.add_argument("--storage", required=True,
                    help="the sweep's Optuna storage: journal:PATH (one host) or postgresql://... (several)")
     p.add_argument("--workers", type=int, help="start this many worker processes here, one per visible GPU")
+    p.add_argument("--wait", type=non_negative_int("--wait"), default=300,
+                   help="seconds to wait for the sweep to create its studies in --storage before giving up "
+                        "(default 300: hosts started together)")
     p.add_argument("--index", type=int, help=argparse.SUPPRESS)   # this worker's start offset
     p.add_argument("--of", type=int, default=1, help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_worker)

@@ -192,7 +192,7 @@ class SharedSweep(Sweep):
         return True
 
     def await_sweep(self, wait_s: float) -> None:
-        """A worker started by hand joins a running sweep: wait up to `wait_s` for the storage to
+        """A worker started by hand joins a running sweep: wait up to `wait_s` (`--wait`) for the storage to
         hold a study of this deployment (the sweep's own workers create them as they start), then
         refuse. A mistyped URL or database would otherwise start a sweep of its own there."""
         deadline, said = time.time() + wait_s, False
