@@ -4,6 +4,7 @@ that lost its header line is refused rather than rewritten under a row (CPU, no 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -185,3 +186,19 @@ def test_a_worker_finding_no_sweep_in_its_storage_does_not_start_one(tmp_path, c
                "--no-progress", "--wait", "2", "--storage", f"journal:{journal}"])
     assert rc == 2 and "no sweep of tiny2 there after 2 s; a worker joins a sweep" in capsys.readouterr().err
     assert journal.read_bytes() == before and not (tmp_path / "joiner" / "tiny2" / "trials.csv").exists()
+
+
+def test_workers_grid_progress_counts_every_config(tmp_path, capsys):
+    """`--workers` with `--grid`: the parent's progress counts each study's every config, not at
+    most --trials of them, and its total grows to match."""
+    spaces = tmp_path / "spaces"
+    spaces.mkdir()
+    (spaces / "triton.yaml").write_text(yaml.safe_dump({
+        "backend": "triton", "params": {"NSPLIT": [1, 2], "BLOCK_N": [32], "HEADS_PER_BLOCK": [1],
+                                        "NUM_WARPS": [4], "STAGES": [1, 2]}}))
+    rc = main(["sweep", str(_dep(tmp_path)), "--device", "cpu", "--out", str(tmp_path / "out"), "--trials", "1",
+               "--grid", "--rounds", "0", "--remeasure-top", "0", "--workers", "1", "--space-dir", str(spaces)])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    lines = [tuple(map(int, m)) for m in re.findall(r"^\[(\d+)/(\d+) trials\]", err, re.M)]
+    assert lines and all(n <= total for n, total in lines) and lines[-1][0] == lines[-1][1] >= 4, err

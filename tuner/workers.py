@@ -377,7 +377,7 @@ class SharedSweep(Sweep):
 
     def _poll_progress(self, reported: set, final: bool = False) -> None:
         """The workers' progress as the storage shows it: counted trials of every study, and a
-        study's best once it has its budget (or at the end)."""
+        study's best once it has its budget (with --grid, whose size only the workers know: at the end)."""
         TS = self.optuna.trial.TrialState
         total, finished = 0, []
         for s in self.storage.get_all_studies():
@@ -385,11 +385,13 @@ class SharedSweep(Sweep):
                 continue
             counted = [t for t in self._counted(self.storage.get_all_trials(s._study_id, deepcopy=False))
                        if self.o.strategy.counts(t.user_attrs)]
-            total += min(len(counted), self.trials)
+            total += len(counted) if self.o.grid else min(len(counted), self.trials)   # --grid: every config
             ok = [t for t in counted if t.state == TS.COMPLETE]
-            if ok and s.study_name not in reported and (final or len(counted) >= self.trials):
+            if ok and s.study_name not in reported and (final or not self.o.grid and len(counted) >= self.trials):
                 reported.add(s.study_name)
                 finished.append((s.study_name, min(ok, key=lambda t: t.value)))
+        if total > self.bar.total:   # --grid sweeps more configs per study than --trials
+            self.bar.expect(total - self.bar.total)
         self.bar.update(max(0, total - self.bar.n))
         for name, best in finished:
             self.bar.best(" ".join(name.split(STUDY_SEP)[1:]), best.value, best.user_attrs.get("pct_floor"))
