@@ -357,14 +357,12 @@ class Sweep(StudyLoop):
     def run(self) -> list:
         t0 = self.t0 = time.time()
         lock, shared = RunLock(self.out_dir), StorageLock(self.storage, self.storage_url, self.dep.name)
-        if not self.shared or getattr(self, "post", False):   # the sweep itself, not a worker that joins it
+        owner = not self.shared or getattr(self, "post", False)   # the sweep itself, not a worker that joins it
+        if owner:
             lock.acquire(" ".join(redact_argv(sys.argv)))
-            try:
-                shared.acquire()
-            except BaseException:
-                lock.release()
-                raise
         try:   # every way out but SIGKILL empties the lock: an error is not a killed sweep
+            if owner:
+                shared.acquire()
             self._run(t0)
         finally:
             try:

@@ -191,12 +191,16 @@ class SharedSweep(Sweep):
         study.set_user_attr("ready", self.worker_id)
         return True
 
+    def _own_studies(self) -> list:
+        """The storage's studies of this deployment (a PostgreSQL database may hold others')."""
+        return [s for s in self.storage.get_all_studies() if s.study_name.startswith(self.dep.name + STUDY_SEP)]
+
     def await_sweep(self, wait_s: float) -> None:
         """A worker started by hand joins a running sweep: wait up to `wait_s` (`--wait`) for the storage to
         hold a study of this deployment (the sweep's own workers create them as they start), then
         refuse. A mistyped URL or database would otherwise start a sweep of its own there."""
         deadline, said = time.time() + wait_s, False
-        while not any(s.study_name.startswith(self.dep.name + STUDY_SEP) for s in self.storage.get_all_studies()):
+        while not self._own_studies():
             if time.time() >= deadline:
                 raise ConfigError(f"--storage {redact_url(self.storage_url)}: no sweep of {self.dep.name} there after "
                                   f"{wait_s:.0f} s; a worker joins a sweep (`kvtune sweep {self.dep.source} --workers "
@@ -380,9 +384,7 @@ class SharedSweep(Sweep):
         study's best once it has its budget (with --grid, whose size only the workers know: at the end)."""
         TS = self.optuna.trial.TrialState
         total, finished = 0, []
-        for s in self.storage.get_all_studies():
-            if not s.study_name.startswith(self.dep.name + STUDY_SEP):
-                continue
+        for s in self._own_studies():
             counted = [t for t in self._counted(self.storage.get_all_trials(s._study_id, deepcopy=False))
                        if self.o.strategy.counts(t.user_attrs)]
             total += len(counted) if self.o.grid else min(len(counted), self.trials)   # --grid: every config
