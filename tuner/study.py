@@ -140,6 +140,11 @@ class StudyPlan:
     feasible: list | None
     grid: list | None
 
+    def admits(self, params: dict) -> bool:
+        """Whether every parameter of `params` takes one of this study's choices (a warm start
+        from another space may not)."""
+        return all(params.get(n) in self.dists[n] for n in self.dists)
+
 
 @dataclass
 class _State:
@@ -252,7 +257,7 @@ class StudyLoop:
 
         def enqueue(params, role):
             k = params_key(params)
-            if k in have or any(params.get(n) not in plan.dists[n] for n in plan.dists):
+            if k in have or not plan.admits(params):
                 return
             study.enqueue_trial(params, user_attrs={"role": role})
             have.add(k)
@@ -370,8 +375,7 @@ class StudyLoop:
         given up after failing as stale too often would otherwise leave the study owing it for
         good (`_owed`), with no default to judge against and its budget overrun by proposals."""
         base = params_key(plan.default)
-        if base in st.measured or base in st.waiting or base in st.busy or \
-                any(plan.default.get(n) not in plan.dists[n] for n in plan.dists):
+        if base in st.measured or base in st.waiting or base in st.busy or not plan.admits(plan.default):
             return
         study.enqueue_trial(plan.default, user_attrs={"role": "baseline"})
         st.waiting.add(base)
