@@ -389,3 +389,48 @@ def test_cluster_merge_probe_compiles_and_its_two_level_merge_is_the_one_level_m
         parts = [p.merge_partials(m[i:i + cl], ell[i:i + cl], o[i:i + cl]) for i in range(0, 12, cl)]
         two = p.merge_partials(*(torch.stack(x) for x in zip(*parts)))[2]
         assert torch.allclose(two, p.merge_partials(m, ell, o)[2], rtol=1e-12, atol=1e-12)
+
+
+def test_timeline_probe_patches_once_and_compiles_without_spills(cache):
+    """timeline_probe.py stamps copies of verify.cu and verify_wgmma.cu at fixed anchors: each
+    must occur once, the stamped module must compile at both ROWS and both lane counts with no
+    spill (a spill would move the times it places), and nothing stays overridden afterwards."""
+    import timeline_probe
+    from kvtune.kernels.cuda.wgmma import PARTS, compile_wgmma, split_expr as wgmma_expr
+    shipped_hash = nvrtc.kernel_source_hash(PARTS)
+    texts = timeline_probe.patched()
+    for part, anchor, _ in timeline_probe.PATCHES:
+        assert anchor is None or texts[part].count(anchor) <= 1, anchor
+    with nvrtc.source_override(texts["verify.cu"], "verify.cu"), \
+            nvrtc.source_override(texts["verify_wgmma.cu"], "verify_wgmma.cu"):
+        assert nvrtc.kernel_source_hash(PARTS) != shipped_hash
+        for rows in (64, 72):
+            for lanes in (4, 8):
+                mod = compile_wgmma(9, "sm_90", rows, lanes)
+                assert mod.resources[wgmma_expr(9, rows, lanes)].spills == 0, (rows, lanes)
+                assert all(r.spills == 0 for r in mod.resources.values()), (rows, lanes)
+    assert nvrtc.kernel_source_hash(PARTS) == shipped_hash
+
+
+def test_timeline_probe_reads_a_known_timeline():
+    """analyse() on stamps laid out by hand: 20 calls 10 us apart, 4 working CTAs entering 50 ns
+    apart with stages 100, 200, ... 700 ns long, 3 merge blocks from 8.0 to 9.0-9.002 us."""
+    import numpy as np
+    import timeline_probe as tp
+    s = np.zeros((tp.RING, tp.NS, tp.CTAS), np.uint64)
+    m = np.zeros((tp.RING, 2, tp.MB), np.uint64)
+    for k in range(20):
+        t0 = 1_000 + 10_000 * k
+        for y in range(4):
+            for i in range(tp.NS):
+                s[k, i, y] = t0 + 50 * y + 100 * i * (i + 1) // 2   # stage i lasts 100 * i ns
+        for kb in range(3):
+            m[k, 0, kb], m[k, 1, kb] = t0 + 8_000, t0 + 9_000 + kb
+    r = tp.analyse(s.ravel(), m.ravel(), 20)
+    assert r["calls"] == 17 and r["working_ctas"] == 4
+    assert r["period_us"] == 10.0 and r["entry_spread_us"] == 0.15
+    assert r["split_span_us"] == 2.95      # 0.15 us: the last CTA's entry + its 2.8 us of stages
+    assert r["split_to_merge_us"] == round(8.0 - 2.95, 3)
+    assert r["merge_span_us"] == 1.002 and r["prev_merge_to_split_us"] == round(10 - 9.002, 3)
+    for i, name in enumerate(tp.STAGES, start=1):
+        assert r[f"{name}_med_us"] == r[f"{name}_last_us"] == round(0.1 * i, 3), name

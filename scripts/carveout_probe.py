@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Diagnosis (not a test): does the SM's shared-memory carve-out change between the split kernel
+and its merge cost time, and does pinning every kernel of a call to one carve-out take it off?
+
+The split kernels hold up to 227 KB of shared memory per SM; the merges hold a few KB, so with
+no preference the driver may configure an SM for more L1 when it runs a merge, and back for the
+next split. A reconfiguration needs the SM drained. This times the wgmma backend's default
+(split + merge, `verify_attention`, T 9, graph replay over rotating inputs: cold L2 as
+`time_phases.py` times, median of 15) with CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+set per variant on the module's kernels, the variants interleaved over `--rounds` rounds:
+
+  default       the driver's choice (-1: what kvtune ships)
+  merge_shared  both merge kernels prefer the maximum shared memory (100), as the split needs
+  all_shared    the split kernel too
+  merge_l1      both merges prefer the maximum L1 (0): the other way, as a control
+
+    python scripts/carveout_probe.py --out $OUT/carveout
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from cuda.bindings import driver as drv
+
+from sol_read import graph_us, write_csv
+from time_phases import cold_pools
+
+VARIANTS = {"default": (-1, -1), "merge_shared": (-1, 100), "all_shared": (100, 100), "merge_l1": (-1, 0)}
+#: (name, H, requests' prefixes)
+SHAPES = [("H8 B1 256", 8, [256]), ("H8 B1 4k", 8, [4096]), ("H8 B1 16k", 8, [16384]),
+          ("H8 B1 128k", 8, [131072]), ("H8 B8 4k", 8, [4096] * 8), ("H8 B8 16k", 8, [16384] * 8),
+          ("H8 B32 4k", 8, [4096] * 32)]
+
+
+def set_carveout(loaded, split: int, merge: int) -> None:
+    from kvtune.kernels.cuda.nvrtc import check_driver
+    attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+    for k, v in ((loaded.split, split), (loaded.merge, merge), (loaded.merge_warp, merge)):
+        check_driver(drv.cuFuncSetAttribute(k.function, attr, v), "cuFuncSetAttribute(carveout)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ragged", action="store_true", help="also bench_serving.py's ragged64 batch")
+    args = ap.parse_args(argv)
+    from kvtune.kernels import get_backend, verify_attention
+    from kvtune.kernels.api import describe_problem
+    from kvtune.kernels.cuda.nvrtc import check_driver
+    be = get_backend("wgmma")
+    shapes = list(SHAPES)
+    if args.ragged:
+        from bench_serving import RAGGED, log_uniform
+        n, lo, hi = dict((r[0], r[1:]) for r in RAGGED)["ragged64"]
+        shapes.append(("H8 ragged64", 8, log_uniform(n, lo, hi, seed=n)))
+    rows = []
+    for name, H, prefixes in shapes:
+        pools = cold_pools(H, prefixes)
+        problem = describe_problem(*pools[0].args)
+        p = be.default_params(problem)
+        loaded = be._get(problem.T, p.ROWS, torch.device("cuda"), p.COPY_LANES)
+        out = torch.empty(problem.B * problem.T, H, 512, dtype=torch.bfloat16, device="cuda")
+        ws = torch.empty(be.workspace_bytes(problem, p), dtype=torch.uint8, device="cuda")
+        fns = [lambda x=x: verify_attention(*x.args, backend="wgmma", params=p, out=out, workspace=ws,
+                                            check_values_=False) for x in pools]
+        reps = max(len(pools), 96 // len(pools) * len(pools))
+        times = {v: [] for v in VARIANTS}
+        for _ in range(args.rounds):
+            for v, (cs, cm) in VARIANTS.items():
+                set_carveout(loaded, cs, cm)
+                times[v].append(graph_us([fns[i % len(fns)] for i in range(reps)]))
+        set_carveout(loaded, -1, -1)
+        attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
+        static = {k: check_driver(drv.cuFuncGetAttribute(attr, getattr(loaded, k).function), "cuFuncGetAttribute")
+                  for k in ("split", "merge", "merge_warp")}
+        base = statistics.median(times["default"])
+        for v, ts in times.items():
+            med = statistics.median(ts)
+            rows.append({"shape": name, "params": str(p), "variant": v, "us": round(med, 2),
+                         "vs_default": round(med / base, 4), "runs_us": " ".join(f"{t:.2f}" for t in ts),
+                         "static_smem": " ".join(f"{k}={s}" for k, s in static.items())})
+            print(rows[-1], flush=True)
+        del pools
+        torch.cuda.empty_cache()
+    write_csv(Path(args.out) / "carveout.csv", rows)
+    print(f"\n{torch.cuda.get_device_name()}\n{'shape':<13} " + " ".join(f"{v:>13}" for v in VARIANTS))
+    for name, *_ in shapes:
+        r = {x["variant"]: x for x in rows if x["shape"] == name}
+        print(f"{name:<13} " + " ".join(f"{r[v]['us']:>7.2f} {r[v]['vs_default']:>5.3f}" for v in VARIANTS))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
