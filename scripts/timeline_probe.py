@@ -27,6 +27,7 @@ import argparse
 import json
 import statistics
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,7 @@ from sol_read import graph_us, write_csv
 from time_phases import cold_pools
 
 RING, NS, CTAS, MB = 128, 8, 160, 1024
+STAMP_BYTES = 8 * NS + 8  # past the layout's end, rounded up to 8 bytes
 STAGES = ["schedule", "q_first_tiles", "tile_loop", "l_shared", "o_staged", "o_stored", "next_segment"]
 
 HEADER = f"""#define KVT_RING {RING}
@@ -54,13 +56,16 @@ static __device__ __forceinline__ unsigned long long kvt_gt() {{
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) :: "memory");
   return t;
 }}
-// a stage's stamp into shared memory (few registers near the loop's cap); the CTA's eight go out
-// once, when it has no next segment, at its launch count's ring slot
-#define KVT_S(i) do {{ if (threadIdx.x == 0) kvt_sh[i] = kvt_gt(); }} while (0)
+// a stage's stamp into 64 bytes past the layout's dynamic shared memory (the launcher asks for
+// STAMP_BYTES more): few registers near the loop's cap, where a global address spilled and static
+// shared memory pushed the 1024-aligned dynamic block past 227 KB; the CTA's eight go to its
+// launch count's ring slot once, when it has no next segment
+#define KVT_SH reinterpret_cast<unsigned long long*>(smem + (Lay::SMEM_BYTES + 7) / 8 * 8)
+#define KVT_S(i) do {{ if (threadIdx.x == 0) KVT_SH[i] = kvt_gt(); }} while (0)
 #define KVT_FLUSH() do {{ if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y < KVT_CTAS) {{ \\
   const unsigned e = atomicAdd(&kvt_split_ctr[blockIdx.y], 1u) % KVT_RING; \\
   for (int i = 0; i < KVT_NS; ++i) \\
-    kvt_split_stamps[(e * KVT_NS + i) * KVT_CTAS + blockIdx.y] = kvt_sh[i]; }} }} while (0)
+    kvt_split_stamps[(e * KVT_NS + i) * KVT_CTAS + blockIdx.y] = KVT_SH[i]; }} }} while (0)
 // a merge block's entry time stays in a register; thread 0 writes both stamps at its exit
 #define KVT_M_ENTER() const unsigned long long kvt_t0 = kvt_gt()
 #define KVT_M_EXIT() do {{ const unsigned kb = blockIdx.x + gridDim.x * blockIdx.y; \\
@@ -69,8 +74,8 @@ static __device__ __forceinline__ unsigned long long kvt_gt() {{
     kvt_merge_stamps[(e * 2 + 1) * KVT_MB + kb] = kvt_gt(); }} }} while (0)
 """
 
-ENTRY = "  using Lay = Layout<XR>;\n  constexpr int NPB = Lay::NPB;\n"
-ENTRY_STAMP = "  __shared__ unsigned long long kvt_sh[KVT_NS];\n  KVT_S(0);\n"
+ENTRY = "  extern __shared__ __align__(1024) unsigned char smem[];\n"
+ENTRY_STAMP = "  KVT_S(0);\n"
 #: (part, anchor, text inserted after it); each anchor must occur once in its part
 PATCHES = [
     ("verify.cu", None, HEADER),
@@ -119,6 +124,18 @@ def patched() -> dict[str, str]:
         else:
             texts[part] = src.replace(anchor, anchor + text)
     return texts
+
+
+@contextmanager
+def stamp_smem():
+    """The wgmma launcher asks for STAMP_BYTES more dynamic shared memory inside the block."""
+    from kvtune.kernels.cuda import wgmma
+    old = wgmma.SMEM_BYTES, wgmma.SMEM_BYTES_TAIL
+    wgmma.SMEM_BYTES, wgmma.SMEM_BYTES_TAIL = old[0] + STAMP_BYTES, old[1] + STAMP_BYTES
+    try:
+        yield
+    finally:
+        wgmma.SMEM_BYTES, wgmma.SMEM_BYTES_TAIL = old
 
 
 class Globals:
@@ -215,7 +232,7 @@ def main(argv=None) -> int:
         be._kernels.clear()
         shipped_us = graph_us(seq)
         with nvrtc.source_override(texts["verify.cu"], "verify.cu"), \
-                nvrtc.source_override(texts["verify_wgmma.cu"], "verify_wgmma.cu"):
+                nvrtc.source_override(texts["verify_wgmma.cu"], "verify_wgmma.cu"), stamp_smem():
             be._kernels.clear()
             for f in seq[:2]:
                 f()
