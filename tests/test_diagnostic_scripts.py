@@ -294,41 +294,44 @@ def test_ncu_source_table_sums_per_region(tmp_path, capsys):
     assert mix == {"LDS": 18.0, "LDGSTS.E.BYPASS.128": 5.0}
 
 
-def test_bench_kernel_times_the_config_the_packaged_defaults_serve():
-    """`bench_kernel.py --tuned`: per shape, the entry of the first batch bucket >= B among those
-    with H heads per rank, and its context bucket's NSPLIT, read here from the YAML itself."""
+def _expected_tuned_runs(path: Path, legacy_names: bool = False) -> int:
+    """`bench_kernel.tuned_run` on the file at `path`, per shape, against the entry of the first
+    batch bucket >= B among those with H heads per rank and its context bucket's NSPLIT, read here
+    from the YAML itself (a bucket's own backend and params first); the number of buckets seen
+    that name their own compile-time params (a per-context dispatch)."""
     import yaml
 
     import bench_kernel
 
-    from kvtune.kernels.lookup import packaged_defaults_dir
     from kvtune.kernels.tuned import load_tuned
-    path = packaged_defaults_dir() / "kimi-k2-h200.yaml"
     doc = yaml.safe_load(path.read_text())
-    tuned = load_tuned(path)
+    tuned = load_tuned(path, legacy_names=legacy_names)
     dispatched = 0
     for H, B, prefix in [(8, 1, 256), (8, 8, 65536), (8, 32, 16384), (64, 1, 131072), (16, 64, 200000), (32, 5, 4097),
-                         (16, 64, 4096), (16, 33, 65536), (32, 64, 16384), (32, 40, 9000)]:
+                         (16, 64, 4096), (16, 33, 65536), (32, 64, 16384), (32, 40, 9000), (8, 16, 4096),
+                         (8, 16, 16384), (8, 16, 65536), (64, 16, 16384), (64, 16, 65536), (32, 4, 16384),
+                         (32, 4, 65536)]:
         mine = sorted((e for e in doc["entries"] if e["heads_per_rank"] == H), key=lambda e: e["max_batch"])
         e = next((e for e in mine if e["max_batch"] >= B), mine[-1])
         b = next((b for b in e["buckets"] if b["max_context"] >= prefix), e["buckets"][-1])
-        dispatched += "params" in b   # a per-context dispatch's bucket: its own compile-time params
-        backend, label, params = bench_kernel.tuned_run(tuned, H, B, prefix)
-        assert (backend, params) == (e["backend"], {**e["params"], **b.get("params", {}), "NSPLIT": b["NSPLIT"]}), \
-            (H, B, prefix)
-        assert f"batch bucket {e['max_batch']}" in label
-    assert dispatched, "the shipped YAML's dispatch (tp 2, batch 64, 16k) is among the shapes"
-    assert bench_kernel.tuned_run(tuned, 12, 1, 4096) is None   # no entry with 12 heads per rank
-    # a bucket served by another backend (the dispatch-chain export: tp 8 batch 16's wgmma_km entry
-    # serves 4k and 16k with wgmma): that backend and its own params, not the entry's
-    chain = Path(__file__).parents[1] / "results" / "serving" / "dispatch-chain" / "export" / "kimi-k2-h200.yaml"
-    e = next(e for e in yaml.safe_load(chain.read_text())["entries"] if e["tp"] == 8 and e["max_batch"] == 16)
-    for prefix in (4096, 16384, 65536):
-        b = next(b for b in e["buckets"] if b["max_context"] >= prefix)
+        dispatched += "params" in b
         want = (b["backend"], {**b["params"], "NSPLIT": b["NSPLIT"]}) if "backend" in b else \
             (e["backend"], {**e["params"], **b.get("params", {}), "NSPLIT": b["NSPLIT"]})
-        assert bench_kernel.tuned_run(load_tuned(chain, legacy_names=True), 8, 16, prefix)[::2] == want, prefix
-    assert e["backend"] == "wgmma_km" and e["buckets"][0].get("backend") == "wgmma"
+        backend, label, params = bench_kernel.tuned_run(tuned, H, B, prefix)
+        assert (backend, params) == want, (path.name, H, B, prefix)
+        assert f"batch bucket {e['max_batch']}" in label
+    assert bench_kernel.tuned_run(tuned, 12, 1, 4096) is None   # no entry with 12 heads per rank
+    return dispatched
+
+
+def test_bench_kernel_times_the_config_the_packaged_defaults_serve():
+    """`bench_kernel.py --tuned`: the packaged file's config per shape; and, on the committed
+    dispatch-chain export (its buckets on their own params, some on another backend), each
+    bucket's own config, not its entry's."""
+    from kvtune.kernels.lookup import packaged_defaults_dir
+    _expected_tuned_runs(packaged_defaults_dir() / "kimi-k2-h200.yaml")
+    chain = Path(__file__).parents[1] / "results" / "serving" / "dispatch-chain" / "export" / "kimi-k2-h200.yaml"
+    assert _expected_tuned_runs(chain, legacy_names=True) >= 2, "the shapes reach buckets with their own params"
 
 
 def test_a_forced_schedule_changes_only_the_restart_weight():
