@@ -27,13 +27,9 @@ import torch
 from cuda.bindings import driver as drv
 
 from sol_read import graph_us, write_csv
-from time_phases import cold_pools
+from timeline_probe import probe_shapes, wgmma_calls
 
 VARIANTS = {"default": (-1, -1), "merge_shared": (-1, 100), "all_shared": (100, 100), "merge_l1": (-1, 0)}
-#: (name, H, requests' prefixes)
-SHAPES = [("H8 B1 256", 8, [256]), ("H8 B1 4k", 8, [4096]), ("H8 B1 16k", 8, [16384]),
-          ("H8 B1 128k", 8, [131072]), ("H8 B8 4k", 8, [4096] * 8), ("H8 B8 16k", 8, [16384] * 8),
-          ("H8 B32 4k", 8, [4096] * 32)]
 
 
 def set_carveout(loaded, split: int, merge: int) -> None:
@@ -49,31 +45,19 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ragged", action="store_true", help="also bench_serving.py's ragged64 batch")
     args = ap.parse_args(argv)
-    from kvtune.kernels import get_backend, verify_attention
-    from kvtune.kernels.api import describe_problem
+    from kvtune.kernels import get_backend
     from kvtune.kernels.cuda.nvrtc import check_driver
     be = get_backend("wgmma")
-    shapes = list(SHAPES)
-    if args.ragged:
-        from bench_serving import RAGGED, log_uniform
-        n, lo, hi = dict((r[0], r[1:]) for r in RAGGED)["ragged64"]
-        shapes.append(("H8 ragged64", 8, log_uniform(n, lo, hi, seed=n)))
+    shapes = probe_shapes(args.ragged)
     rows = []
     for name, H, prefixes in shapes:
-        pools = cold_pools(H, prefixes)
-        problem = describe_problem(*pools[0].args)
-        p = be.default_params(problem)
+        problem, p, seq = wgmma_calls(H, prefixes)
         loaded = be._get(problem.T, p.ROWS, torch.device("cuda"), p.COPY_LANES)
-        out = torch.empty(problem.B * problem.T, H, 512, dtype=torch.bfloat16, device="cuda")
-        ws = torch.empty(be.workspace_bytes(problem, p), dtype=torch.uint8, device="cuda")
-        fns = [lambda x=x: verify_attention(*x.args, backend="wgmma", params=p, out=out, workspace=ws,
-                                            check_values_=False) for x in pools]
-        reps = max(len(pools), 96 // len(pools) * len(pools))
         times = {v: [] for v in VARIANTS}
         for _ in range(args.rounds):
             for v, (cs, cm) in VARIANTS.items():
                 set_carveout(loaded, cs, cm)
-                times[v].append(graph_us([fns[i % len(fns)] for i in range(reps)]))
+                times[v].append(graph_us(seq))
         set_carveout(loaded, -1, -1)
         attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
         static = {k: check_driver(drv.cuFuncGetAttribute(attr, getattr(loaded, k).function), "cuFuncGetAttribute")
@@ -85,7 +69,7 @@ def main(argv=None) -> int:
                          "vs_default": round(med / base, 4), "runs_us": " ".join(f"{t:.2f}" for t in ts),
                          "static_smem": " ".join(f"{k}={s}" for k, s in static.items())})
             print(rows[-1], flush=True)
-        del pools
+        del seq
         torch.cuda.empty_cache()
     write_csv(Path(args.out) / "carveout.csv", rows)
     print(f"\n{torch.cuda.get_device_name()}\n{'shape':<13} " + " ".join(f"{v:>13}" for v in VARIANTS))

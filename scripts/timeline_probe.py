@@ -106,6 +106,33 @@ SHAPES = [("H8 B1 256", 8, [256]), ("H8 B1 4k", 8, [4096]), ("H8 B1 16k", 8, [16
           ("H8 B32 4k", 8, [4096] * 32)]
 
 
+def probe_shapes(ragged: bool) -> list:
+    """SHAPES, and bench_serving.py's ragged64 batch with `ragged`."""
+    shapes = list(SHAPES)
+    if ragged:
+        from bench_serving import RAGGED, log_uniform
+        n, lo, hi = dict((r[0], r[1:]) for r in RAGGED)["ragged64"]
+        shapes.append(("H8 ragged64", 8, log_uniform(n, lo, hi, seed=n)))
+    return shapes
+
+
+def wgmma_calls(H: int, prefixes: list[int], calls_cap: int = 10**6):
+    """Rotating input pools of `prefixes` (cold L2) and the wgmma default's calls over them (one
+    output and workspace): (problem, params, the calls in graph order, about 96 or `calls_cap`)."""
+    from kvtune.kernels import get_backend, verify_attention
+    from kvtune.kernels.api import describe_problem
+    be = get_backend("wgmma")
+    pools = cold_pools(H, prefixes)
+    problem = describe_problem(*pools[0].args)
+    p = be.default_params(problem)
+    out = torch.empty(problem.B * problem.T, H, 512, dtype=torch.bfloat16, device="cuda")
+    ws = torch.empty(be.workspace_bytes(problem, p), dtype=torch.uint8, device="cuda")
+    fns = [lambda x=x: verify_attention(*x.args, backend="wgmma", params=p, out=out, workspace=ws,
+                                        check_values_=False) for x in pools]
+    calls = min(calls_cap, max(len(pools), 96 // len(pools) * len(pools)))
+    return problem, p, [fns[i % len(fns)] for i in range(calls)]
+
+
 def patched() -> dict[str, str]:
     from kvtune.kernels.cuda import nvrtc
     texts = {p: nvrtc.SOURCE_PATH.with_name(p).read_text() for p in ("verify.cu", "verify_wgmma.cu")}
@@ -206,29 +233,17 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--ragged", action="store_true", help="also bench_serving.py's ragged64 batch")
     args = ap.parse_args(argv)
-    from kvtune.kernels import get_backend, verify_attention
-    from kvtune.kernels.api import describe_problem
+    from kvtune.kernels import get_backend
     from kvtune.kernels.cuda import nvrtc
     from kvtune.kernels.cuda.backend import device_arch
     from kvtune.kernels.cuda.wgmma import compile_wgmma
     be = get_backend("wgmma")
-    shapes = list(SHAPES)
-    if args.ragged:
-        from bench_serving import RAGGED, log_uniform
-        n, lo, hi = dict((r[0], r[1:]) for r in RAGGED)["ragged64"]
-        shapes.append(("H8 ragged64", 8, log_uniform(n, lo, hi, seed=n)))
     texts = patched()
     rows = []
+    shapes = probe_shapes(args.ragged)
     for name, H, prefixes in shapes:
-        pools = cold_pools(H, prefixes)
-        problem = describe_problem(*pools[0].args)
-        p = be.default_params(problem)
-        out = torch.empty(problem.B * problem.T, H, 512, dtype=torch.bfloat16, device="cuda")
-        ws = torch.empty(be.workspace_bytes(problem, p), dtype=torch.uint8, device="cuda")
-        fns = [lambda x=x: verify_attention(*x.args, backend="wgmma", params=p, out=out, workspace=ws,
-                                            check_values_=False) for x in pools]
-        calls = min(RING - 8, max(len(pools), 96 // len(pools) * len(pools)))
-        seq = [fns[i % len(fns)] for i in range(calls)]
+        problem, p, seq = wgmma_calls(H, prefixes, RING - 8)
+        calls = len(seq)
         be._kernels.clear()
         shipped_us = graph_us(seq)
         with nvrtc.source_override(texts["verify.cu"], "verify.cu"), \
@@ -259,7 +274,7 @@ def main(argv=None) -> int:
         be._kernels.clear()
         rows.append(row)
         print(json.dumps(row), flush=True)
-        del pools
+        del seq
         torch.cuda.empty_cache()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     write_csv(Path(args.out) / "timeline.csv", rows)
