@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 
 
-def graph_us(fns, reps=15) -> float:
-    """Median per-call time of `fns` (called in turn) captured into one graph and replayed."""
+def graph_of(fns):
+    """`fns` (called in turn) captured into one CUDA graph, after one eager call of each (compiles,
+    loads, allocations), and replayed once."""
     for f in fns:
         f()
     torch.cuda.synchronize()
@@ -34,6 +35,11 @@ def graph_us(fns, reps=15) -> float:
             f()
     g.replay()
     torch.cuda.synchronize()
+    return g
+
+
+def replay_us(g, calls: int, reps=15) -> float:
+    """Median per-call time of `reps` replays of graph `g`, which holds `calls` calls."""
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     ts = []
     for _ in range(reps):
@@ -41,8 +47,13 @@ def graph_us(fns, reps=15) -> float:
         g.replay()
         e.record()
         e.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3 / len(fns))
+        ts.append(s.elapsed_time(e) * 1e3 / calls)
     return statistics.median(ts)
+
+
+def graph_us(fns, reps=15) -> float:
+    """Median per-call time of `fns` (called in turn) captured into one graph and replayed."""
+    return replay_us(graph_of(fns), len(fns), reps)
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:

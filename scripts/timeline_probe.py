@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from cuda.bindings import driver as drv
 
-from sol_read import graph_us, write_csv
+from sol_read import graph_of, graph_us, replay_us, write_csv
 from time_phases import cold_pools
 
 RING, NS, CTAS, MB = 128, 8, 160, 1024
@@ -56,10 +56,10 @@ static __device__ __forceinline__ unsigned long long kvt_gt() {{
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) :: "memory");
   return t;
 }}
-// a stage's stamp into 64 bytes past the layout's dynamic shared memory (the launcher asks for
-// STAMP_BYTES more): few registers near the loop's cap, where a global address spilled and static
-// shared memory pushed the 1024-aligned dynamic block past 227 KB; the CTA's eight go to its
-// launch count's ring slot once, when it has no next segment
+// a stage's stamp into the 8-byte-aligned bytes past the layout's dynamic shared memory (the
+// launcher asks for STAMP_BYTES more): few registers near the loop's cap, where a global address
+// spilled and static shared memory pushed the 1024-aligned dynamic block past 227 KB; the CTA's
+// eight go to its launch count's ring slot once, when it has no next segment
 #define KVT_SH reinterpret_cast<unsigned long long*>(smem + (Lay::SMEM_BYTES + 7) / 8 * 8)
 #define KVT_S(i) do {{ if (threadIdx.x == 0) KVT_SH[i] = kvt_gt(); }} while (0)
 #define KVT_FLUSH() do {{ if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y < KVT_CTAS) {{ \\
@@ -74,31 +74,36 @@ static __device__ __forceinline__ unsigned long long kvt_gt() {{
     kvt_merge_stamps[(e * 2 + 1) * KVT_MB + kb] = kvt_gt(); }} }} while (0)
 """
 
-ENTRY = "  extern __shared__ __align__(1024) unsigned char smem[];\n"
-ENTRY_STAMP = "  KVT_S(0);\n"
-#: (part, anchor, text inserted after it); each anchor must occur once in its part
+def _after(part: str, anchor: str, text: str) -> tuple[str, str, str]:
+    return part, anchor, anchor + text
+
+
+_LAST = "\n  __syncthreads();  // (5) the next segment published\n  if (work_s[0] < 0) break;\n"
+_MERGE_IN = "  const int b = row / a.T, t = row % a.T;\n  pdl_wait();"
+#: (part, anchor, its replacement), each anchor once in its part; an anchor of None: prepended
 PATCHES = [
     ("verify.cu", None, HEADER),
-    ("verify_wgmma.cu", ENTRY, ENTRY_STAMP),
-    ("verify_wgmma.cu", "  if (work_s[0] < 0) return;  // no work: the merge never reads this CTA's items\n",
-     "  KVT_S(1);\n"),
-    ("verify_wgmma.cu", "  __syncthreads();  // (1) Q, m_s and the first tiles visible to both warpgroups"
-     " (and the tail)\n", "  KVT_S(2);\n"),
-    ("verify_wgmma.cu", "  if (t >= 1 && t - 1 < n_tiles) other_tile(t - 1);\n  wait0();\n  keep128(o);\n",
-     "  KVT_S(3);\n"),
-    ("verify_wgmma.cu", "  __syncthreads();  // (2)\n", "  KVT_S(4);\n"),
-    ("verify_wgmma.cu", "\n  __syncthreads();  // (3) o staged\n", "  KVT_S(5);\n"),
-    ("verify_wgmma.cu", "\n  __syncthreads();  // (4) o stored: Q's shared memory and the key buffers are free\n",
-     "  KVT_S(6);\n"),
-    ("verify_wgmma.cu", "\n  __syncthreads();  // (5) the next segment published\n  if (work_s[0] < 0) break;\n",
-     None),
+    _after("verify_wgmma.cu", "  extern __shared__ __align__(1024) unsigned char smem[];\n", "  KVT_S(0);\n"),
+    _after("verify_wgmma.cu", "  if (work_s[0] < 0) return;  // no work: the merge never reads this CTA's items\n",
+           "  KVT_S(1);\n"),
+    _after("verify_wgmma.cu", "  __syncthreads();  // (1) Q, m_s and the first tiles visible to both warpgroups"
+           " (and the tail)\n", "  KVT_S(2);\n"),
+    _after("verify_wgmma.cu", "  if (t >= 1 && t - 1 < n_tiles) other_tile(t - 1);\n  wait0();\n  keep128(o);\n",
+           "  KVT_S(3);\n"),
+    _after("verify_wgmma.cu", "  __syncthreads();  // (2)\n", "  KVT_S(4);\n"),
+    _after("verify_wgmma.cu", "\n  __syncthreads();  // (3) o staged\n", "  KVT_S(5);\n"),
+    _after("verify_wgmma.cu", "\n  __syncthreads();  // (4) o stored: Q's shared memory and the key buffers are "
+           "free\n", "  KVT_S(6);\n"),
+    # the split CTA's last segment: stamp 7 and the flush
+    ("verify_wgmma.cu", _LAST, _LAST.replace("  if (work_s[0] < 0) break;\n", (
+        "  KVT_S(7);\n  if (work_s[0] < 0) {\n    KVT_FLUSH();\n    break;\n  }\n"))),
     # the warp merge (verify_wgmma.cu) and the block merge (verify.cu)
-    ("verify_wgmma.cu", "  const int row = blockIdx.x, b = row / a.T, t = row % a.T;\n", "  KVT_M_ENTER();\n"),
-    ("verify_wgmma.cu", "  if (a.lse != nullptr && lane == 0) a.lse[(i64)row * a.lse_stride_m + head] = s == 0.f ? "
-     "NEG_INF : m + __logf(s);\n", "  KVT_M_EXIT();\n"),
-    ("verify.cu", "  const int b = row / a.T, t = row % a.T;\n  pdl_wait();", None),
-    ("verify.cu", "    a.lse[(i64)row * a.lse_stride_m + head] = s == 0.f ? NEG_INF : m + __logf(s);\n",
-     "  KVT_M_EXIT();\n"),
+    _after("verify_wgmma.cu", "  const int row = blockIdx.x, b = row / a.T, t = row % a.T;\n", "  KVT_M_ENTER();\n"),
+    _after("verify_wgmma.cu", "  if (a.lse != nullptr && lane == 0) a.lse[(i64)row * a.lse_stride_m + head] = "
+           "s == 0.f ? NEG_INF : m + __logf(s);\n", "  KVT_M_EXIT();\n"),
+    ("verify.cu", _MERGE_IN, _MERGE_IN.replace("  pdl_wait();", "  KVT_M_ENTER();\n  pdl_wait();")),
+    _after("verify.cu", "    a.lse[(i64)row * a.lse_stride_m + head] = s == 0.f ? NEG_INF : m + __logf(s);\n",
+           "  KVT_M_EXIT();\n"),
 ]
 #: (name, H, requests' prefixes)
 SHAPES = [("H8 B1 256", 8, [256]), ("H8 B1 4k", 8, [4096]), ("H8 B1 16k", 8, [16384]),
@@ -136,20 +141,14 @@ def wgmma_calls(H: int, prefixes: list[int], calls_cap: int = 10**6):
 def patched() -> dict[str, str]:
     from kvtune.kernels.cuda import nvrtc
     texts = {p: nvrtc.SOURCE_PATH.with_name(p).read_text() for p in ("verify.cu", "verify_wgmma.cu")}
-    for part, anchor, text in PATCHES:
+    for part, anchor, repl in PATCHES:
         src = texts[part]
         if anchor is None:
-            texts[part] = text + src
+            texts[part] = repl + src
             continue
         if src.count(anchor) != 1:
             raise SystemExit(f"anchor {anchor!r} occurs {src.count(anchor)} times in {part}")
-        if text is None and "pdl_wait" in anchor:  # the block merge's entry: before its pdl_wait
-            texts[part] = src.replace(anchor, anchor.replace("  pdl_wait();", "  KVT_M_ENTER();\n  pdl_wait();"))
-        elif text is None:  # the split CTA's last segment: stamp 7 and the flush
-            texts[part] = src.replace(anchor, anchor.replace("  if (work_s[0] < 0) break;\n", (
-                "  KVT_S(7);\n  if (work_s[0] < 0) {\n    KVT_FLUSH();\n    break;\n  }\n")))
-        else:
-            texts[part] = src.replace(anchor, anchor + text)
+        texts[part] = src.replace(anchor, repl)
     return texts
 
 
@@ -249,20 +248,11 @@ def main(argv=None) -> int:
         with nvrtc.source_override(texts["verify.cu"], "verify.cu"), \
                 nvrtc.source_override(texts["verify_wgmma.cu"], "verify_wgmma.cu"), stamp_smem():
             be._kernels.clear()
-            for f in seq[:2]:
-                f()
-            torch.cuda.synchronize()
+            g = graph_of(seq)   # its eager calls load the stamped module
             ctx = nvrtc._ensure_context(torch.cuda.current_device())
             mod = compile_wgmma(problem.T, device_arch(torch.cuda.current_device()), p.ROWS, p.COPY_LANES)
-            module = nvrtc._loaded[(int(ctx), mod.name)][0]
-            glob = Globals(module)
-            stamped_us = graph_us(seq)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for f in seq:
-                    f()
-            g.replay()
-            torch.cuda.synchronize()
+            glob = Globals(nvrtc._loaded[(int(ctx), mod.name)][0])
+            stamped_us = replay_us(g, calls)
             glob.reset()
             torch.cuda.synchronize()
             g.replay()
