@@ -294,11 +294,11 @@ def test_ncu_source_table_sums_per_region(tmp_path, capsys):
     assert mix == {"LDS": 18.0, "LDGSTS.E.BYPASS.128": 5.0}
 
 
-def _expected_tuned_runs(path: Path, legacy_names: bool = False) -> int:
+def _expected_tuned_runs(path: Path, legacy_names: bool = False) -> tuple[int, int]:
     """`bench_kernel.tuned_run` on the file at `path`, per shape, against the entry of the first
     batch bucket >= B among those with H heads per rank and its context bucket's NSPLIT, read here
-    from the YAML itself (a bucket's own backend and params first); the number of buckets seen
-    that name their own compile-time params (a per-context dispatch)."""
+    from the YAML itself (a bucket's own backend and params first); how many of the buckets seen
+    name their own compile-time params (a per-context dispatch), and how many another backend."""
     import yaml
 
     import bench_kernel
@@ -306,7 +306,7 @@ def _expected_tuned_runs(path: Path, legacy_names: bool = False) -> int:
     from kvtune.kernels.tuned import load_tuned
     doc = yaml.safe_load(path.read_text())
     tuned = load_tuned(path, legacy_names=legacy_names)
-    dispatched = 0
+    dispatched = other_backend = 0
     for H, B, prefix in [(8, 1, 256), (8, 8, 65536), (8, 32, 16384), (64, 1, 131072), (16, 64, 200000), (32, 5, 4097),
                          (16, 64, 4096), (16, 33, 65536), (32, 64, 16384), (32, 40, 9000), (8, 16, 4096),
                          (8, 16, 16384), (8, 16, 65536), (64, 16, 16384), (64, 16, 65536), (32, 4, 16384),
@@ -315,13 +315,14 @@ def _expected_tuned_runs(path: Path, legacy_names: bool = False) -> int:
         e = next((e for e in mine if e["max_batch"] >= B), mine[-1])
         b = next((b for b in e["buckets"] if b["max_context"] >= prefix), e["buckets"][-1])
         dispatched += "params" in b
+        other_backend += b.get("backend", e["backend"]) != e["backend"]
         want = (b["backend"], {**b["params"], "NSPLIT": b["NSPLIT"]}) if "backend" in b else \
             (e["backend"], {**e["params"], **b.get("params", {}), "NSPLIT": b["NSPLIT"]})
         backend, label, params = bench_kernel.tuned_run(tuned, H, B, prefix)
         assert (backend, params) == want, (path.name, H, B, prefix)
         assert f"batch bucket {e['max_batch']}" in label
     assert bench_kernel.tuned_run(tuned, 12, 1, 4096) is None   # no entry with 12 heads per rank
-    return dispatched
+    return dispatched, other_backend
 
 
 def test_bench_kernel_times_the_config_the_packaged_defaults_serve():
@@ -331,7 +332,9 @@ def test_bench_kernel_times_the_config_the_packaged_defaults_serve():
     from kvtune.kernels.lookup import packaged_defaults_dir
     _expected_tuned_runs(packaged_defaults_dir() / "kimi-k2-h200.yaml")
     chain = Path(__file__).parents[1] / "results" / "serving" / "dispatch-chain" / "export" / "kimi-k2-h200.yaml"
-    assert _expected_tuned_runs(chain, legacy_names=True) >= 2, "the shapes reach buckets with their own params"
+    dispatched, other_backend = _expected_tuned_runs(chain, legacy_names=True)
+    assert dispatched >= 2, "the shapes reach buckets with their own params"
+    assert other_backend >= 1, "a bucket on another backend (tp 8 batch 16 at 4k: wgmma in a wgmma_km entry)"
 
 
 def test_a_forced_schedule_changes_only_the_restart_weight():
