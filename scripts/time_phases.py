@@ -18,7 +18,9 @@ tail_no_pv, its O^T MMAs left out; tail_s_wgmma, its S^T on a wgmma chain per ti
 outputs right: tail_early_release, the tail's key buffers handed back a softmax earlier;
 tail_chains2 / 3, its S^T in 2 / 3 accumulator chains;
 gather_after_publish / gather_if_free, tile t + 2's gather issued after tile t is published
-(always / when the tail has not handed its buffer back yet); uniform_wg, the 64-row warpgroups'
+(always / when the tail has not handed its buffer back yet); table_lanes, the split table's bounds
+and values loaded a lane each beside kv_indptr; q_under_schedule, batch 1's Q copied by warps 1-7
+while warp 0 runs the schedule (results/kernel/wgmma/phases/q-under-schedule/); uniform_wg, the 64-row warpgroups'
 loop compiled once per warpgroup (warp-uniform K descriptors), redux_wgi, the same through a warp
 reduction with one copy of the loop; pv_before_s, a warpgroup's S of tile t issued only after the
 other's P V of t - 2; and the schedule forced: items,
@@ -257,6 +259,45 @@ WGMMA_VARIANTS = {
                   "      issue_tile(t + 2, slot_next);\n      issued = true;\n    }\n"),
         (_PV_END, _PV_END[:-4] + "    if (!issued) {\n      mbar_wait(" + _EMPTY + ");\n"
                   "      issue_tile(t + 2, slot_next);\n    }\n    slot_next = slot_of(t + 4);\n  }\n")],
+    # outputs right: the split table's bounds and values loaded a lane each beside kv_indptr's two
+    # ends (one round trip where table_value's walk waits for the bounds, then the value); a
+    # table of more than 32 buckets walks as before
+    "table_lanes": [
+        ("__device__ Schedule plan_schedule(const SplitArgs& a) {\n"
+         "  const int total = batch_keys(a), target = batch_nsplit(a, total);\n",
+         "struct BatchSize {\n  int total, value;\n};\n"
+         "__device__ BatchSize batch_size(const SplitArgs& a) {\n"
+         "  const int lane = threadIdx.x & 31, nb = a.num_buckets;\n  const bool mine = lane < nb;\n"
+         "  const int bound = mine ? a.split_max_keys[lane] : 0, value = mine ? a.split_values[lane] : 0;\n"
+         "  const int total = batch_keys(a);\n  if (nb == 0) return {total, a.grid_nsplit};\n"
+         "  if (nb > 32) return {total, table_value(total, a.split_max_keys, a.split_values, nb, a.grid_nsplit)};\n"
+         "  const unsigned fits = __ballot_sync(0xffffffffu, mine && total <= bound);\n"
+         "  return {total, __shfl_sync(0xffffffffu, value, fits ? __ffs(fits) - 1 : nb - 1)};\n}\n"
+         "__device__ Schedule plan_schedule(const SplitArgs& a, int total, int value) {\n"
+         "  const int target = min(max(value, 1), a.grid_nsplit);\n"),
+        ("  if (tid < 32 && batch_idle(a)) {", "  const BatchSize bsz = tid < 32 ? batch_size(a) : BatchSize{0, 0};\n"
+         "  if (tid < 32 && a.num_buckets > 0 && bsz.value == 0) {"),
+        ("    const Schedule sc = plan_schedule(a);\n    const int R = sc.R, total = batch_keys(a);\n",
+         "    const Schedule sc = plan_schedule(a, bsz.total, bsz.value);\n"
+         "    const int R = sc.R, total = bsz.total;\n")],
+    # outputs right: at batch 1 (every CTA's one segment is of request 0) the warps that do not
+    # run the schedule copy Q under it, and the segment skips its own copy; a CTA that finds no
+    # keys waits for the copy before it exits
+    "q_under_schedule": [
+        ("  pdl_launch_dependents();  // the merge waits for this whole grid before it reads anything\n",
+         "  pdl_launch_dependents();  // the merge waits for this whole grid before it reads anything\n"
+         "  const bool q_early = a.B == 1 && a.q_vec16;\n  if (q_early && tid >= 32 && tid < 256) {\n"
+         "    for (int i = tid - 32; i < ROWS * CHUNKS; i += 224) {\n"
+         "      const int r = i / CHUNKS, c = i % CHUNKS, rg = mb * RB + r;\n      const bool ok = rg < HT;\n"
+         "      const u16* src = ok ? a.q + (i64)(rg % T) * a.q_stride_m + (i64)(rg / T) * a.q_stride_h + c * 8\n"
+         "                          : a.q;\n"
+         "      cp_async<16>(qs + sw_off(r, c, ROWS), src, ok ? 16 : 0);\n    }\n    cp_async_commit();\n  }\n"),
+        ("  if (work_s[0] < 0) return;  // no work",
+         "  if (q_early && work_s[0] < 0) cp_async_wait<0>();\n  if (work_s[0] < 0) return;  // no work"),
+        ("  // -- Q: rows mb * 64 .. of this request (row r: head r / T, draft token r % T), zero past H * T\n"
+         "  if (a.q_vec16) {",
+         "  // -- Q: rows mb * 64 .. of this request (row r: head r / T, draft token r % T), zero past H * T\n"
+         "  if (a.B == 1 && a.q_vec16) {\n  } else if (a.q_vec16) {")],
     # the schedule forced (outputs right): verify.cu's items always, or key ranges whenever B > 1
     # (kernels.cuda.wgmma.forced_schedule, applied by patched_source)
     "items": [],
@@ -289,7 +330,8 @@ KM_VARIANTS = {
 UNSAFE = {"no_stage_barriers"}
 #: variants whose outputs are right (a schedule forced, a different copy mapping): --oracle checks them
 OUTPUTS_RIGHT = {"full", "items", "ranges", "tail_early_release", "tail_chains2", "tail_chains3",
-                 "gather_after_publish", "gather_if_free", "uniform_wg", "redux_wgi", "pv_before_s"}
+                 "gather_after_publish", "gather_if_free", "uniform_wg", "redux_wgi", "pv_before_s",
+                 "table_lanes", "q_under_schedule"}
 
 
 def oracle_check(source: str, names: list[str], backend: str, over: dict, tol: float = 1e-2) -> None:

@@ -108,6 +108,24 @@ def test_split_table_sets_the_partial_count():
     assert items(None) == _schedule(lengths, 64)[1:]
 
 
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 40])
+def test_split_table_lookup_in_long_tables(n):
+    """The batch's bucket (the first bound >= its keys, else the last) wherever it sits in a
+    table of `n` (up to 32: a lane each in time_phases.py's table_lanes variant; more: walked),
+    the batch on a bound or past the last one. Only that bucket holds NSPLIT 40 (items);
+    every other holds 4 (ranges), so a wrong bucket changes every request's split count."""
+    x = make_inputs(3, 9, 8, [700, 97, 4096], tree="chain", device="cuda")
+    lengths = [700 + 9, 97 + 9, 4096 + 9]
+    total = sum(lengths)
+    p = _params(64)
+    for pos in sorted({0, n // 2, n - 1, n}):  # bounds[pos] == total; pos == n: every bound below it
+        bounds = [total - pos + i for i in range(n)]
+        values = [4] * n
+        values[min(pos, n - 1)] = 40
+        got = _items_per_request(x, p, SplitTable.build(bounds, values, device="cuda"), backend="wgmma")
+        assert got == _schedule(lengths, 40)[1:], (n, pos)
+
+
 RESTART_TILES = restart_tiles(nvrtc.SOURCE_PATH.with_name("verify_wgmma.cu").read_text())
 
 
