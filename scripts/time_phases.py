@@ -20,7 +20,10 @@ tail_chains2 / 3, its S^T in 2 / 3 accumulator chains;
 gather_after_publish / gather_if_free, tile t + 2's gather issued after tile t is published
 (always / when the tail has not handed its buffer back yet); table_lanes, the split table's bounds
 and values loaded a lane each beside kv_indptr; q_under_schedule, batch 1's Q copied by warps 1-7
-while warp 0 runs the schedule (results/kernel/wgmma/phases/q-under-schedule/); uniform_wg, the 64-row warpgroups'
+while warp 0 runs the schedule (results/kernel/wgmma/phases/q-under-schedule/), with its controls
+full_again (one comment changed), q_dead (its copy compiled in, never run) and pad_merge (dead code
+in the warp merge); roll_q / roll_store / roll_scrub, once-per-segment loops kept rolled
+(results/kernel/wgmma/phases/variant-order/); uniform_wg, the 64-row warpgroups'
 loop compiled once per warpgroup (warp-uniform K descriptors), redux_wgi, the same through a warp
 reduction with one copy of the loop; pv_before_s, a warpgroup's S of tile t issued only after the
 other's P V of t - 2; and the schedule forced: items,
@@ -28,6 +31,11 @@ ranges) patch verify_wgmma.cu at its own anchors (the gather's
 lane-mapping variants measured on source 1ec2426d7d93fe07 and the descriptor variants now shipped
 (desc_increment, desc_increment_tail, gather_addr) are in git history; eight lanes per row is
 now the COPY_LANES parameter).
+
+--rounds N times every variant N times, interleaved, each variant leading one round in turn, and
+prints each one's median: in one fixed order the variants timed after the first read up to 1.3 us
+slower at batch >= 8 (results/kernel/wgmma/phases/variant-order/), so compare variants with N >=
+the number of variants.
 
 --variants also times copies of the source with one stage left out (METHOD.md: place time
 inside a kernel by differences), compiled in memory (`nvrtc.source_override`), never shipped;
@@ -62,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -298,11 +307,36 @@ WGMMA_VARIANTS = {
          "  if (a.q_vec16) {",
          "  // -- Q: rows mb * 64 .. of this request (row r: head r / T, draft token r % T), zero past H * T\n"
          "  if (a.B == 1 && a.q_vec16) {\n  } else if (a.q_vec16) {")],
+    # controls for the two above (outputs right; results/kernel/wgmma/phases/variant-order/):
+    # full_again, the source with one comment changed (the same code, compiled again); q_dead (below
+    # the table), q_under_schedule's copy compiled in but never run (a.B == -1); pad_merge, dead
+    # stores in the warp merge (its code grows, the split kernel's does not)
+    "full_again": [("  }  // the two 64-row warpgroups\n#else",
+                    "  }  // the two 64-row warpgroups (a comment: the same code)\n#else")],
+    "pad_merge": [("  pdl_wait();  // the split grid's partials and meta are complete and visible past this point\n"
+                   "  if (head >= a.H) return;\n",
+                   "  pdl_wait();  // the split grid's partials and meta are complete and visible past this point\n"
+                   "  if (head >= a.H) return;\n  if (a.T == -1) {  // never\n#pragma unroll\n"
+                   "    for (int i = 0; i < 256; ++i) a.out[i * 32 + lane] = (u16)(i * head);\n  }\n")],
+    # outputs right: once-per-segment loops kept rolled (#pragma unroll 1), 8.8-10.6 KB less SASS at
+    # ROWS 72: the Q copy (roll_q), the partial o store (roll_store), the draft keys' NaN scrub
+    "roll_q": [("    for (int i = tid; i < ROWS * CHUNKS; i += 256) {",
+                "#pragma unroll 1\n    for (int i = tid; i < ROWS * CHUNKS; i += 256) {"),
+               ("    for (int i = tid; i < ROWS * DK; i += 256) {",
+                "#pragma unroll 1\n    for (int i = tid; i < ROWS * DK; i += 256) {")],
+    "roll_store": [("    for (int c = tid_x(); c < RB * (DV / 8); c += NT) {",
+                    "#pragma unroll 1\n    for (int c = tid_x(); c < RB * (DV / 8); c += NT) {")],
+    "roll_scrub": [("  for (int c = wt; c < (k_hi - k_lo) * PIECES; c += 128) {",
+                    "#pragma unroll 1\n  for (int c = wt; c < (k_hi - k_lo) * PIECES; c += 128) {")],
     # the schedule forced (outputs right): verify.cu's items always, or key ranges whenever B > 1
     # (kernels.cuda.wgmma.forced_schedule, applied by patched_source)
     "items": [],
     "ranges": [],
 }
+
+_Q_EARLY = WGMMA_VARIANTS["q_under_schedule"]
+WGMMA_VARIANTS["q_dead"] = [
+    (_Q_EARLY[0][0], _Q_EARLY[0][1].replace("a.B == 1 && a.q_vec16;", "a.B == -1 && a.q_vec16;")), _Q_EARLY[1]]
 
 # verify_km.cu (--backend wgmma_km): its stages left out, as above (a.H > 0 and kb != 0 at run time)
 KM_VARIANTS = {
@@ -331,7 +365,8 @@ UNSAFE = {"no_stage_barriers"}
 #: variants whose outputs are right (a schedule forced, a different copy mapping): --oracle checks them
 OUTPUTS_RIGHT = {"full", "items", "ranges", "tail_early_release", "tail_chains2", "tail_chains3",
                  "gather_after_publish", "gather_if_free", "uniform_wg", "redux_wgi", "pv_before_s",
-                 "table_lanes", "q_under_schedule"}
+                 "table_lanes", "q_under_schedule", "full_again", "q_dead", "pad_merge", "roll_q", "roll_store",
+                 "roll_scrub"}
 
 
 def oracle_check(source: str, names: list[str], backend: str, over: dict, tol: float = 1e-2) -> None:
@@ -461,6 +496,26 @@ class Phases:
         return row
 
 
+def round_order(names: list[str], rnd: int) -> list[str]:
+    """The variants in round `rnd`: each leads one round in turn. A variant timed later in a
+    process reads slower (results/kernel/wgmma/phases/variant-order/), so one fixed order favours
+    the first."""
+    k = rnd % len(names)
+    return names[k:] + names[:k]
+
+
+def print_summary(rows: list[dict]) -> None:
+    """Per (prefix, B, variant) the median over its rounds of each time, in first-seen order."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["prefix"], r["B"], r["variant"]), []).append(r)
+    print(f"\n{'prefix':>9} {'B':>3} {'variant':<28} {'rounds':>6} {'both us':>8} {'split us':>8} {'merge us':>8}")
+    for (prefix, B, variant), rs in groups.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in ("both_us", "split_us", "merge_us")}
+        print(f"{prefix:>9} {B:>3} {variant:<28} {len(rs):>6} {med['both_us']:>8.2f} {med['split_us']:>8.2f} "
+              f"{med['merge_us']:>8.2f}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -479,9 +534,13 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="", help="'all', or a comma-separated list of the variants above to time")
     ap.add_argument("--source", default="", help="a file timed in place of the backend's source part (e.g. the "
                     "shipped verify_wgmma.cu from git history against the tree's), patched by --variants alike")
+    ap.add_argument("--rounds", type=int, default=1, help="time every variant this many times, interleaved, each "
+                    "variant leading one round in turn; the summary gives each one's median")
     ap.add_argument("--oracle", action="store_true", help="first check the variants whose outputs should be right "
                     "(OUTPUTS_RIGHT) against the fp32 oracle on small batches")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds: at least 1, got {args.rounds}")
     from kvtune.kernels.cuda import nvrtc
     from kvtune.kernels.params import declaration
 
@@ -517,23 +576,23 @@ def main(argv=None) -> int:
     for prefix, keys in cases:
         pools = cold_pools(args.heads, keys, args.batch)
         n_req = len(keys) if isinstance(keys, list) else args.batch
-        for variant in names:
-            runs = [(variant, pools)] + ([("full, hot L2", pools[:1])] if variant == "full" and args.variants else [])
-            with nvrtc.source_override(patched_source(source, variant, args.backend), part):
+        for rnd in range(args.rounds):
+            for variant in round_order(names, rnd):
+                hot = variant == "full" and args.variants and rnd == 0
+                runs = [(variant, pools)] + ([("full, hot L2", pools[:1])] if hot else [])
+                with nvrtc.source_override(patched_source(source, variant, args.backend), part):
+                    ph.be._kernels.clear()
+                    for name, use in runs:
+                        row = {"prefix": prefix, "B": n_req, "H": args.heads,
+                               "source": Path(args.source).name or "tree", "merge": args.merge, "variant": name,
+                               "round": rnd, **ph.time(use, over)}
+                        rows.append(row)
+                        print(row, flush=True)
                 ph.be._kernels.clear()
-                for name, use in runs:
-                    row = {"prefix": prefix, "B": n_req, "H": args.heads, "source": Path(args.source).name or "tree",
-                           "merge": args.merge, "variant": name, **ph.time(use, over)}
-                    rows.append(row)
-                    print(row, flush=True)
-            ph.be._kernels.clear()
         del pools
         torch.cuda.empty_cache()
     write_csv(Path(args.out) / "phases.csv", rows)
-    print(f"\n{'prefix':>9} {'B':>3} {'variant':<13} {'both us':>8} {'split us':>8} {'merge us':>8}")
-    for r in rows:
-        print(f"{r['prefix']:>9} {r['B']:>3} {r['variant']:<13} {r['both_us']:>8.2f} {r['split_us']:>8.2f} "
-              f"{r['merge_us']:>8.2f}")
+    print_summary(rows)
     return 0
 
 

@@ -440,3 +440,20 @@ def test_timeline_probe_reads_a_known_timeline():
     assert r["merge_span_us"] == 1.002 and r["prev_merge_to_split_us"] == round(10 - 9.002, 3)
     for i, name in enumerate(tp.STAGES, start=1):
         assert r[f"{name}_med_us"] == r[f"{name}_last_us"] == round(0.1 * i, 3), name
+
+
+def test_phase_rounds_rotate_and_summarise_by_median(capsys):
+    """--rounds: every variant leads one round in turn, and the summary is each variant's median
+    over its rounds (per prefix and batch), whatever the order the rows came in."""
+    import time_phases
+    names = ["full", "a", "b"]
+    assert [time_phases.round_order(names, r) for r in range(4)] == [
+        ["full", "a", "b"], ["a", "b", "full"], ["b", "full", "a"], ["full", "a", "b"]]
+    rows = [{"prefix": 4096, "B": 8, "variant": v, "both_us": t, "split_us": t - 4, "merge_us": 4.0}
+            for v, t in [("full", 30.0), ("a", 33.0), ("full", 31.0), ("a", 35.0), ("full", 40.0), ("a", 34.0)]]
+    time_phases.print_summary(rows)
+    lines = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("4096")]
+    assert [(ln[2], ln[3], ln[4], ln[5]) for ln in lines] == [("full", "3", "31.00", "27.00"),
+                                                              ("a", "3", "34.00", "30.00")]
+    with pytest.raises(SystemExit, match="--rounds"):
+        time_phases.main(["--out", "/tmp/x", "--backend", "wgmma", "--rounds", "0"])
