@@ -149,3 +149,52 @@ def test_a_bucket_is_dead_only_when_no_backend_measured_there():
                res("triton", 900, wrong=1, pruned=4)]                              # measured (wrong)
     assert [r.all_pruned for r in results] == [True, False, True, True, False]
     assert dead_buckets(results) == [(8, 1, 300)]
+
+
+def test_study_plans_hold_only_configs_the_arch_can_run():
+    """A study samples and sweeps as a grid only what the deployment's arch can run, judged by
+    the kernel's own resource model (`Backend.fit_reject`), not by the search space restating
+    it: on the RTX PRO 6000 deployment (sm_120, 99 KB per block) the cuda space's configs that
+    pass its constraints are cut to those whose shared memory and threads fit, computed here
+    from the kernel's geometry; a search proposal that cannot fit is pruned with the kernel's
+    reason before any compile, the baseline never is."""
+    from types import SimpleNamespace
+
+    from kvtune.kernels.cuda.backend import CudaParams, KernelGeometry
+    from kvtune.kernels.cuda.params import ARCH_LIMITS
+    from kvtune.tuner.config import load_deployment
+    from kvtune.tuner.runner import Runner
+    from kvtune.tuner.space import load_space
+    from kvtune.tuner.study import StudyLoop
+
+    dep = load_deployment("kimi-k2-rtx-pro-6000")
+    space = load_space("cuda", space_dir=dep.space_dir)
+    assert space.source.endswith("sm_120/cuda.yaml")
+    default = {"NSPLIT": 94, "VEC": 8, "BLOCK_N": 16, "NUM_WARPS": 8, "HEADS_PER_BLOCK": 4, "STAGES": 2,
+               "CTAS_PER_SM": 1}
+    runner = SimpleNamespace(spec=lambda tp, bs, ctx: Runner.spec(SimpleNamespace(dep=dep), tp, bs, ctx),
+                             default_params=lambda backend, spec: default)
+    loop = SimpleNamespace(spaces={"cuda": space}, dep=dep, trials=24, o=SimpleNamespace(grid=False), runner=runner)
+    lim = ARCH_LIMITS["sm_120"]
+
+    def fits(g):
+        p = CudaParams(**g)
+        smem = KernelGeometry.of(p, 9).smem_bytes
+        return smem <= lim.smem_per_block and p.threads * p.CTAS_PER_SM <= lim.threads_per_sm and (
+            p.CTAS_PER_SM == 1 or p.CTAS_PER_SM * (smem + 1024) <= lim.smem_per_sm)
+
+    for tp in (8, 1):
+        plan = StudyLoop._study_plan(loop, "cuda", tp, 1, 4096)
+        admitted = [g for g in space.grid(default) if not space.violation(g, plan.env)]
+        assert plan.feasible == [g for g in admitted if fits(g)], tp
+        assert 0 < len(plan.feasible) < len(admitted) and plan.grid is None
+    wide = dict(default, BLOCK_N=32, STAGES=4)
+    assert not fits(wide)
+    assert "exceeds sm_120's 101376 B" in StudyLoop._violation("search", plan, wide)
+    assert StudyLoop._violation("baseline", plan, wide) is None
+    assert StudyLoop._violation("search", plan, default) is None
+    from kvtune.kernels import get_backend
+    from kvtune.kernels.cuda.params import WgmmaParams
+    assert "has no wgmma" in get_backend("wgmma").fit_reject(WgmmaParams(ROWS=72), 9, "sm_120")
+    assert get_backend("wgmma").fit_reject(WgmmaParams(ROWS=72), 9, "sm_90") is None
+    assert get_backend("cuda").fit_reject(CudaParams(**wide), 9, "cpu") is None   # no limits known there

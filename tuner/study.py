@@ -27,6 +27,8 @@ from collections import Counter
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
+from kvtune.kernels import get_backend, params_from_dict
+
 from .config import ConfigError, redact_url
 from .log import get_logger
 from .space import CONSTRAINT_PREFIX, SearchSpace, problem_env
@@ -131,7 +133,8 @@ def dead_buckets(results) -> list[tuple[int, int, int]]:
 class StudyPlan:
     """What a study searches: its space, problem, the backend's default for it, the choices
     per parameter (the space's, widened by the default), the constraint environment, the
-    feasible configs (None when too many to list) and the grid swept whole (None: TPE)."""
+    feasible configs (None when too many to list), the grid swept whole (None: TPE), and the
+    deployment's arch, which the backend's resource model judges configs against."""
     space: SearchSpace
     spec: object
     default: dict
@@ -139,6 +142,18 @@ class StudyPlan:
     env: dict
     feasible: list | None
     grid: list | None
+    backend: str = ""
+    arch: str = ""
+
+    def violation(self, params: dict) -> str | None:
+        """Why `params` is out of this study before any compile: a space constraint it breaks, or
+        the backend's own verdict that it cannot fit the arch (`Backend.fit_reject`: shared
+        memory, threads); None when it is in."""
+        why = self.space.violation(params, self.env)
+        if why or not self.backend:
+            return why
+        be = get_backend(self.backend)
+        return be.fit_reject(params_from_dict(be.params_type, dict(params)), self.spec.draft_tokens, self.arch)
 
     def admits(self, params: dict) -> bool:
         """Whether every parameter of `params` takes one of this study's choices (a warm start
@@ -186,10 +201,11 @@ class StudyLoop:
         full = None
         if space.size(default) <= max(self.trials, 50000):
             full = space.grid(default)
-        feasible = [g for g in full if not space.violation(g, env)] if full is not None else None
-        grid = full if full is not None and len(full) <= self.trials else \
-            feasible if feasible is not None and (len(feasible) <= self.trials or self.o.grid) else None
-        return StudyPlan(space, spec, default, dists, env, feasible, grid)
+        plan = StudyPlan(space, spec, default, dists, env, None, None, backend, self.dep.device.arch)
+        plan.feasible = [g for g in full if not plan.violation(g)] if full is not None else None
+        plan.grid = full if full is not None and len(full) <= self.trials else \
+            plan.feasible if plan.feasible is not None and (len(plan.feasible) <= self.trials or self.o.grid) else None
+        return plan
 
     def _seed(self, name: str) -> int:
         return self.o.seed + int(hashlib.sha256(name.encode()).hexdigest()[:6], 16)
@@ -453,9 +469,10 @@ class StudyLoop:
 
     @staticmethod
     def _violation(role, plan: StudyPlan, params):
-        """The search-space constraint `params` break, or None; the baseline and cross-bucket
-        configs are measured whatever the constraints say."""
-        return None if role == "baseline" or role in BESIDE_SEARCH else plan.space.violation(params, plan.env)
+        """The search-space constraint `params` break (or the arch it cannot fit), or None; the
+        baseline and cross-bucket configs are measured whatever the constraints say (the runner
+        still refuses what cannot run)."""
+        return None if role == "baseline" or role in BESIDE_SEARCH else plan.violation(params)
 
     def _run_one(self, backend, trial, params, role, plan: StudyPlan, seed, repair):
         """One batch member's outcome and the constraint that pruned it (or None): pruned
@@ -480,7 +497,7 @@ class StudyLoop:
         ranked = [dict(t.params) for t in sorted((t for t in st.measured.values() if t.state == TS.COMPLETE),
                                                  key=lambda t: t.value)]
         taken = set(st.measured) | set(st.busy) | {params_key(p) for _, p, _ in batch}
-        q = local_proposal(ranked, plan.dists, taken, lambda q: not plan.space.violation(q, plan.env), rng)
+        q = local_proposal(ranked, plan.dists, taken, lambda q: not plan.violation(q), rng)
         if q is not None:
             study.enqueue_trial(q, user_attrs={"role": "search", "via": "local"})
 

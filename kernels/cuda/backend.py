@@ -289,6 +289,9 @@ class CudaBackend(SplitMergeBackend):
     def _reject_on(self, params: CudaParams, problem: VerifyProblem, arch: str) -> str | None:
         return reject_reason(params, problem.T, arch)
 
+    def fit_reject(self, params: CudaParams, T: int, arch: str) -> str | None:
+        return fit_reason(params, T, arch) if arch in ARCH_LIMITS else None
+
     def supports(self, device: torch.device) -> str | None:
         return nvrtc_unsupported(device, lambda arch: int(arch.split("_")[1]) >= 80, "sm_80 or newer")
 
@@ -502,6 +505,27 @@ def reject_reason(params: CudaParams, T: int, arch: str) -> str | None:
         check_static(params, T)
     except ValueError as e:
         return str(e)
+    why = fit_reason(params, T, arch)
+    if why is not None:
+        return why
+    lim = arch_limits(arch)
+    try:
+        mod = compile_params(params, T, arch)
+    except NvrtcError as e:
+        return f"compile error on {arch}: {e}"
+    res = mod.resources[split_expr(params, T)]
+    if res.spills:
+        return (f"register spills on {arch}: {res.spill_stores} B stores / {res.spill_loads} B loads "
+                f"({res.registers} registers)")
+    if res.registers * params.threads * params.CTAS_PER_SM > lim.regs_per_sm:
+        return (f"{res.registers} registers x {params.threads} threads x {params.CTAS_PER_SM} CTAs exceed "
+                f"{arch}'s {lim.regs_per_sm} per SM")
+    return None
+
+
+def fit_reason(params: CudaParams, T: int, arch: str) -> str | None:
+    """Why `params` cannot fit `arch` at T before any compile (shared memory per block and per
+    SM for CTAS_PER_SM CTAs, threads per SM), or None."""
     lim = arch_limits(arch)
     geo = KernelGeometry.of(params, T)
     if geo.smem_bytes > lim.smem_per_block:
@@ -514,15 +538,4 @@ def reject_reason(params: CudaParams, T: int, arch: str) -> str | None:
     if params.CTAS_PER_SM > 1 and params.CTAS_PER_SM * (geo.smem_bytes + 1024) > lim.smem_per_sm:
         return (f"{params.CTAS_PER_SM} CTAs x {geo.smem_bytes} B of shared memory exceed {arch}'s "
                 f"{lim.smem_per_sm} B per SM (CTAS_PER_SM={params.CTAS_PER_SM})")
-    try:
-        mod = compile_params(params, T, arch)
-    except NvrtcError as e:
-        return f"compile error on {arch}: {e}"
-    res = mod.resources[split_expr(params, T)]
-    if res.spills:
-        return (f"register spills on {arch}: {res.spill_stores} B stores / {res.spill_loads} B loads "
-                f"({res.registers} registers)")
-    if res.registers * params.threads * params.CTAS_PER_SM > lim.regs_per_sm:
-        return (f"{res.registers} registers x {params.threads} threads x {params.CTAS_PER_SM} CTAs exceed "
-                f"{arch}'s {lim.regs_per_sm} per SM")
     return None

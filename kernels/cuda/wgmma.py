@@ -152,14 +152,23 @@ def merge_warp_shape(B: int, T: int, H: int) -> tuple[tuple, tuple]:
     return (B * T, cdiv(H, 8), 1), (256, 1, 1)
 
 
-def sm90a_reject(kernel: str, arch: str, smem: int, build, expr: str) -> str | None:
-    """Why a kernel of the sm_90a backends (`kernel`: its backend's name) cannot run on `arch`: no
-    wgmma there, `smem` bytes per block over the arch's, a compile error or spills of `expr` in
-    the module `build()` compiles; or None."""
+def sm90a_fit(kernel: str, arch: str, smem: int) -> str | None:
+    """Why a kernel of the sm_90a backends cannot fit `arch` before any compile: no wgmma there,
+    or `smem` bytes per block over the arch's; or None."""
     if arch not in WGMMA_ARCHS:
         return f"the {kernel} kernel needs sm_90 (H100 / H200); {arch} has no wgmma"
     if smem > ARCH_LIMITS[arch].smem_per_block:
         return f"shared memory {smem} B per block exceeds {arch}'s {ARCH_LIMITS[arch].smem_per_block} B"
+    return None
+
+
+def sm90a_reject(kernel: str, arch: str, smem: int, build, expr: str) -> str | None:
+    """Why a kernel of the sm_90a backends (`kernel`: its backend's name) cannot run on `arch`: no
+    wgmma there, `smem` bytes per block over the arch's, a compile error or spills of `expr` in
+    the module `build()` compiles; or None."""
+    why = sm90a_fit(kernel, arch, smem)
+    if why is not None:
+        return why
     from .nvrtc import NvrtcError
     try:
         mod = build()
@@ -223,6 +232,9 @@ class WgmmaBackend(Sm90aBackend):
         return sm90a_reject(self.name, arch, smem_bytes(params.ROWS),
                             lambda: compile_wgmma(problem.T, arch, params.ROWS, params.COPY_LANES),
                             split_expr(problem.T, params.ROWS, params.COPY_LANES))
+
+    def fit_reject(self, params: WgmmaParams, T: int, arch: str) -> str | None:
+        return sm90a_fit(self.name, arch, smem_bytes(params.ROWS)) if arch in ARCH_LIMITS else None
 
     def _get(self, T: int, rows: int, device: torch.device, lanes: int = COPY_LANES) -> _Loaded:
         idx = device.index if device.index is not None else torch.cuda.current_device()

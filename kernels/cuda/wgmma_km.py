@@ -20,8 +20,8 @@ import torch
 from ..backends import LaunchArgs
 from ..shapes import VerifyProblem, cdiv
 from .backend import DK, DV, MERGE_EXPR, SplitLaunch, device_arch, pdl_enabled, sm_count, work_items
-from .params import WgmmaKmParams
-from .wgmma import MERGE_WARP_EXPR, WGMMA_ARCHS, Sm90aBackend, _Loaded, sm90a_reject
+from .params import ARCH_LIMITS, WgmmaKmParams
+from .wgmma import MERGE_WARP_EXPR, WGMMA_ARCHS, Sm90aBackend, _Loaded, sm90a_fit, sm90a_reject
 
 #: the sources of its module, in order (nvrtc.SOURCE_PARTS)
 PARTS = ("verify.cu", "verify_wgmma.cu", "verify_km.cu")
@@ -87,6 +87,9 @@ class WgmmaKmBackend(Sm90aBackend):
         return sm90a_reject(self.name, arch, SMEM_BYTES,
                             lambda: compile_km(problem.T, arch, params.DV_SPLIT, params.SPLIT_ALIGN),
                             split_expr(problem.T, params.DV_SPLIT, params.SPLIT_ALIGN))
+
+    def fit_reject(self, params: WgmmaKmParams, T: int, arch: str) -> str | None:
+        return sm90a_fit(self.name, arch, SMEM_BYTES) if arch in ARCH_LIMITS else None
 
     def _get(self, T: int, device: torch.device, dv_split: int, align: int) -> _Loaded:
         idx = device.index if device.index is not None else torch.cuda.current_device()
