@@ -56,6 +56,21 @@ def graph_us(fns, reps=15) -> float:
     return replay_us(graph_of(fns), len(fns), reps)
 
 
+def rotating_calls(backend: str, params, pools: list, cap: int | None = None) -> list:
+    """`verify_attention` calls of `backend` with `params` over `pools` in turn, for one CUDA
+    graph (`graph_us`): a whole number of rotations, about 96 calls (at least one per pool; at
+    most `cap`), sharing one output and workspace; outputs unchecked (timing only)."""
+    from kvtune.kernels import get_backend, verify_attention
+    from kvtune.kernels.api import describe_problem
+    problem = describe_problem(*pools[0].args)
+    out = torch.empty(problem.B * problem.T, problem.H, problem.Dv, dtype=torch.bfloat16, device="cuda")
+    ws = torch.empty(get_backend(backend).workspace_bytes(problem, params), dtype=torch.uint8, device="cuda")
+    fns = [lambda x=x: verify_attention(*x.args, backend=backend, params=params, out=out, workspace=ws,
+                                        check_values_=False) for x in pools]
+    calls = max(len(fns), 96 // len(fns) * len(fns))
+    return [fns[i % len(fns)] for i in range(min(calls, cap or calls))]
+
+
 def write_csv(path: Path, rows: list[dict]) -> None:
     """`rows` (dicts with the same keys) as a CSV file, its folder created."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -79,7 +79,7 @@ import torch
 from cuda.bindings import driver as drv
 
 # the same graph timing and CSV as the speed-of-light read (scripts/ is on the path as a script)
-from sol_read import graph_us, write_csv
+from sol_read import graph_us, rotating_calls, write_csv
 
 
 # (anchor, replacement) pairs per variant; each anchor must occur exactly once in verify.cu
@@ -477,21 +477,15 @@ class Phases:
         return self.be._get(p, 9, torch.device("cuda"))[:2]
 
     def time(self, pools, over: dict) -> dict:
-        from kvtune.kernels import verify_attention
         from kvtune.kernels.api import describe_problem
         problem = describe_problem(*pools[0].args)
         p = replace(self.be.default_params(problem), **over)
         split_k, merge_k = self.kernels(p, problem.B)
-        out = torch.empty(problem.B * 9, self.heads, 512, dtype=torch.bfloat16, device="cuda")
-        ws = torch.empty(self.be.workspace_bytes(problem, p), dtype=torch.uint8, device="cuda")
-        reps = max(len(pools), 96 // len(pools) * len(pools))
+        calls = rotating_calls(self.name, p, pools)
         row = {"params": str(p)}
         for what, skip in (("both", None), ("split", int(merge_k.function)), ("merge", int(split_k.function))):
             self.skip = skip
-            fns = [lambda x=x, p=p, out=out, ws=ws: verify_attention(*x.args, backend=self.name, params=p, out=out,
-                                                                    workspace=ws, check_values_=False)
-                   for x in pools]
-            row[f"{what}_us"] = round(graph_us([fns[i % len(fns)] for i in range(reps)]), 2)
+            row[f"{what}_us"] = round(graph_us(calls), 2)
         self.skip = None
         return row
 

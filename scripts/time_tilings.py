@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from sol_read import graph_us, write_csv
+from sol_read import graph_us, rotating_calls, write_csv
 from time_phases import cold_pools
 
 
@@ -60,13 +60,7 @@ def main(argv=None) -> int:
                 if not err < 1e-2:
                     rows.append(row)
                     continue
-                out = torch.empty(9, 8, 512, dtype=torch.bfloat16, device="cuda")
-                ws = torch.empty(be.workspace_bytes(describe_problem(*pools[0].args), p), dtype=torch.uint8,
-                                 device="cuda")
-                fns = [lambda x=x: verify_attention(*x.args, backend="cuda", params=p, out=out, workspace=ws,
-                                                   check_values_=False) for x in pools]
-                reps = max(len(fns), 96 // len(fns) * len(fns))
-                row["us"] = round(graph_us([fns[i % len(fns)] for i in range(reps)]), 2)
+                row["us"] = round(graph_us(rotating_calls("cuda", p, pools)), 2)
                 rows.append(row)
                 print(row, flush=True)
             bk.qk_tiling = heuristic

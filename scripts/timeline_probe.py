@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from cuda.bindings import driver as drv
 
-from sol_read import graph_of, graph_us, replay_us, write_csv
+from sol_read import graph_of, graph_us, replay_us, rotating_calls, write_csv
 from time_phases import cold_pools
 
 RING, NS, CTAS, MB = 128, 8, 160, 1024
@@ -121,21 +121,15 @@ def probe_shapes(ragged: bool) -> list:
     return shapes
 
 
-def wgmma_calls(H: int, prefixes: list[int], calls_cap: int = 10**6):
-    """Rotating input pools of `prefixes` (cold L2) and the wgmma default's calls over them (one
-    output and workspace): (problem, params, the calls in graph order, about 96 or `calls_cap`)."""
-    from kvtune.kernels import get_backend, verify_attention
+def wgmma_calls(H: int, prefixes: list[int], calls_cap: int | None = None):
+    """Rotating input pools of `prefixes` (cold L2) and the wgmma default's calls over them
+    (`sol_read.rotating_calls`): (problem, params, the calls in graph order)."""
+    from kvtune.kernels import get_backend
     from kvtune.kernels.api import describe_problem
-    be = get_backend("wgmma")
     pools = cold_pools(H, prefixes)
     problem = describe_problem(*pools[0].args)
-    p = be.default_params(problem)
-    out = torch.empty(problem.B * problem.T, H, 512, dtype=torch.bfloat16, device="cuda")
-    ws = torch.empty(be.workspace_bytes(problem, p), dtype=torch.uint8, device="cuda")
-    fns = [lambda x=x: verify_attention(*x.args, backend="wgmma", params=p, out=out, workspace=ws,
-                                        check_values_=False) for x in pools]
-    calls = min(calls_cap, max(len(pools), 96 // len(pools) * len(pools)))
-    return problem, p, [fns[i % len(fns)] for i in range(calls)]
+    p = get_backend("wgmma").default_params(problem)
+    return problem, p, rotating_calls("wgmma", p, pools, calls_cap)
 
 
 def patched() -> dict[str, str]:
