@@ -3,7 +3,8 @@ trials, measures them and tells the results: the single-process sweep and each w
 `--workers` run this same loop (`StudyLoop.search_study`).
 
 A study measures, in order: the backend's default (the baseline, trial 0 of a fresh
-study), the neighbouring buckets' best configs (warm starts), then what TPE proposes, with
+study), the bucket's winner among trials set aside before a re-tune (`tuner/priors.py`), the
+neighbouring buckets' best configs (warm starts), then what TPE proposes, with
 every second config after TPE's random start a one-step neighbour of the best so far
 (`tuner/strategy.py`). A space no larger than the trial budget is swept whole as a grid
 (its infeasible points recorded as pruned); a larger one whose feasible part fits the
@@ -179,6 +180,7 @@ class StudyLoop:
     `storage_url`, `table`, and `_measure(backend, params, spec, seed)` and `_progress(m)`."""
 
     index = 0          # this process's worker index (offsets its samplers and random choices)
+    priors: dict = {}  # (backend, heads, bs, ctx, T, tree) -> a set-aside winner (tuner/priors.py)
 
     def _init_loop(self):
         self._studies: dict = {}
@@ -279,10 +281,19 @@ class StudyLoop:
             have.add(k)
 
         enqueue(plan.default, "baseline")
+        prior = self._prior(*key)
+        if prior is not None and plan.violation(prior) is None:
+            enqueue(prior, "prior")
         for w in self._warm(*key):
             enqueue(w, "warm")
         for g in plan.grid or ():
             enqueue(g, "search")
+
+    def _prior(self, backend, tp, bs, ctx) -> dict | None:
+        """This bucket's winner among the trials set aside before a re-tune (`tuner/priors.py`),
+        or None."""
+        spec = self.runner.spec(tp, bs, ctx)
+        return self.priors.get((backend, spec.heads, bs, ctx, spec.draft_tokens, spec.tree))
 
     def _warm(self, backend, tp, bs, ctx) -> list[dict]:
         """Warm starts: the best of the previous context bucket (and the same with NSPLIT scaled

@@ -33,6 +33,7 @@ from .config import ConfigError, Deployment, load_deployment, redact_argv, redac
 from .extras import tune_module
 from .log import get_logger
 from .options import SweepOptions, check_options, subset
+from .priors import FORGOTTEN, load_priors
 from .progress import Progress
 from .ragged import RAGGED_PICKS, deployment_trials, measure_ragged, ragged_applies, ragged_pick
 from .runner import Runner
@@ -159,6 +160,10 @@ class Sweep(StudyLoop):
             names += [f for f in bi["fields"] if f not in names]
         self._stale_sources(binfo)   # before the table is loaded: forgetting rewrites it
         self.table = TrialsTable(self.out_dir / "trials.csv", names, shared=self.shared)
+        self.priors = load_priors(self.out_dir / FORGOTTEN)
+        if self.priors:
+            log.info("%s: %d bucket winner(s) of set-aside trials, each measured first in its study (role prior)",
+                     self.out_dir / FORGOTTEN, len(self.priors))
 
     def _stale_sources(self, binfo) -> None:
         """A backend whose trials here were measured on another kernel source: resuming would skip
