@@ -19,14 +19,15 @@ outputs right: tail_early_release, the tail's key buffers handed back a softmax 
 tail_chains2 / 3, its S^T in 2 / 3 accumulator chains;
 gather_after_publish / gather_if_free, tile t + 2's gather issued after tile t is published
 (always / when the tail has not handed its buffer back yet); table_lanes, the split table's bounds
-and values loaded a lane each beside kv_indptr; q_under_schedule, batch 1's Q copied by warps 1-7
-while warp 0 runs the schedule (results/kernel/wgmma/phases/q-under-schedule/), with its controls
-full_again (one comment changed), q_dead (its copy compiled in, never run) and pad_merge (dead code
-in the warp merge); roll_q / roll_store / roll_scrub, once-per-segment loops kept rolled
+and values loaded a lane each beside kv_indptr; no_q_early, batch 1's instantiation without its Q
+copy under the schedule (the copy shipped: results/kernel/wgmma/phases/q-under-schedule/), with the
+controls full_again (one comment changed) and pad_merge (dead code in the warp merge); roll_q /
+roll_store / roll_scrub, once-per-segment loops kept rolled
 (results/kernel/wgmma/phases/variant-order/); uniform_wg, the 64-row warpgroups'
-loop compiled once per warpgroup (warp-uniform K descriptors), redux_wgi, the same through a warp
-reduction with one copy of the loop; pv_before_s, a warpgroup's S of tile t issued only after the
-other's P V of t - 2; and the schedule forced: items,
+loop compiled once per warpgroup (warp-uniform K descriptors), wgi_plain, the warpgroup index
+without the warp reduction that makes it uniform (shipped:
+results/kernel/wgmma/phases/fixed-order-decisions-interleaved/); pv_before_s, a warpgroup's S of
+tile t issued only after the other's P V of t - 2; and the schedule forced: items,
 ranges) patch verify_wgmma.cu at its own anchors (the gather's
 lane-mapping variants measured on source 1ec2426d7d93fe07 and the descriptor variants now shipped
 (desc_increment, desc_increment_tail, gather_addr) are in git history; eight lanes per row is
@@ -132,6 +133,14 @@ _MBAR_TEST = ("__device__ __forceinline__ bool mbar_test(u32 addr, int parity) {
               "selp.u32 %0, 1, 0, p;\\n}\\n\" : \"=r\"(done) : \"r\"(addr), \"r\"(parity) : \"memory\");\n"
               "  return done != 0;\n}\n")
 
+#: batch 1's Q copy under the schedule: whether it runs
+_Q_EARLY = "  const bool q_early = B1 && a.B == 1 && a.q_vec16;"
+#: the 64-row warpgroups' segment loop: its opening and its first line (the warpgroup index)
+_SEG_OPEN = ("  bool first_segment = true;  // later segments find Q's shared memory overwritten by the staged o\n"
+             "  for (;;) {\n")
+_WGI_LINE = ("  const int tid = tid_x(), mb = ctaid_x(), wgi = (int)__reduce_max_sync(0xffffffffu, "
+             "(unsigned)tid >> 7),\n            wt = tid & 127, warp = wt >> 5, lane = tid & 31;\n")
+
 #: the same stages of the wgmma split kernel (`--backend wgmma`), anchors in verify_wgmma.cu
 WGMMA_VARIANTS = {
     "full": [],
@@ -140,8 +149,9 @@ WGMMA_VARIANTS = {
                   "  const int n_tiles = 0 * ((hi - lo + BN - 1) / BN);\n\n"),
                  ("        const int n_tiles = (hi - lo + BN - 1) / BN;\n        u32 qf",
                   "        const int n_tiles = 0 * ((hi - lo + BN - 1) / BN);\n        u32 qf")],
-    "no_q": [("  if (a.q_vec16) {\n    for (int i = tid; i < ROWS * CHUNKS; i += 256) {",
-              "  if (a.H > 0) {\n  } else if (a.q_vec16) {\n    for (int i = tid; i < ROWS * CHUNKS; i += 256) {")],
+    "no_q": [("  } else if (a.q_vec16) {\n    for (int i = tid;",
+              "  } else if (a.H > 0) {\n  } else if (a.q_vec16) {\n    for (int i = tid;"),
+             (_Q_EARLY, _Q_EARLY.replace("a.q_vec16;", "a.q_vec16 && a.H < 0;"))],
     "no_o_store": [("      if (rg < HT)\n        *reinterpret_cast<uint4*>(a.part_o",
                     "      if (rg < HT && a.H < 0)\n        *reinterpret_cast<uint4*>(a.part_o")],
     "exit_early": [("  if (work_s[0] < 0) return;  // no work", "  if (work_s[0] < 0 || a.H > 0) return;  // no work")],
@@ -178,25 +188,20 @@ WGMMA_VARIANTS = {
     # Measured 7.7-17.6% slower at H 8: the second copy's instruction fetch
     # (results/kernel/wgmma/phases/uniform-tile-index/)
     "uniform_wg": [
-        ("    if constexpr (XR != 0) regs_inc<REGS_MAIN>();\n  for (;;) {\n"
-         "  const int tid = tid_x(), mb = ctaid_x(), wgi = tid >> 7, wt = tid & 127, warp = wt >> 5, "
-         "lane = tid & 31;\n",
-         "    if constexpr (XR != 0) regs_inc<REGS_MAIN>();\n  auto main_wg = [&](auto wg_c) {\n  for (;;) {\n"
-         "  constexpr int wgi = decltype(wg_c)::value;\n"
-         "  const int tid = tid_x(), mb = ctaid_x(), wt = tid & 127, warp = wt >> 5, lane = tid & 31;\n"),
-        ("  if (work_s[0] < 0) break;\n  }  // segments\n",
-         "  if (work_s[0] < 0) break;\n  }  // segments\n  };\n"
+        (_WGI_LINE, "  constexpr int wgi = decltype(wg_c)::value;\n"
+                    "  const int tid = tid_x(), mb = ctaid_x(), wt = tid & 127, warp = wt >> 5, lane = tid & 31;\n"),
+        (_SEG_OPEN, _SEG_OPEN.replace("  for (;;) {\n", "  auto main_wg = [&](auto wg_c) {\n  for (;;) {\n")),
+        ("  first_segment = false;\n  }  // segments\n",
+         "  first_segment = false;\n  }  // segments\n  };\n"
          "  if (__all_sync(0xffffffffu, tid_x() < 128)) main_wg(wg::WgC<0>{}); else main_wg(wg::WgC<1>{});\n"),
         ("constexpr int RANGE_RESTART_TILES = 3;\n",
          "constexpr int RANGE_RESTART_TILES = 3;\ntemplate <int V> struct WgC { static constexpr int value = V; };\n")],
-    # outputs right: the warpgroup index taken through a warp reduction (redux.sync writes a uniform
-    # register), so the tile index and the K descriptors derived from it are warp-uniform to the
-    # compiler without a second copy of the loop (NVRTC 13.5, T 9, ROWS 72: the S issue 273 -> 106
-    # instructions per warp, R2UR 106 -> 27, the module 10,256 -> 10,088 instructions); measured no
-    # faster at H 8 (results/kernel/wgmma/phases/uniform-tile-index/)
-    "redux_wgi": [("wgi = tid >> 7, wt = tid & 127, warp = wt >> 5, lane = tid & 31;\n  const int t4",
-                   "wgi = (int)__reduce_max_sync(0xffffffffu, (unsigned)tid >> 7), wt = tid & 127, warp = wt >> 5, "
-                   "lane = tid & 31;\n  const int t4")],
+    # the shipped warp reduction undone (outputs right): wgi = tid >> 7, which the compiler does not
+    # know is warp-uniform, so the tile index and K descriptors take R2UR per wgmma (NVRTC 13.5, T 9,
+    # ROWS 72: the S issue 106 -> 273 instructions per warp; 6.0% slower at H 64 x 128k, within
+    # -1.8..+0.1% at H 8: results/kernel/wgmma/phases/fixed-order-decisions-interleaved/)
+    "wgi_plain": [(_WGI_LINE, "  const int tid = tid_x(), mb = ctaid_x(), wgi = tid >> 7, wt = tid & 127, "
+                              "warp = wt >> 5, lane = tid & 31;\n")],
     # outputs right: a warpgroup issues its S of tile t only once the other has issued its P V of
     # tile t - 2 (named barriers 11 / 12), so that P V, which the other waits for before it publishes
     # t - 1, is not queued on the tensor pipe behind the 36 S wgmmas of t
@@ -289,28 +294,12 @@ WGMMA_VARIANTS = {
         ("    const Schedule sc = plan_schedule(a);\n    const int R = sc.R, total = batch_keys(a);\n",
          "    const Schedule sc = plan_schedule(a, bsz.total, bsz.value);\n"
          "    const int R = sc.R, total = bsz.total;\n")],
-    # outputs right: at batch 1 (every CTA's one segment is of request 0) the warps that do not
-    # run the schedule copy Q under it, and the segment skips its own copy; a CTA that finds no
-    # keys waits for the copy before it exits
-    "q_under_schedule": [
-        ("  pdl_launch_dependents();  // the merge waits for this whole grid before it reads anything\n",
-         "  pdl_launch_dependents();  // the merge waits for this whole grid before it reads anything\n"
-         "  const bool q_early = a.B == 1 && a.q_vec16;\n  if (q_early && tid >= 32 && tid < 256) {\n"
-         "    for (int i = tid - 32; i < ROWS * CHUNKS; i += 224) {\n"
-         "      const int r = i / CHUNKS, c = i % CHUNKS, rg = mb * RB + r;\n      const bool ok = rg < HT;\n"
-         "      const u16* src = ok ? a.q + (i64)(rg % T) * a.q_stride_m + (i64)(rg / T) * a.q_stride_h + c * 8\n"
-         "                          : a.q;\n"
-         "      cp_async<16>(qs + sw_off(r, c, ROWS), src, ok ? 16 : 0);\n    }\n    cp_async_commit();\n  }\n"),
-        ("  if (work_s[0] < 0) return;  // no work",
-         "  if (q_early && work_s[0] < 0) cp_async_wait<0>();\n  if (work_s[0] < 0) return;  // no work"),
-        ("  // -- Q: rows mb * 64 .. of this request (row r: head r / T, draft token r % T), zero past H * T\n"
-         "  if (a.q_vec16) {",
-         "  // -- Q: rows mb * 64 .. of this request (row r: head r / T, draft token r % T), zero past H * T\n"
-         "  if (a.B == 1 && a.q_vec16) {\n  } else if (a.q_vec16) {")],
-    # controls for the two above (outputs right; results/kernel/wgmma/phases/variant-order/):
-    # full_again, the source with one comment changed (the same code, compiled again); q_dead (below
-    # the table), q_under_schedule's copy compiled in but never run (a.B == -1); pad_merge, dead
-    # stores in the warp merge (its code grows, the split kernel's does not)
+    # outputs right: the batch-1 instantiation without its Q copy under the schedule (each segment
+    # copies its own, as at any batch): what the copy buys
+    "no_q_early": [(_Q_EARLY, "  const bool q_early = false;")],
+    # controls (outputs right; results/kernel/wgmma/phases/variant-order/): full_again, the source
+    # with one comment changed (the same code, compiled again); pad_merge, dead stores in the warp
+    # merge (its code grows, the split kernel's does not)
     "full_again": [("  }  // the two 64-row warpgroups\n#else",
                     "  }  // the two 64-row warpgroups (a comment: the same code)\n#else")],
     "pad_merge": [("  pdl_wait();  // the split grid's partials and meta are complete and visible past this point\n"
@@ -333,10 +322,6 @@ WGMMA_VARIANTS = {
     "items": [],
     "ranges": [],
 }
-
-_Q_EARLY = WGMMA_VARIANTS["q_under_schedule"]
-WGMMA_VARIANTS["q_dead"] = [
-    (_Q_EARLY[0][0], _Q_EARLY[0][1].replace("a.B == 1 && a.q_vec16;", "a.B == -1 && a.q_vec16;")), _Q_EARLY[1]]
 
 # verify_km.cu (--backend wgmma_km): its stages left out, as above (a.H > 0 and kb != 0 at run time)
 KM_VARIANTS = {
@@ -364,8 +349,8 @@ KM_VARIANTS = {
 UNSAFE = {"no_stage_barriers"}
 #: variants whose outputs are right (a schedule forced, a different copy mapping): --oracle checks them
 OUTPUTS_RIGHT = {"full", "items", "ranges", "tail_early_release", "tail_chains2", "tail_chains3",
-                 "gather_after_publish", "gather_if_free", "uniform_wg", "redux_wgi", "pv_before_s",
-                 "table_lanes", "q_under_schedule", "full_again", "q_dead", "pad_merge", "roll_q", "roll_store",
+                 "gather_after_publish", "gather_if_free", "uniform_wg", "wgi_plain", "pv_before_s",
+                 "table_lanes", "no_q_early", "full_again", "pad_merge", "roll_q", "roll_store",
                  "roll_scrub"}
 
 

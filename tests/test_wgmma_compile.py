@@ -19,11 +19,15 @@ pytest.importorskip("cuda.bindings.nvrtc")
 def test_compiles_for_sm90a_without_spills(T, rows, lanes):
     from kvtune.kernels.cuda import wgmma
     mod = wgmma.compile_wgmma(T, rows=rows, lanes=lanes)
-    res = mod.resources[wgmma.split_expr(T, rows, lanes)]
-    assert res.spills == 0 and res.stack == 0
-    # one CTA per SM: 256 threads may hold up to 255 registers; 384 (the tail warpgroup) are
-    # launched with 168 and redistribute them with setmaxnreg, which ptxas must not have dropped
-    assert 0 < res.registers <= (255 if rows == 64 else 168)
+    # both split kernels: any batch, and batch 1's (Q copied under the schedule)
+    exprs = wgmma.split_exprs(T, rows, lanes)
+    assert exprs == (wgmma.split_expr(T, rows, lanes), wgmma.split_expr(T, rows, lanes, b1=True))
+    for expr in exprs:
+        res = mod.resources[expr]
+        assert res.spills == 0 and res.stack == 0, expr
+        # one CTA per SM: 256 threads may hold up to 255 registers; 384 (the tail warpgroup) are
+        # launched with 168 and redistribute them with setmaxnreg, which ptxas must not have dropped
+        assert 0 < res.registers <= (255 if rows == 64 else 168), expr
     assert "setmaxnreg' ignored" not in mod.log and "serialized" not in mod.log
     # the warp merge's launch bound (3 blocks of 256 per SM) holds without spills (NVRTC 13.0 spilled at 4)
     merge = mod.resources[wgmma.MERGE_WARP_EXPR]

@@ -55,6 +55,24 @@ def test_prefixes_heads_drafts(prefix, T, H, rows):
 
 
 @pytest.mark.parametrize("rows", [64, 72])
+@pytest.mark.parametrize("B", [1, 2])
+def test_one_request_runs_the_batch_one_split_kernel(B, rows):
+    """A launch of one request runs the instantiation that copies Q while the schedule runs (B1),
+    any other the general one; both match the oracle on strided q (its row and head strides
+    are the early copy's addresses), with one split, several, and more than the tiles."""
+    be = get_backend("wgmma")
+    x = make_inputs(B, 9, 8, [300] * B, tree="random", device="cuda", q_noncontiguous=True)
+    assert not x.q.is_contiguous()
+    k = be._get(9, rows, x.q.device, 4)
+    assert k.split_b1 is not None and k.split_b1 is not k.split
+    for nsplit in (1, 5, 64):
+        p = _params(nsplit=nsplit, rows=rows)
+        launch = k.split_launch(p, describe_problem(*x.args), ((1, 1, 1), (1, 1, 1)), 0, "")
+        assert launch.split_k is (k.split_b1 if B == 1 else k.split)
+        _check(x, params=p)
+
+
+@pytest.mark.parametrize("rows", [64, 72])
 @pytest.mark.parametrize("prefix", [1, 7, 17, 54, 300, 4096])
 @pytest.mark.parametrize("T,H", [(1, 8), (9, 8), (9, 64), (5, 14)])
 def test_eight_copy_lanes(prefix, T, H, rows):

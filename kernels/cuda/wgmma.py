@@ -106,8 +106,15 @@ def one_wave(H: int, T: int, rows: int, sms: int) -> int:
 COPY_LANES = WgmmaParams.declaration.params["COPY_LANES"].default
 
 
-def split_expr(T: int, rows: int = ROWS, lanes: int = COPY_LANES) -> str:
-    return f"kvtune::verify_wgmma_kernel<{T}, {rows - ROWS}, {lanes}>"
+def split_expr(T: int, rows: int = ROWS, lanes: int = COPY_LANES, b1: bool = False) -> str:
+    """The split kernel's name expression; `b1`: the instantiation for launches of one request,
+    which copies Q while the schedule runs (verify_wgmma.cu's B1)."""
+    return f"kvtune::verify_wgmma_kernel<{T}, {rows - ROWS}, {lanes}, {int(b1)}>"
+
+
+def split_exprs(T: int, rows: int = ROWS, lanes: int = COPY_LANES) -> tuple[str, str]:
+    """Both instantiations of the split kernel a module holds: any batch, then batch 1."""
+    return split_expr(T, rows, lanes), split_expr(T, rows, lanes, b1=True)
 
 
 def module_name(T: int, rows: int = ROWS, lanes: int = COPY_LANES) -> str:
@@ -126,7 +133,7 @@ def compile_wgmma(T: int, arch: str = "sm_90", rows: int = ROWS, lanes: int = CO
     bad = WgmmaParams.declaration.params["COPY_LANES"].violation(lanes)
     if bad:
         raise ValueError(f"lanes (COPY_LANES): {bad}")
-    return compile_module(module_name(T, rows, lanes), [split_expr(T, rows, lanes), MERGE_EXPR, MERGE_WARP_EXPR],
+    return compile_module(module_name(T, rows, lanes), [*split_exprs(T, rows, lanes), MERGE_EXPR, MERGE_WARP_EXPR],
                           arch + "a", parts=PARTS)
 
 
@@ -162,10 +169,10 @@ def sm90a_fit(kernel: str, arch: str, smem: int) -> str | None:
     return None
 
 
-def sm90a_reject(kernel: str, arch: str, smem: int, build, expr: str) -> str | None:
+def sm90a_reject(kernel: str, arch: str, smem: int, build, exprs: tuple[str, ...]) -> str | None:
     """Why a kernel of the sm_90a backends (`kernel`: its backend's name) cannot run on `arch`: no
-    wgmma there, `smem` bytes per block over the arch's, a compile error or spills of `expr` in
-    the module `build()` compiles; or None."""
+    wgmma there, `smem` bytes per block over the arch's, a compile error or spills of any of
+    `exprs` (the split kernels a launch may use) in the module `build()` compiles; or None."""
     why = sm90a_fit(kernel, arch, smem)
     if why is not None:
         return why
@@ -174,9 +181,10 @@ def sm90a_reject(kernel: str, arch: str, smem: int, build, expr: str) -> str | N
         mod = build()
     except NvrtcError as e:
         return f"compile error on {arch}a: {e}"
-    res = mod.resources[expr]
-    if res.spills:
-        return f"register spills on {arch}a: {res.spill_stores} B stores / {res.spill_loads} B loads"
+    for expr in exprs:
+        res = mod.resources[expr]
+        if res.spills:
+            return f"register spills on {arch}a: {res.spill_stores} B stores / {res.spill_loads} B loads ({expr})"
     return None
 
 
@@ -186,6 +194,7 @@ class _Loaded:
     merge: object
     merge_warp: object
     pdl: bool
+    split_b1: object = None   # the instantiation for one request (verify_wgmma.cu's B1); None: `split`
 
     def merge_for(self, NSPLIT: int, B: int, T: int, H: int) -> tuple[object, tuple | None]:
         """The merge kernel a launch of `B` requests at `NSPLIT` uses, and its (grid, block), or
@@ -200,7 +209,8 @@ class _Loaded:
         merge_k, shape = self.merge_for(params.NSPLIT, pb.B, pb.T, pb.H)
         kind = "block" if shape is None else "warp"
         shape = shape or merge_shape(pb.B, pb.T, pb.H)
-        return SplitLaunch(params, self.split, split_shape, smem, 8, vec_hint, work_items(params, pb.B),
+        split = self.split_b1 if pb.B == 1 and self.split_b1 is not None else self.split
+        return SplitLaunch(params, split, split_shape, smem, 8, vec_hint, work_items(params, pb.B),
                            merge_k, kind, shape, self.pdl, chainable)
 
 
@@ -231,7 +241,7 @@ class WgmmaBackend(Sm90aBackend):
     def _reject_on(self, params: WgmmaParams, problem: VerifyProblem, arch: str) -> str | None:
         return sm90a_reject(self.name, arch, smem_bytes(params.ROWS),
                             lambda: compile_wgmma(problem.T, arch, params.ROWS, params.COPY_LANES),
-                            split_expr(problem.T, params.ROWS, params.COPY_LANES))
+                            split_exprs(problem.T, params.ROWS, params.COPY_LANES))
 
     def fit_reject(self, params: WgmmaParams, T: int, arch: str) -> str | None:
         return sm90a_fit(self.name, arch, smem_bytes(params.ROWS)) if arch in ARCH_LIMITS else None
@@ -246,9 +256,9 @@ class WgmmaBackend(Sm90aBackend):
             smem = smem_bytes(rows)
             if smem > limit:
                 raise ValueError(f"wgmma: {smem} bytes of shared memory per block exceed this device's {limit}")
-            expr = split_expr(T, rows, lanes)
-            ks = load_kernels(compile_wgmma(T, arch, rows, lanes), idx, {expr: smem})
-            got = _Loaded(ks[expr], ks[MERGE_EXPR], ks[MERGE_WARP_EXPR], pdl_enabled(arch))
+            any_b, one_b = split_exprs(T, rows, lanes)
+            ks = load_kernels(compile_wgmma(T, arch, rows, lanes), idx, {any_b: smem, one_b: smem})
+            got = _Loaded(ks[any_b], ks[MERGE_EXPR], ks[MERGE_WARP_EXPR], pdl_enabled(arch), ks[one_b])
             self._kernels[(T, rows, lanes, idx)] = got
         return got
 

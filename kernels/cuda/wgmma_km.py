@@ -86,7 +86,7 @@ class WgmmaKmBackend(Sm90aBackend):
     def _reject_on(self, params: WgmmaKmParams, problem: VerifyProblem, arch: str) -> str | None:
         return sm90a_reject(self.name, arch, SMEM_BYTES,
                             lambda: compile_km(problem.T, arch, params.DV_SPLIT, params.SPLIT_ALIGN),
-                            split_expr(problem.T, params.DV_SPLIT, params.SPLIT_ALIGN))
+                            (split_expr(problem.T, params.DV_SPLIT, params.SPLIT_ALIGN),))
 
     def fit_reject(self, params: WgmmaKmParams, T: int, arch: str) -> str | None:
         return sm90a_fit(self.name, arch, SMEM_BYTES) if arch in ARCH_LIMITS else None
