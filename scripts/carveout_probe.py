@@ -35,7 +35,7 @@ VARIANTS = {"default": (-1, -1), "merge_shared": (-1, 100), "all_shared": (100, 
 def set_carveout(loaded, split: int, merge: int) -> None:
     from kvtune.kernels.cuda.nvrtc import check_driver
     attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-    for k, v in ((loaded.split, split), (loaded.merge, merge), (loaded.merge_warp, merge)):
+    for k, v in ((loaded.split, split), (loaded.split_b1, split), (loaded.merge, merge), (loaded.merge_warp, merge)):
         check_driver(drv.cuFuncSetAttribute(k.function, attr, v), "cuFuncSetAttribute(carveout)")
 
 

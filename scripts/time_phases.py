@@ -455,7 +455,7 @@ class Phases:
     def kernels(self, p, B: int):
         if self.name == "wgmma":
             k = self.be._get(9, p.ROWS, torch.device("cuda"), p.COPY_LANES)
-            return k.split, k.merge_for(p.NSPLIT, B, 9, self.heads)[0]
+            return k.split_for(B), k.merge_for(p.NSPLIT, B, 9, self.heads)[0]
         if self.name == "wgmma_km":
             k = self.be._get(9, torch.device("cuda"), p.DV_SPLIT, p.SPLIT_ALIGN)
             return k.split, k.merge_for(p.NSPLIT, B, 9, self.heads)[0]

@@ -146,3 +146,12 @@ def test_a_launch_takes_the_merge_kernel_and_grid_of_its_rule():
     k = wgmma._Loaded(split="split", merge="block", merge_warp="warp", pdl=False)
     assert k.merge_for(132, 64, 9, 8) == ("warp", ((576, 1, 1), (256, 1, 1)))
     assert k.merge_for(132, 1, 9, 8) == ("block", None)
+
+
+def test_one_request_takes_the_batch_one_split_kernel():
+    """The loaded module's split kernel per launch: batch 1's own instantiation for one request,
+    the general one otherwise (and for one request when the module has no batch-1 kernel)."""
+    from kvtune.kernels.cuda import wgmma
+    k = wgmma._Loaded(split="split", merge="block", merge_warp="warp", pdl=False, split_b1="b1")
+    assert [k.split_for(B) for B in (1, 2, 64)] == ["b1", "split", "split"]
+    assert wgmma._Loaded(split="split", merge="block", merge_warp="warp", pdl=False).split_for(1) == "split"

@@ -196,6 +196,10 @@ class _Loaded:
     pdl: bool
     split_b1: object = None   # the instantiation for one request (verify_wgmma.cu's B1); None: `split`
 
+    def split_for(self, B: int) -> object:
+        """The split kernel a launch of `B` requests runs."""
+        return self.split_b1 if B == 1 and self.split_b1 is not None else self.split
+
     def merge_for(self, NSPLIT: int, B: int, T: int, H: int) -> tuple[object, tuple | None]:
         """The merge kernel a launch of `B` requests at `NSPLIT` uses, and its (grid, block), or
         None for verify.cu's merge_shape."""
@@ -209,8 +213,7 @@ class _Loaded:
         merge_k, shape = self.merge_for(params.NSPLIT, pb.B, pb.T, pb.H)
         kind = "block" if shape is None else "warp"
         shape = shape or merge_shape(pb.B, pb.T, pb.H)
-        split = self.split_b1 if pb.B == 1 and self.split_b1 is not None else self.split
-        return SplitLaunch(params, split, split_shape, smem, 8, vec_hint, work_items(params, pb.B),
+        return SplitLaunch(params, self.split_for(pb.B), split_shape, smem, 8, vec_hint, work_items(params, pb.B),
                            merge_k, kind, shape, self.pdl, chainable)
 
 
