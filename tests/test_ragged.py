@@ -167,6 +167,24 @@ def _sweep(tmp_path, dep, spaces, **kw):
                                             rounds=1, remeasure_top=1, progress=False, compile_workers=0, **kw))
 
 
+def _candidates(table, ck, ctx, legal):
+    """(the ragged phase's sure NSPLIT candidates, the values a near tie may add) of compile group
+    `ck` at `ctx`, ranked on `table` (`config_latencies` rows)."""
+    at = table[(table["compile"] == ck) & (table["ctx"] == ctx)].sort_values("latency_us")
+    ranked = list(at["NSPLIT"])
+    if not ranked:
+        return set(), set()
+    sure = {(ck, n) for n in ranked[:2]} | ({(ck, 2 * ranked[0])} if 2 * ranked[0] in legal else set())
+    sure |= {(ck, n) for n in at[at["default"]]["NSPLIT"]}   # the default, reported beside the pick
+    # and the values next to the best, below and above: of either of the top two here, as this
+    # table's median and the phase's own latency may rank a near tie either way
+    grid, near = sorted(legal | set(ranked)), set()
+    for b in ranked[:2]:
+        i = grid.index(b)
+        near |= {(ck, n) for n in grid[max(i - 1, 0):i] + grid[i + 1:i + 2]}
+    return sure, near
+
+
 def test_sweep_scores_batch_buckets_on_a_ragged_batch(tmp_path):
     """At batch 3 every context bucket's NSPLIT candidates (the best and runner-up on equal
     requests, twice the best and the values next to it) are timed on the bucket's ragged batch,
@@ -204,32 +222,16 @@ def test_sweep_scores_batch_buckets_on_a_ragged_batch(tmp_path):
     later = config_latencies(df[(df.index < rag.index.max()) & (df["phase"] != "ragged")])
     later = later[later["bs"] == 3]
 
-    def candidates(table, ck, ctx):
-        """(the phase's sure candidates, the values a near tie may add) of group ck on `table`."""
-        at = table[(table["compile"] == ck) & (table["ctx"] == ctx)].sort_values("latency_us")
-        ranked = list(at["NSPLIT"])
-        if not ranked:
-            return set(), set()
-        sure = {(ck, n) for n in ranked[:2]} | ({(ck, 2 * ranked[0])} if 2 * ranked[0] in legal else set())
-        sure |= {(ck, n) for n in at[at["default"]]["NSPLIT"]}   # the default, reported beside the pick
-        # and the values next to the best, below and above: of either of the top two here, as
-        # this table's median and the phase's own latency may rank a near tie either way
-        grid, near = sorted(legal | set(ranked)), set()
-        for b in ranked[:2]:
-            i = grid.index(b)
-            near |= {(ck, n) for n in grid[max(i - 1, 0):i] + grid[i + 1:i + 2]}
-        return sure, near
-
     for ctx, g in rag.groupby("ctx"):
         study = g["study"].iloc[0]
         want, near = set(), set()
         for ck in scored:
-            sure, close = candidates(lat, ck, ctx)
+            sure, close = _candidates(lat, ck, ctx, legal)
             want |= sure
             near |= close
         got = {(_compile_part(p), p["NSPLIT"]) for p in g["params"]}
         for ck in {c for c, _ in got}:
-            sure, close = candidates(later, ck, ctx)
+            sure, close = _candidates(later, ck, ctx, legal)
             near |= sure | close
         assert want <= got <= want | near, (ctx, want, near)
         for _, r in g.iterrows():   # the row names the trial of the same config on equal requests
