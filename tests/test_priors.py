@@ -52,14 +52,21 @@ def test_the_winner_of_each_bucket_on_its_newest_source(tmp_path):
     assert got[("triton", 8, 1, 4096, 9, "random")] == {"HEADS_PER_BLOCK": 8, "NSPLIT": 4}
     assert len(got) == 3
     assert load_priors(tmp_path / "missing.csv") == {}
+    (tmp_path / "empty.csv").write_text("")
+    assert load_priors(tmp_path / "empty.csv") == {}
+    nan = tmp_path / "nan.csv"   # a row without a latency is no winner
+    _write(nan, [_row(A, 20.0), _row(B, float("nan"))])
+    assert load_priors(nan) == {("wgmma", 8, 1, 4096, 9, "random"): A}
 
 
 def test_a_retune_measures_the_set_aside_winner_right_after_the_baseline(tmp_path):
     """A CPU sweep whose folder holds only set-aside trials: each study's second trial is the
-    winner set aside for its shape; a winner of another model's shape seeds nothing."""
+    winner set aside for its shape, before the neighbour's warm start; a parameter the space no
+    longer has is dropped from it; a winner lacking one the space has is skipped (no crash); a
+    winner of another model's shape seeds nothing."""
     doc = {"name": "prior", "model": {"name": "tiny-mla", "num_heads": 8, "draft_tokens": 4, "tree": "random"},
-           "device": "cpu", "tp": [8], "contexts": [64], "batches": [1], "backends": ["triton"], "trials": 3,
-           "timing": "eager"}
+           "device": "cpu", "tp": [8], "contexts": [64, 128, 256], "batches": [1], "backends": ["triton"],
+           "trials": 3, "timing": "eager"}
     dep = tmp_path / "prior.yaml"
     dep.write_text(yaml.safe_dump(doc))
     first = tmp_path / "first"
@@ -67,28 +74,39 @@ def test_a_retune_measures_the_set_aside_winner_right_after_the_baseline(tmp_pat
     assert run_sweep(dep, SweepOptions(out=str(first), **kw)).status == "complete"
     rows = list(csv.DictReader((first / "prior" / "trials.csv").open(newline="")))
     search = [r for r in rows if r["phase"] == "search" and r["outcome"] == "ok"]
-    baseline = json.loads(next(r for r in search if r["role"] == "baseline")["params"])
-    pick = next(r for r in search if json.loads(r["params"]) != baseline)
-    # the set-aside table: a non-default config fastest on "the old source"; the default, faster
-    # at another model's shape (heads 2), must not be taken for this one
-    aside = []
-    for r in search:
-        r = dict(r, kernel_hash="0ld")
-        r["median_us"] = "1.0" if r["params"] == pick["params"] else "9.0"
-        aside.append(r)
-    aside.append(dict(pick, heads="2", median_us="0.5", params=json.dumps(baseline), kernel_hash="0ld"))
+    picks, aside = {}, []
+    for ctx in ("64", "128", "256"):
+        mine = [r for r in search if r["ctx"] == ctx]
+        baseline = json.loads(next(r for r in mine if r["role"] == "baseline")["params"])
+        pick = next(r for r in mine if json.loads(r["params"]) != baseline)
+        params = json.loads(pick["params"])
+        picks[ctx] = dict(params)
+        if ctx == "128":     # a parameter the space has since dropped: measured without it
+            params["GONE"] = 3
+        if ctx == "256":     # one it has since gained: not measured first
+            params.pop("STAGES")
+        # the non-default config fastest on "the old source"; the default, faster at another
+        # model's shape (heads 2), must not be taken for this one
+        for r in mine:
+            aside.append(dict(r, kernel_hash="0ld", median_us="9.0"))
+        aside.append(dict(pick, kernel_hash="0ld", median_us="1.0", params=json.dumps(params)))
+        aside.append(dict(pick, heads="2", median_us="0.5", params=json.dumps(baseline), kernel_hash="0ld"))
     again = tmp_path / "again" / "prior"
     again.mkdir(parents=True)
     with (again / "trials.forgotten.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(aside)
-    assert run_sweep(dep, SweepOptions(out=str(tmp_path / "again"), trials=2, **kw)).status == "complete"
+    assert run_sweep(dep, SweepOptions(out=str(tmp_path / "again"), **kw)).status == "complete"
     new = [r for r in csv.DictReader((again / "trials.csv").open(newline="")) if r["phase"] == "search"]
-    by_trial = {int(r["trial"]): r for r in new}
-    assert by_trial[0]["role"] == "baseline"
-    assert by_trial[1]["role"] == "prior"
-    assert json.loads(by_trial[1]["params"]) == json.loads(pick["params"])
+    roles = {ctx: [r["role"] for r in sorted((r for r in new if r["ctx"] == ctx), key=lambda r: int(r["trial"]))]
+             for ctx in picks}
+    first_two = {ctx: {int(r["trial"]): r for r in new if r["ctx"] == ctx} for ctx in picks}
+    for ctx in ("64", "128"):
+        assert roles[ctx][:2] == ["baseline", "prior"], (ctx, roles[ctx])
+        assert json.loads(first_two[ctx][1]["params"]) == picks[ctx]
+    assert "warm" in roles["128"][2:]   # the neighbour's winner comes after the prior
+    assert roles["256"][0] == "baseline" and "prior" not in roles["256"]
 
 
 def test_prior_hits_counts_the_old_winners_against_the_new_bests(tmp_path, capsys):

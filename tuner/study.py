@@ -281,19 +281,30 @@ class StudyLoop:
             have.add(k)
 
         enqueue(plan.default, "baseline")
-        prior = self._prior(*key)
-        if prior is not None and plan.violation(prior) is None:
+        prior = self._prior(plan, *key)
+        if prior is not None:
             enqueue(prior, "prior")
         for w in self._warm(*key):
             enqueue(w, "warm")
         for g in plan.grid or ():
             enqueue(g, "search")
 
-    def _prior(self, backend, tp, bs, ctx) -> dict | None:
+    def _prior(self, plan: StudyPlan, backend, tp, bs, ctx) -> dict | None:
         """This bucket's winner among the trials set aside before a re-tune (`tuner/priors.py`),
-        or None."""
+        in this study's parameters, or None: none set aside, or one the study cannot measure. A
+        parameter the space no longer has is left out; one it has gained, or a value outside its
+        choices, constraints or the arch's limits, skips the prior (set aside on another source,
+        the winner may predate the space)."""
         spec = self.runner.spec(tp, bs, ctx)
-        return self.priors.get((backend, spec.heads, bs, ctx, spec.draft_tokens, spec.tree))
+        found = self.priors.get((backend, spec.heads, bs, ctx, spec.draft_tokens, spec.tree))
+        if found is None:
+            return None
+        prior = {k: v for k, v in found.items() if k in plan.dists}
+        if not plan.admits(prior) or plan.violation(prior) is not None:
+            log.info("%s: the winner set aside for this bucket, %s, is not in this study's space; not measured "
+                     "first", study_name(self.dep.name, backend, tp, bs, ctx), found)
+            return None
+        return prior
 
     def _warm(self, backend, tp, bs, ctx) -> list[dict]:
         """Warm starts: the best of the previous context bucket (and the same with NSPLIT scaled
