@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         set_carveout(loaded, -1, -1)
         attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
         static = {k: check_driver(drv.cuFuncGetAttribute(attr, getattr(loaded, k).function), "cuFuncGetAttribute")
-                  for k in ("split", "merge", "merge_warp")}
+                  for k in ("split", "split_b1", "merge", "merge_warp")}
         base = statistics.median(times["default"])
         for v, ts in times.items():
             med = statistics.median(ts)
