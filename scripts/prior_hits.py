@@ -2,39 +2,19 @@
 
 Given two trials tables of one deployment, swept on an older and a newer source of a backend,
 it prints per bucket whether the older source's winner (as `load_priors` picks it) is the newer
-sweep's best, and how far it is from that best where the newer sweep measured it. It reads the
-newer table's search-phase ok rows of the newer source; CPU only.
+sweep's best, and how far it is from that best where the newer sweep measured it. Both tables
+are read as a re-tune reads its set-aside one (`tuner.priors.bucket_latencies`: the search-phase
+ok rows of each bucket's newest source); CPU only.
 
     python scripts/prior_hits.py OLD_TRIALS.csv NEW_TRIALS.csv --backend wgmma
 """
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 
-from kvtune.tuner.priors import load_priors
-from kvtune.tuner.strategy import BESIDE_SEARCH, params_key
-from kvtune.tuner.table import scan_table
-
-
-def newest_source_bests(path, backend: str) -> tuple[str, dict]:
-    """(the newest source of `backend` in the table, per bucket {params key: median latency})."""
-    _, rows, _, _ = scan_table(path)
-    mine = [r for r in rows if r.get("backend") == backend and r.get("kernel_hash")]
-    if not mine:
-        raise SystemExit(f"{path}: no rows of backend {backend!r}")
-    source = max(mine, key=lambda r: r.get("date") or "")["kernel_hash"]
-    by: dict = {}
-    for r in mine:
-        if (r["kernel_hash"] != source or r.get("phase") != "search" or r.get("outcome") != "ok"
-                or r.get("role") in BESIDE_SEARCH):
-            continue
-        key = (backend, int(float(r["heads"])), int(float(r["bs"])), int(float(r["ctx"])), int(float(r["T"])),
-               r.get("tree") or "")
-        by.setdefault(key, {}).setdefault(params_key(json.loads(r["params"])), []).append(float(r["median_us"]))
-    return source, {k: {p: statistics.median(v) for p, v in c.items()} for k, c in by.items()}
+from kvtune.tuner.priors import bucket_latencies, load_priors
+from kvtune.tuner.strategy import params_key
 
 
 def main(argv=None) -> int:
@@ -45,7 +25,11 @@ def main(argv=None) -> int:
     ap.add_argument("--within", type=float, default=0.02, help="the tolerance counted (default 0.02: 2%%)")
     a = ap.parse_args(argv)
     priors = {k: v for k, v in load_priors(a.old).items() if k[0] == a.backend}
-    source, bests = newest_source_bests(a.new, a.backend)
+    found = {k: v for k, v in bucket_latencies(a.new).items() if k[0] == a.backend}
+    if not found:
+        raise SystemExit(f"{a.new}: no rows of backend {a.backend!r}")
+    bests = {k: lat for k, (_, lat) in found.items()}
+    source = ", ".join(sorted({src for src, _ in found.values()}))
     same = measured = close = 0
     print(f"{'heads':>5} {'bs':>3} {'ctx':>7}  {'prior is best':>13}  {'prior vs best':>13}")
     for key in sorted(bests):

@@ -453,13 +453,11 @@ class Phases:
         drv.cuLaunchKernel, drv.cuLaunchKernelEx = launch, launch_ex
 
     def kernels(self, p, B: int):
-        if self.name == "wgmma":
-            k = self.be._get(9, p.ROWS, torch.device("cuda"), p.COPY_LANES)
-            return k.split_for(B), k.merge_for(p.NSPLIT, B, 9, self.heads)[0]
-        if self.name == "wgmma_km":
-            k = self.be._get(9, torch.device("cuda"), p.DV_SPLIT, p.SPLIT_ALIGN)
-            return k.split, k.merge_for(p.NSPLIT, B, 9, self.heads)[0]
-        return self.be._get(p, 9, torch.device("cuda"))[:2]
+        if self.name == "cuda":
+            return self.be._get(p, 9, torch.device("cuda"))[:2]
+        k = (self.be._get(9, p.ROWS, torch.device("cuda"), p.COPY_LANES) if self.name == "wgmma"
+             else self.be._get(9, torch.device("cuda"), p.DV_SPLIT, p.SPLIT_ALIGN))
+        return k.split_for(B), k.merge_for(p.NSPLIT, B, 9, self.heads)[0]
 
     def time(self, pools, over: dict) -> dict:
         from kvtune.kernels.api import describe_problem

@@ -40,13 +40,13 @@ def _int(v) -> int | None:
         return None
 
 
-def load_priors(path: str | Path) -> dict[tuple, dict]:
-    """Per (backend, heads, bs, ctx, T, tree), the config of least median latency among the
-    search-phase trials of `path` (a trials table; usually `<out>/<deployment>/trials.forgotten.csv`)
-    measured ok on the bucket's newest kernel source there (that of its newest row by `date`).
-    The median is over that config's rows of the bucket. Rows beside the search (cross, ragged),
-    rows without a latency or a shape, and rows whose params do not parse are skipped. A missing
-    or empty file gives {}."""
+def bucket_latencies(path: str | Path) -> dict[tuple, tuple[str, dict[str, float]]]:
+    """Per (backend, heads, bs, ctx, T, tree): (the bucket's newest kernel source in `path`, the
+    kernel hash of its newest row by `date`; {params key: median latency} of the search-phase
+    trials measured ok on that source, each median over that config's rows of the bucket).
+    `path` is a trials table, usually `<out>/<deployment>/trials.forgotten.csv`. Rows beside the
+    search (cross, ragged), rows without a latency or a shape, and rows whose params do not parse
+    are skipped. A missing or empty file gives {}."""
     path = Path(path)
     if not path.is_file() or not path.stat().st_size:
         return {}
@@ -54,7 +54,6 @@ def load_priors(path: str | Path) -> dict[tuple, dict]:
     if bad:
         log.warning("%s: %d torn or malformed line(s) skipped for the re-tune's first guesses", path, len(bad))
     seen: dict[tuple, list] = {}   # bucket -> its eligible rows, parsed: (date, hash, params key, us)
-    configs: dict[str, dict] = {}
     for r in rows:
         be = r.get("backend") or ""
         if r.get("phase") != "search" or r.get("outcome") != "ok" or r.get("role") in BESIDE_SEARCH or not be:
@@ -67,10 +66,8 @@ def load_priors(path: str | Path) -> dict[tuple, dict]:
             continue
         if None in shape or not isinstance(params, dict) or not params or not us == us:   # NaN: no latency
             continue
-        k = params_key(params)
-        configs[k] = params
         seen.setdefault((be,) + shape + (r.get("tree") or "",), []).append(
-            (r.get("date") or "", r.get("kernel_hash") or "", k, us))
+            (r.get("date") or "", r.get("kernel_hash") or "", params_key(params), us))
     out = {}
     for key, got in seen.items():
         source = max(got)[1]   # the newest row's kernel source
@@ -78,5 +75,11 @@ def load_priors(path: str | Path) -> dict[tuple, dict]:
         for _, h, k, us in got:
             if h == source:
                 by.setdefault(k, []).append(us)
-        out[key] = dict(configs[min(by, key=lambda k: (statistics.median(by[k]), k))])
+        out[key] = (source, {k: statistics.median(v) for k, v in by.items()})
     return out
+
+
+def load_priors(path: str | Path) -> dict[tuple, dict]:
+    """Per (backend, heads, bs, ctx, T, tree), the config of least median latency in `path` on
+    the bucket's newest kernel source there (`bucket_latencies`; ties: the lesser params key)."""
+    return {key: json.loads(min(lat, key=lambda k: (lat[k], k))) for key, (_, lat) in bucket_latencies(path).items()}

@@ -295,7 +295,7 @@ class StudyLoop:
         parameter the space no longer has is left out; one it has gained, or a value outside its
         choices, constraints or the arch's limits, skips the prior (set aside on another source,
         the winner may predate the space)."""
-        spec = self.runner.spec(tp, bs, ctx)
+        spec = plan.spec
         found = self.priors.get((backend, spec.heads, bs, ctx, spec.draft_tokens, spec.tree))
         if found is None:
             return None
