@@ -29,6 +29,7 @@ from kvtune.tuner.table import read_trials
 
 REPO = Path(__file__).resolve().parents[1]
 HEARTBEAT, GRACE = 1, 4
+SPACE = {"NSPLIT": [1, 2, 4], "BLOCK_N": [32, 64], "HEADS_PER_BLOCK": [1, 2], "NUM_WARPS": [4], "STAGES": [1, 2]}
 
 
 def _deployment(tmp_path, name):
@@ -40,8 +41,7 @@ def _deployment(tmp_path, name):
     d = tmp_path / "spaces"
     d.mkdir(exist_ok=True)
     (d / "triton.yaml").write_text(yaml.safe_dump({
-        "backend": "triton", "params": {"NSPLIT": [1, 2, 4], "BLOCK_N": [32, 64], "HEADS_PER_BLOCK": [1, 2],
-                                        "NUM_WARPS": [4], "STAGES": [1, 2]},
+        "backend": "triton", "params": SPACE,
         "constraints": [{"name": "heads", "expr": "HEADS_PER_BLOCK <= H"}]}))
     return p, d
 
@@ -71,9 +71,11 @@ def _all_trials(storage):
 
 
 def _kill_one_inside_a_trial(storage, procs, pids_to_spare, lock_path=None, timeout=240):
-    """SIGSTOP a worker that holds a RUNNING trial with its config (a worker holds a trial a
-    moment before it asks the config), check (it can change nothing now) that the trial is still
-    running and held by it, then SIGKILL it. Returns (pid, study, trial number)."""
+    """SIGSTOP a worker that holds a RUNNING trial with its whole config (a worker holds a trial
+    a moment before it asks the config, and asks it one parameter at a time: a worker killed
+    between two leaves a trial whose retry draws the rest afresh), check (it can change nothing
+    now) that the trial is still running and held by it, then SIGKILL it. Returns (pid, study,
+    trial number)."""
     import optuna
     RUNNING, COMPLETE = optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.COMPLETE
     deadline = time.time() + timeout
@@ -86,7 +88,7 @@ def _kill_one_inside_a_trial(storage, procs, pids_to_spare, lock_path=None, time
             for name, ts in trials.items():
                 for t in ts:
                     who = t.user_attrs.get("worker")
-                    if t.state != RUNNING or not who or not t.params:
+                    if t.state != RUNNING or not who or set(t.params) != set(SPACE):
                         continue
                     pid = int(who.rsplit(":", 1)[1])
                     if pid in pids_to_spare:
@@ -95,7 +97,8 @@ def _kill_one_inside_a_trial(storage, procs, pids_to_spare, lock_path=None, time
                     time.sleep(0.3)
                     now = next(x for x in _study(storage, name).get_trials(deepcopy=False) if x.number == t.number)
                     holds_lock = lock_path is not None and os.path.lexists(lock_path)
-                    if now.state == RUNNING and now.user_attrs.get("worker") == who and now.params and not holds_lock:
+                    if now.state == RUNNING and now.user_attrs.get("worker") == who and set(now.params) == set(SPACE) \
+                            and not holds_lock:
                         os.kill(pid, signal.SIGKILL)
                         return pid, name, t.number
                     os.kill(pid, signal.SIGCONT)
