@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .config import load_deployment
+from .studies_files import folder_storages, missing_storage_file, present_storages
 from .study import STUDY_SEP
 from .table import _set_aside, _warn_bad, row_key, scan_table, write_table
 
@@ -135,14 +136,12 @@ def _study_storages(out_dir: Path, storage: str | None) -> list[str]:
     file: a mistyped path would delete nothing and the next sweep would resume), else those of the
     defaults present, the single process's studies.db and the workers' studies.journal."""
     if storage:
-        for prefix in ("sqlite:///", "journal:"):
-            if storage.startswith(prefix) and not Path(storage[len(prefix):]).is_file():
-                raise FileNotFoundError(f"--storage {storage}: no such file; name the storage the sweep used "
-                                        f"(default {out_dir / 'studies.db'}, or {out_dir / 'studies.journal'} "
-                                        "with --workers)")
+        if missing_storage_file(storage) is not None:
+            db, journal = folder_storages(out_dir)
+            raise FileNotFoundError(f"--storage {storage}: no such file; name the storage the sweep used "
+                                    f"(default {db}, or {journal} with --workers)")
         return [storage]
-    return [url for url, f in ((f"sqlite:///{out_dir / 'studies.db'}", out_dir / "studies.db"),
-                               (f"journal:{out_dir / 'studies.journal'}", out_dir / "studies.journal")) if f.is_file()]
+    return present_storages(out_dir)
 
 
 def _delete_studies(url: str, dep: str, backends: list[str], only: dict) -> int:

@@ -24,14 +24,15 @@ from optuna.storages._heartbeat import BaseHeartbeat
 from optuna.storages.journal import JournalFileBackend
 
 from .config import ConfigError, redact_url
+from .studies_files import journal_path
 
 HEARTBEAT_KEY = "kvtune:heartbeat"
 
 
 def open_storage(url: str):
     """(storage, url) for one process: an SQLAlchemy URL, or `journal:PATH`."""
-    if url.startswith("journal:"):
-        return JournalStorage(journal_backend(url[len("journal:"):])), url
+    if (journal := journal_path(url)) is not None:
+        return JournalStorage(journal_backend(journal)), url
     kw = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
     try:
         return optuna.storages.RDBStorage(with_driver(url), engine_kwargs=kw), url
@@ -110,8 +111,8 @@ def open_shared_storage(url: str, heartbeat_s: int, grace_s: int, max_retry: int
     """(storage, url) several processes can share, with heartbeats: `journal:PATH` (one host)
     or an SQLAlchemy URL such as postgresql://user@host:port/db (several hosts). SQLite is refused."""
     cb = RetryStale(max_retry)
-    if url.startswith("journal:"):
-        return HeartbeatJournalStorage(journal_backend(url[len("journal:"):]), heartbeat_s, grace_s, cb), url
+    if (journal := journal_path(url)) is not None:
+        return HeartbeatJournalStorage(journal_backend(journal), heartbeat_s, grace_s, cb), url
     if url.startswith("sqlite"):
         raise ConfigError(f"--storage {redact_url(url)}: SQLite is not safe for several worker processes; use "
                           "journal:PATH on one host or a PostgreSQL URL for several")

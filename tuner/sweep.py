@@ -39,6 +39,7 @@ from .ragged import RAGGED_PICKS, deployment_trials, measure_ragged, ragged_appl
 from .runner import Runner
 from .space import load_space, problem_env
 from .strategy import params_key
+from .studies_files import folder_storages, journal_url, sqlite_url
 from .study import ALL_PRUNED, StudyLoop, compile_key, dead_buckets
 from .runlock import RunLock, StorageLock
 from .table import TrialsTable, append_jsonl, scan_table
@@ -129,11 +130,11 @@ class Sweep(StudyLoop):
     skipped = property(lambda self: self.runner.skipped)
 
     def _default_storage(self) -> str:
-        db, journal = self.out_dir / "studies.db", self.out_dir / "studies.journal"
+        db, journal = folder_storages(self.out_dir)
         if journal.is_file() and not db.is_file():   # a `--workers` sweep's folder: resume its studies
             log.info("studies: %s (the storage of a --workers sweep of this folder)", journal)
-            return f"journal:{journal}"
-        return f"sqlite:///{db}"
+            return journal_url(journal)
+        return sqlite_url(db)
 
     def _open_storage(self):
         from .storage import open_storage

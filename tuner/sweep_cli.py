@@ -17,6 +17,7 @@ from .config import ConfigError, Deployment, load_deployment, redact_url
 from .executor import WorkerError
 from .log import get_logger
 from .options import SweepOptions, add_sweep_arguments, non_negative_int, options_from_args
+from .studies_files import journal_path
 from .study import ALL_PRUNED, dead_buckets
 
 log = get_logger(__name__)
@@ -84,8 +85,8 @@ def _cmd_worker(args) -> int:
     # --index is given only to the workers a sweep (or a worker with --workers) starts: the
     # sweep's own create its studies, the others' parent has waited for them
     by_hand = args.index is None
-    journal = args.storage[len("journal:"):] if args.storage.startswith("journal:") else None
-    if journal is not None and by_hand and not Path(journal).is_file():
+    journal = journal_path(args.storage)
+    if journal is not None and by_hand and not journal.is_file():
         # `kvtune sweep --workers N` opens the journal before it starts its workers: a worker that
         # finds none was pointed at the wrong path, and would otherwise start a sweep of its own
         raise ConfigError(f"--storage {args.storage}: no such journal file; a worker joins the sweep whose "

@@ -49,6 +49,7 @@ from .config import ConfigError, Deployment, redact_url
 from .log import get_logger
 from .options import SweepOptions
 from .progress import Progress
+from .studies_files import folder_storages, journal_url
 from .study import STUDY_SEP, study_name
 from .sweep import Sweep
 
@@ -144,13 +145,13 @@ class SharedSweep(Sweep):
         self.children: list = []
 
     def _default_storage(self) -> str:
-        db, journal = self.out_dir / "studies.db", self.out_dir / "studies.journal"
+        db, journal = folder_storages(self.out_dir)
         table = self.out_dir / "trials.csv"
         if db.is_file() and not journal.is_file() and table.is_file() and len(table.read_bytes().splitlines()) > 1:
             # SQLite is not safe for several processes, and a new journal would lack those studies
             raise ConfigError(f"{db}: this folder's studies were swept without --workers (SQLite, one process); "
                               "resume it without --workers, or sweep with --workers into a new --out")
-        return f"journal:{journal}"
+        return journal_url(journal)
 
     def _open_storage(self):
         from .storage import open_shared_storage

@@ -16,6 +16,7 @@ from kvtune.kernels.tuned import SchemaError, load_tuned
 
 from ..config import REPO_ROOT, ConfigError, load_deployment, redact_url
 from ..export import latencies  # the latency of a config exactly as `kvtune export` computes it
+from ..studies_files import STUDIES_DB, missing_storage_file, present_storages, sqlite_url
 from ..table import LEAD, PROVENANCE, RESULT, read_trials
 
 OUTCOMES = ("ok", "pruned", "wrong", "failed")
@@ -142,17 +143,12 @@ def load_results(target: str | os.PathLike, storage: str | None = None) -> Resul
             except SchemaError as e:
                 res.tuned_error = str(e)
             break
-    db, journal = folder / "studies.db", folder / "studies.journal"
     if storage:
-        # a file the storage names must exist: opening it would create an empty one and review nothing
-        for prefix in ("sqlite:///", "journal:"):
-            if storage.startswith(prefix) and not Path(storage[len(prefix):]).is_file():
-                raise ConfigError(f"--storage {storage}: no such file")
+        if missing_storage_file(storage) is not None:   # opening it would create an empty one: nothing to review
+            raise ConfigError(f"--storage {storage}: no such file")
         res.storage = storage
-    elif db.is_file():
-        res.storage = f"sqlite:///{db.resolve()}"
-    elif journal.is_file():   # a --workers sweep's
-        res.storage = f"journal:{journal.resolve()}"
+    else:   # studies.db, else a --workers sweep's studies.journal
+        res.storage = next(iter(present_storages(folder.resolve())), None)
     return res
 
 def ctx_label(c) -> str:
@@ -210,7 +206,6 @@ def search_trials(df: pd.DataFrame) -> pd.DataFrame:
 
 def storage_name(res: Results) -> str:
     """The study storage as the review names it: `<folder>/studies.db`, else its URL (password hidden)."""
-    db = res.folder / "studies.db"
-    if res.storage == f"sqlite:///{db.resolve()}":
-        return f"{res.folder.name}/studies.db"
+    if res.storage == sqlite_url(res.folder.resolve() / STUDIES_DB):
+        return f"{res.folder.name}/{STUDIES_DB}"
     return redact_url(str(res.storage))
