@@ -60,13 +60,23 @@ class Plan:
     def _config_of(configs, i: int) -> int:
         return next(k for k, (_, _, ns) in enumerate(configs) if ns[i] > 0)
 
-    def nsplit_for(self, prefix_len: int) -> int:
-        """The NSPLIT the kernel picks on the device for a request with this prefix (host
-        mirror of the device-side choice; the policy is `TunedEntry.bucket_for`)."""
+    def bucket_of(self, prefix_len: int, T: int, batch: int = 1) -> int:
+        """The index of the context bucket the device picks for `batch` requests of `prefix_len`
+        tokens and T drafts each (host mirror): a backend that picks NSPLIT per request looks
+        up the request's keys (`TunedEntry.bucket_for`), one whose NSPLIT counts the batch's
+        splits the batch's keys against bounds scaled by the entry's batch (`split_bounds`)."""
+        if not self.backend.nsplit_per_batch:
+            return self.entry.buckets.index(self.entry.bucket_for(prefix_len))
+        bounds = split_bounds(self.backend, [b.max_context for b in self.entry.buckets], T, self.max_batch)
+        return bucket_index(bounds, batch * (prefix_len + T))
+
+    def nsplit_for(self, prefix_len: int, T: int, batch: int = 1) -> int:
+        """The NSPLIT the kernel picks on the device for `batch` requests of `prefix_len` tokens
+        and T drafts each, at this plan's own batch bucket (host mirror of the device's choice)."""
         grid = getattr(self.params, "NSPLIT", 1)
         if self.split_table is None:
             return grid
-        return self.bucket_nsplits()[self.entry.buckets.index(self.entry.bucket_for(prefix_len))]
+        return self.bucket_nsplits()[self.bucket_of(prefix_len, T, batch)]
 
     def launches(self, first: tuple | None = None) -> tuple:
         """Every launch of a call, in order: (params, split table, backend) each. `first`: the

@@ -260,13 +260,14 @@ class VerifyAttention:
         return be, dataclasses.replace(params, NSPLIT=min(max(v, 1), params.NSPLIT))
 
     def nsplit_for(self, batch: int, prefix_len: int) -> int:
-        """NSPLIT the kernel will choose on the device for a request with this prefix (host mirror)."""
+        """NSPLIT the kernel will choose on the device for `batch` requests of `prefix_len`
+        tokens each (host mirror): per request for Triton; for a backend whose NSPLIT counts
+        the batch's splits, from the batch's keys, as `direct_config` reads it, without a sync."""
         p = self.plan_for(batch)
         _, params, table = self._launch[batch]
         if table is None:
             return getattr(params, "NSPLIT", 1)
-        i = p.entry.buckets.index(p.entry.bucket_for(prefix_len))
-        return self._nsplits[batch][i]
+        return self._nsplits[batch][p.bucket_of(prefix_len, self.T, batch)]
 
     def warmup(self) -> None:
         """Compile every plan's kernel now (not in the first captured step) and check it

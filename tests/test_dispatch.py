@@ -100,12 +100,18 @@ def test_the_plan_mirrors_the_devices_choice_of_config_and_nsplit():
     main, alt = WgmmaParams(NSPLIT=66, **LANES4), WgmmaParams(NSPLIT=44, **LANES8)
     bounds = split_bounds(be, [b.max_context for b in e.buckets], 9, 64)
     assert bounds == [(c + 9) * 64 for c in (4096, 16384, 65536)]
-    plan = Plan(64, be, main, None, e, "mem", ((alt, None, be),))
+    plan = Plan(64, be, main, SplitTable.build(bounds, [66, 0, 33], "cpu"), e, "mem",
+                ((alt, SplitTable.build(bounds, [0, 44, 0], "cpu"), be),))
     assert plan.bucket_nsplits() == (66, 44, 33)
     assert plan.params_for_keys(bounds[0], 9) == main
     assert plan.params_for_keys(bounds[0] + 1, 9) == alt and plan.params_for_keys(bounds[1], 9) == alt
     assert plan.params_for_keys(bounds[1] + 1, 9) == main
     assert plan.params_for_keys(10 * bounds[2], 9) == main  # past the last bound: the last bucket
+    # NSPLIT of equal requests: the batch's keys pick the bucket, not one request's prefix
+    assert plan.nsplit_for(16384, 9, batch=1) == 66                 # 16393 keys <= (4096 + 9) x 64
+    assert plan.nsplit_for(16384, 9, batch=64) == 44                # 64 x 16393 keys, the second bound
+    assert plan.nsplit_for(65536, 9, batch=5) == 44                 # 327725 keys, past the first bound
+    assert plan.nsplit_for(65536, 9, batch=64) == 33
 
 
 # -- the export's rule ----------------------------------------------------------------------

@@ -271,7 +271,7 @@ def test_device_picks_nsplit_from_the_table(device, prefix):
     o = va(*inp.args[:5])
     assert rel_error(o, reference_attention(*inp.args)[0]) < TOL
     _, part_lse = partials(va.problem(1), plan.params.NSPLIT, va.workspace)
-    n = plan.nsplit_for(prefix)
+    n = plan.nsplit_for(prefix, T)
     L = prefix + T
     chunk = -(-(-(-L // n)) // plan.params.BLOCK_N) * plan.params.BLOCK_N
     written = int(torch.isfinite(part_lse[:, 0, 0]).sum())

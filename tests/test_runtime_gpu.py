@@ -152,7 +152,7 @@ def test_one_graph_stays_tuned_as_contexts_grow(backend):
             from kvtune.kernels.triton_kernel import partials
             _, part_lse = partials(va.problem(2), plan.params.NSPLIT, va.workspace)
             for b, p in enumerate(prefixes):
-                n = plan.nsplit_for(p)
+                n = plan.nsplit_for(p, T)
                 assert bool(torch.isneginf(part_lse[n:, b * T]).all()), (prefixes, b, n)
                 assert bool(torch.isfinite(part_lse[:n, b * T]).any())
         del ref
