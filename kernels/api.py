@@ -12,12 +12,12 @@ from typing import Any
 import torch
 
 from .backends import Backend, LaunchArgs, SplitTable, call_workspace_bytes, get_backend, launch_all
-from .shapes import MAX_DRAFT_TOKENS, VerifyProblem
+from .shapes import MAX_DRAFT_TOKENS, VerifyProblem, overlapping
 
 DEFAULT_KV_LORA_RANK = 512
 
 
-def _is_capturing(device: torch.device) -> bool:
+def is_capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
@@ -146,10 +146,12 @@ def workspace_bytes(problem: VerifyProblem, backend: str | Backend = "triton", p
 
 def _resolve_params(be: Backend, params: Any, problem: VerifyProblem, what: str) -> Any:
     """`params`, or the backend's default when None, after checking it is the backend's
-    parameter type and legal for `problem` (a ValueError naming `what` otherwise)."""
+    parameter type and legal for `problem` (a ValueError naming `what` otherwise). The default
+    is checked too: a shape the backend cannot run (a Dv it does not take) fails here, named,
+    not in its compiler."""
     if params is None:
-        return be.default_params(problem)
-    if be.params_type is not None and not isinstance(params, be.params_type):
+        params = be.default_params(problem)
+    elif be.params_type is not None and not isinstance(params, be.params_type):
         raise ValueError(f"{what}: backend {be.name!r} takes {be.params_type.__name__}, got {type(params).__name__}")
     be.check_params(params, problem)
     return params
@@ -186,7 +188,7 @@ def verify_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, ba
     if why:
         raise ValueError(f"backend: {be.name} cannot run here: {why}")
     params = _resolve_params(be, params, problem, "params")
-    capturing = _is_capturing(problem.device)
+    capturing = is_capturing(problem.device)
     do_check = (not capturing) if check_values_ is None else check_values_
     if do_check:
         check_values(problem, kv_cache, kv_indptr, kv_indices, tree_mask)
@@ -236,7 +238,7 @@ def verify_attention_dispatch(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_
         calls.append((be, params, table))
     if not calls:
         raise ValueError("launches: expected at least one (backend, params, split_table)")
-    do_check = (not _is_capturing(problem.device)) if check_values_ is None else check_values_
+    do_check = (not is_capturing(problem.device)) if check_values_ is None else check_values_
     if do_check:
         check_values(problem, kv_cache, kv_indptr, kv_indices, tree_mask)
     _check_out(out, problem)
@@ -256,6 +258,9 @@ def _check_out(out, problem) -> None:
                          f"{list(out.shape)} on {out.device}")
     if out.stride(-1) != 1:
         raise ValueError("out: the last dimension must be contiguous")
+    if overlapping(out):
+        raise ValueError(f"out: its elements overlap in memory (strides {list(out.stride())}): every row "
+                         "would write the same place; pass a tensor of distinct elements")
 
 
 def _check_lse(lse, problem) -> None:
@@ -266,6 +271,9 @@ def _check_lse(lse, problem) -> None:
                          f"{list(lse.shape)} on {lse.device}")
     if lse.stride(-1) != 1:
         raise ValueError("lse: the last (head) dimension must be contiguous")
+    if overlapping(lse):
+        raise ValueError(f"lse: its elements overlap in memory (strides {list(lse.stride())}); pass a tensor "
+                         "of distinct elements")
 
 
 def _check_workspace(workspace, problem, need: int) -> None:

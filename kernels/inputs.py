@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from .shapes import MAX_DRAFT_TOKENS
 from .tree import chain_parents, random_parents, tree_mask_from_parents
 
 
@@ -74,6 +75,9 @@ def make_inputs(batch: int, draft_tokens: int, heads: int, prefix_lens: int | Se
         raise ValueError(f"prefix_lens: a prefix holds >= 0 keys, got {min(prefix_lens)}")
     if isinstance(tree, str) and tree not in ("chain", "random"):
         raise ValueError(f"tree: expected 'chain', 'random' or parent lists, got {tree!r}")
+    for name, v, most in (("draft_tokens", draft_tokens, MAX_DRAFT_TOKENS), ("heads", heads, None)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1 or (most is not None and v > most):
+            raise ValueError(f"{name}: expected an int >= 1{f' and <= {most}' if most else ''}, got {v!r}")
     T, H = draft_tokens, heads
     Dk = kv_lora_rank + rope_dim
     if tree == "chain":
@@ -81,7 +85,7 @@ def make_inputs(batch: int, draft_tokens: int, heads: int, prefix_lens: int | Se
     elif tree == "random":
         parents = [random_parents(T, generator) for _ in range(batch)]
     else:
-        parents = [list(p) for p in tree] if isinstance(tree[0], (list, tuple)) else [list(tree)] * batch
+        parents = _explicit_parents(tree, batch, T)
     mask = tree_mask_from_parents(parents)
 
     lens = [p + T for p in prefix_lens]
@@ -110,6 +114,22 @@ def make_inputs(batch: int, draft_tokens: int, heads: int, prefix_lens: int | Se
     return VerifyInputs(q=q, kv_cache=kv_cache, kv_indptr=indptr.to(device),
                         kv_indices=perm.to(indices_dtype).to(device), tree_mask=mask.to(device),
                         sm_scale=scale, prefix_lens=prefix_lens, parents=parents, kv_lora_rank=kv_lora_rank)
+
+
+def _explicit_parents(tree, batch: int, T: int) -> list[list]:
+    """Parent lists given to `make_inputs`: one tree `[T]` for every request or one per request
+    `[B, T]`; each of draft_tokens entries (its values are checked by tree_mask_from_parents)."""
+    tree = tree.tolist() if hasattr(tree, "tolist") else list(tree)
+    if tree and isinstance(tree[0], (list, tuple)):
+        parents = [list(p) for p in tree]
+        if len(parents) != batch:
+            raise ValueError(f"tree: {len(parents)} parent lists for batch={batch}")
+    else:
+        parents = [list(tree)] * batch
+    for b, p in enumerate(parents):
+        if len(p) != T:
+            raise ValueError(f"tree: parent list {b} has {len(p)} entries, but draft_tokens={T}")
+    return parents
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -65,8 +65,14 @@ def packaged_defaults_dir() -> Path:
 
 
 def config_dirs() -> list[Path]:
-    """Folders searched for defaults, first wins: `KVTUNE_CONFIG_DIR` entries, then packaged."""
+    """Folders searched for defaults, first wins: `KVTUNE_CONFIG_DIR` entries, then packaged.
+    An entry that is not a folder is warned about (once): a typo there would otherwise serve
+    the packaged file in place of the user's own, without a word."""
     user = [Path(p).expanduser() for p in os.environ.get(ENV_CONFIG_DIR, "").split(os.pathsep) if p.strip()]
+    for p in user:
+        if not p.is_dir():
+            warn_once(f"config-dir:{p}", f"kvtune: {ENV_CONFIG_DIR} entry {str(p)!r} is not a folder; it is "
+                      "skipped, and defaults are looked up in the other entries and the packaged folder")
     return user + [packaged_defaults_dir()]
 
 

@@ -36,12 +36,12 @@ from typing import Any
 
 import torch
 
-from .api import verify_attention, verify_attention_dispatch
+from .api import is_capturing, verify_attention, verify_attention_dispatch
 from .api import check_values as api_check_values
 from .backends import LaunchArgs, SplitTable, bucket_index, call_workspace_bytes, launch_all, split_bounds
 from .plans import DEFAULT_BACKEND, Plan, model_on_rank  # noqa: F401 - DEFAULT_BACKEND re-exported
 from .plans import plans as build_plans
-from .shapes import VerifyProblem
+from .shapes import VerifyProblem, overlapping
 from .tuned import TunedDefaults
 
 from .lookup import (  # noqa: F401 - re-exported: the runtime's public lookup names
@@ -85,9 +85,7 @@ class VerifyAttention:
         self.max_batch, self.max_context = max_batch, max_context
         self.device = device
         self.tuned = tuned
-        if not isinstance(check_values, bool):   # None or 0 would read as "off" in plan()
-            raise ValueError(f"check_values: expected True or False, got {check_values!r}")
-        self.check_values = check_values
+        self.check_values = flag(check_values, "check_values", None)
         # batch size -> plan index, so the call does one list lookup
         self._plan_of_batch = [0] * (max_batch + 1)
         for n in range(1, max_batch + 1):
@@ -117,8 +115,9 @@ class VerifyAttention:
         self.workspace = torch.empty(max(need, 1), dtype=torch.uint8, device=device)
         self.out_buf = (torch.empty(max_batch * T, H, Dv, dtype=torch.bfloat16, device=device)
                         if preallocate_out else None)
-        log.info("kvtune: VerifyAttention tp=%d max_batch=%d max_context=%d preallocated %d bytes (%d scratch)",
-                 tp, max_batch, max_context, self.allocated_bytes, need)
+        log.info("kvtune: VerifyAttention tp=%d max_batch=%d max_context=%d preallocated %d bytes (%d scratch); "
+                 "defaults from %s", tp, max_batch, max_context, self.allocated_bytes, need,
+                 tuned.source if tuned is not None else "none (untuned backend defaults)")
 
     def _batch_launches(self, max_batch: int, T: int, device: torch.device) -> None:
         """Fill `_launch[n]` and `_nsplits[n]` for every batch n in 1..max_batch."""
@@ -365,8 +364,8 @@ class VerifyAttention:
         if num_slots is not None and (isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1):
             raise ValueError(f"num_slots: expected an int >= 1 or None, got {num_slots!r}")
         problem = self._problems[B]
-        do_check = self.check_values if check_values is None else check_values
-        if do_check and not _is_capturing(dev):
+        do_check = flag(check_values, "check_values", self.check_values)
+        if do_check and not is_capturing(dev):
             # the one host sync of a step, outside graphs (the api's checks: one definition)
             top = api_check_values(problem, _Pool(num_slots), kv_indptr, kv_indices, tree_mask)
             slots_used = top if num_slots is None else None
@@ -433,6 +432,10 @@ class VerifyAttention:
                                 lse.dtype != torch.float32 or lse.device != dev or lse.stride(-1) != 1):
             raise ValueError(f"lse: expected fp32 [{rows}, {self.H}] on {dev} with a contiguous last dim, got "
                              f"{getattr(lse, 'dtype', None)} {list(getattr(lse, 'shape', []))}")
+        for name, t in (("out", out), ("lse", lse)):
+            if t is not None and overlapping(t):
+                raise ValueError(f"{name}: its elements overlap in memory (strides {list(t.stride())}): rows would "
+                                 "write the same place; pass a tensor of distinct elements")
         if sm_scale is None:
             sm_scale = self.sm_scale
         elif isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not 0 < sm_scale < math.inf:
@@ -500,8 +503,15 @@ class _Pool:
         self.shape = (num_slots if num_slots is not None else 1 << 62, 0)
 
 
-def _is_capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+def flag(value, name: str, default: bool | None) -> bool:
+    """A switch argument: True or False, or None for `default` (when there is one). Anything
+    else is refused: 0 or "False" would silently read as off or on."""
+    if value is None and default is not None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected True or False{' (or None)' if default is not None else ''}, "
+                         f"got {value!r}")
+    return value
 
 
 def _scaled_nsplit(nsplit: int, tuned_batch: int, batch: int, most: int) -> int:

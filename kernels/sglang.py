@@ -47,7 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .runtime import StepPlan, VerifyAttention
+from .api import is_capturing
+from .runtime import StepPlan, VerifyAttention, flag
 from .shapes import cdiv, next_pow2
 
 # how the draft visibility is given (the kernel's MASK_MODE): SGLang's flat custom mask, or
@@ -127,10 +128,6 @@ def _write_drafts_kernel(KExt, DraftSlots, KV, stride_kext, stride_kv,
     tl.store(KV + slots[:, None] * stride_kv + d[None, :], k, mask=dmask)
 
 
-def _is_capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _index_tensor(x, name: str, device, min_numel: int) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
@@ -176,6 +173,10 @@ class SGLangVerifyAdapter:
     `run(q_extend, k_buffer, o_extend)` per layer. `extend_attention_fwd` (or the object)
     takes SGLang's arguments plus `out_cache_loc=forward_batch.out_cache_loc` and does both.
 
+    scratch_slots: optional 1-D int32/int64 tensor on the runtime's device, at least
+    max_batch * T distinct slots of the KV pool that no prefix uses: where a plan is given no
+    `out_cache_loc`, each step's drafts' keys are written there (request-major, T per request).
+
     Attributes: verify (the VerifyAttention), capacity (combined keys the buffers hold),
     allocated_bytes (everything preallocated, the runtime's included).
     """
@@ -205,7 +206,8 @@ class SGLangVerifyAdapter:
     def from_defaults(cls, tuned=None, tp: int = 1, max_batch: int = 1, max_context: int = 131072, device=None,
                       *, scratch_slots: torch.Tensor | None = None, **kwargs) -> "SGLangVerifyAdapter | None":
         """`VerifyAttention.from_defaults(...)` (same arguments; no output buffer: SGLang
-        passes `o_extend`) wrapped in the adapter; None when `KVTUNE_VERIFY=off`."""
+        passes `o_extend`) wrapped in the adapter; None when `KVTUNE_VERIFY=off`. scratch_slots:
+        as for the class (1-D int32/int64, >= max_batch * T slots, on the device)."""
         kwargs.setdefault("preallocate_out", False)
         verify = VerifyAttention.from_defaults(tuned, tp, max_batch, max_context, device, **kwargs)
         return None if verify is None else cls(verify, scratch_slots=scratch_slots)
@@ -274,8 +276,8 @@ class SGLangVerifyAdapter:
                              "forward_batch.out_cache_loc), or build the adapter with scratch_slots=")
         if num_slots is not None and (isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1):
             raise ValueError(f"num_slots: expected an int >= 1 or None, got {num_slots!r}")
-        do_check = v.check_values if check_values is None else check_values
-        if do_check and not _is_capturing(dev):
+        do_check = flag(check_values, "check_values", v.check_values)
+        if do_check and not is_capturing(dev):
             slots_used = self._check_values(B, T, qo_indptr, kv_indptr, kv_indices, slots, num_slots, custom_mask,
                                             mask_indptr)
         else:
@@ -533,7 +535,8 @@ def _check_mask_blocks(T: int, ip: torch.Tensor, custom_mask: torch.Tensor, mask
                          f"(T={T}, P_b={int(ip[bad + 1] - ip[bad])}) from a start >= 0, got mask_indptr "
                          f"{int(mi[bad])}..{int(mi[bad + 1])}")
     if int(mi[-1]) > custom_mask.numel():
-        raise ValueError(f"custom_mask: {custom_mask.numel()} entries, but mask_indptr ends at {int(mi[-1])}")
+        raise ValueError(f"custom_mask: {custom_mask.numel()} entries, but mask_indptr places the blocks at "
+                         f"{int(mi[0])}..{int(mi[-1])} (SGLang's mask_indptr starts at 0): one of the two is wrong")
 
 
 def sglang_verify_args(inp, *, mask_dtype: torch.dtype = torch.bool, indices_dtype: torch.dtype = torch.int32,

@@ -99,3 +99,19 @@ def cdiv(a: int, b: int) -> int:
 
 def next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
+
+
+def overlapping(t) -> bool:
+    """Whether two elements of tensor `t` may share memory (an `expand`ed or `as_strided`
+    output: every row would write the same place). Contiguous is the fast answer; otherwise
+    the dims of more than one element, by stride, must each step past all the smaller ones
+    (padded and transposed layouts pass)."""
+    if t.is_contiguous():
+        return False
+    reach = 0
+    for stride, n in sorted(zip(t.stride(), t.shape)):
+        if n > 1:
+            if stride <= reach:
+                return True
+            reach += (n - 1) * stride
+    return False

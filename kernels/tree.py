@@ -39,7 +39,10 @@ def tree_mask_from_parents(parents, device=None) -> torch.Tensor:
     if isinstance(parents, torch.Tensor):
         if parents.dtype.is_floating_point or parents.dtype == torch.bool:
             raise ValueError(f"parents must hold integers, got dtype {parents.dtype}")
+    if hasattr(parents, "tolist"):   # a tensor or numpy array: nested lists, its rows as trees
         parents = parents.tolist()
+    if not isinstance(parents, (list, tuple)):
+        raise ValueError(f"parents: expected a list `[T]` or `[B, T]` of parent indices, got {parents!r}")
     parents = list(parents)
     if parents and isinstance(parents[0], (list, tuple)):
         T = len(parents[0])

@@ -78,6 +78,25 @@ def test_out_and_params_errors(x):
         call(x, backend="triton", params=object())
     with pytest.raises(ValueError, match="^lse"):
         verify_attention(*x.args, backend="reference", lse=torch.empty(8, 2, dtype=torch.float64, device=DEVICE))
+    # one row expanded over all: every row would write the same memory
+    one = torch.zeros(1, 2, 512, dtype=torch.bfloat16, device=DEVICE).expand(8, 2, 512)
+    with pytest.raises(ValueError, match=r"^out: its elements overlap in memory \(strides \[0, 512, 1\]\)"):
+        call(x, out=one)
+    with pytest.raises(ValueError, match="^lse: its elements overlap"):
+        verify_attention(*x.args, backend="reference", lse=torch.zeros(1, 2, device=DEVICE).expand(8, 2))
+
+
+@pytest.mark.parametrize("make,overlaps", [
+    (lambda: torch.zeros(1, 4, 8).expand(3, 4, 8), True),
+    (lambda: torch.zeros(12, 8).as_strided((3, 4, 8), (16, 4, 1)), True),      # rows 8 apart, 32 wide
+    (lambda: torch.zeros(3, 4, 16)[:, :, :8], False),                          # padded rows
+    (lambda: torch.zeros(4, 3, 8).transpose(0, 1), False),
+    (lambda: torch.zeros(1, 4, 8).expand(1, 4, 8), False),                     # a stride 0 over one element
+    (lambda: torch.zeros(3, 4, 8), False),
+])
+def test_overlapping_layouts(make, overlaps):
+    from kvtune.kernels.shapes import overlapping
+    assert overlapping(make()) is overlaps
 
 
 @pytest.mark.parametrize("kw,field", [
@@ -123,6 +142,11 @@ def test_model_shape():
     (lambda: make_inputs(0, 3, 4, 5), "^batch: expected an int >= 1, got 0"),
     (lambda: make_inputs(2, 3, 4, [5, -1]), "^prefix_lens: a prefix holds >= 0 keys, got -1"),
     (lambda: tree_mask_from_parents([-1, 0.5]), r"^parents\[1\] = 0.5: a parent must be an int"),
+    (lambda: make_inputs(2, 4, 2, [10, 10], tree=[-1, 0, 1]), r"^tree: parent list 0 has 3 entries, but draft_tok"),
+    (lambda: make_inputs(2, 3, 2, [10, 10], tree=[[-1, 0, 1]]), r"^tree: 1 parent lists for batch=2"),
+    (lambda: tree_mask_from_parents(torch.tensor(3)), r"^parents: expected a list `\[T\]` or `\[B, T\]`"),
+    (lambda: make_inputs(1, 0, 2, 5), r"^draft_tokens: expected an int >= 1 and <= 64, got 0"),
+    (lambda: make_inputs(1, 3, 0, 5), r"^heads: expected an int >= 1, got 0"),
     (lambda: tree_mask_from_parents([[-1, 0], [-1, True]]), r"^parents\[1\]\[1\] = True"),
 ])
 def test_input_builders_name_what_is_wrong(call_, match):
@@ -130,3 +154,13 @@ def test_input_builders_name_what_is_wrong(call_, match):
     error, not inputs that silently differ from what was asked for."""
     with pytest.raises(ValueError, match=match):
         call_()
+
+
+def test_a_shape_the_default_params_cannot_run_is_named_before_the_compiler():
+    """No params given: the backend's default is checked like given ones (Triton needs Dk - Dv
+    >= 16 and a power-of-two Dv), a ValueError saying so, not an error from inside Triton."""
+    x = make_inputs(2, 4, 2, [10, 40], rope_dim=48, device=DEVICE)
+    with pytest.raises(ValueError, match="power-of-two Dv and Dk-Dv >= 16"):
+        verify_attention(*x.args, backend="triton")
+    with pytest.raises(ValueError, match="power-of-two Dv and Dk-Dv >= 16"):
+        verify_attention(*x.args, backend="triton", kv_lora_rank=256)

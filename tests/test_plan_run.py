@@ -145,6 +145,8 @@ def test_value_checks_can_be_left_to_the_engine(device, va):
     (dict(kv_cache="fewer slots"), "kv_cache: .* fewer than the num_slots"),
     (dict(out="wrong"), r"out: expected bf16 \[18, 2, 512\]"),
     (dict(lse="wrong"), r"lse: expected fp32 \[18, 2\]"),
+    (dict(out="one row for all"), r"out: its elements overlap in memory \(strides \[0, 512, 1\]\)"),
+    (dict(lse="one row for all"), r"lse: its elements overlap in memory"),
     (dict(sm_scale=-1.0), "sm_scale"),
     (dict(plan="not a plan"), "plan: expected a StepPlan"),
 ])
@@ -155,7 +157,9 @@ def test_run_names_shapes_that_do_not_match_the_plan(device, va, change, match):
     for k, v in change.items():
         kw[k] = {"other batch": inp.q[:T], "fp16": inp.q.half(), "narrow": inp.kv_cache[:, :DV],
                  "fewer slots": inp.kv_cache[:-1],
-                 "wrong": torch.empty(3, dtype=torch.float32, device=device)}.get(v, v)
+                 "wrong": torch.empty(3, dtype=torch.float32, device=device),
+                 "one row for all": (torch.zeros(1, H, DV, dtype=torch.bfloat16, device=device).expand(2 * T, H, DV)
+                                     if k == "out" else torch.zeros(1, H, device=device).expand(2 * T, H))}.get(v, v)
     with pytest.raises(ValueError, match=match):
         va.run(kw.pop("q"), kw.pop("kv_cache"), **kw)
 
@@ -170,7 +174,8 @@ def test_run_refuses_a_pool_the_planned_slots_pass(device, va):
     with pytest.raises(ValueError, match=f"kv_cache: {top} slots, but the planned kv_indices use slot {top}"):
         va.run(inp.q, inp.kv_cache[:top])
     assert va.plan(*inp.args[2:5], check_values=False).slots_used is None
-    assert va.plan(*inp.args[2:5], check_values=0).slots_used is None   # falsy is off, as for the adapter
+    with pytest.raises(ValueError, match=r"check_values: expected True or False \(or None\), got 0"):
+        va.plan(*inp.args[2:5], check_values=0)    # 0 or "False" would silently read as off or on
     with pytest.raises(ValueError, match="check_values: expected True or False, got None"):
         VerifyAttention.from_defaults(tuned(device), tp=1, max_batch=1, max_context=64, device=device,
                                       check_values=None, warmup=False)
@@ -258,7 +263,7 @@ def test_adapter_writes_each_layers_draft_keys(device):
     ("mask empty", r"custom_mask: 0 entries"),
     ("mask_indptr zeros", r"mask_indptr: request 0's block must hold T x \(P_b\+T\)"),
     ("mask_indptr T x T blocks", r"mask_indptr: request 0's block must hold"),
-    ("mask_indptr past the mask", r"custom_mask: \d+ entries, but mask_indptr ends at"),
+    ("mask_indptr past the mask", r"custom_mask: \d+ entries, but mask_indptr places the blocks at \d+\.\.\d+"),
     ("mask_indptr short", r"mask_indptr: needs at least 3 entries"),
     ("mask_indptr long", r"mask_indptr: expected 3 entries"),
 ])

@@ -194,6 +194,27 @@ def test_lookup_user_dir_before_packaged(tmp_path, device, monkeypatch):
     assert load_defaults(deployment="tiny-test", device=device).source == str(user1 / "tiny-test.yaml")
 
 
+def test_a_config_dir_that_is_not_a_folder_is_warned_about_and_the_file_used_is_logged(tmp_path, device, caplog,
+                                                                                      monkeypatch):
+    """A typo in KVTUNE_CONFIG_DIR would serve the packaged file in place of the user's own:
+    warned once, and the runtime logs which file it serves."""
+    packaged = tmp_path / "packaged"
+    packaged.mkdir()
+    monkeypatch.setattr(lookup, "packaged_defaults_dir", lambda: packaged)
+    write(packaged, tuned_dict(device, deployment="tiny-test"))
+    typo = tmp_path / "tunned"
+    monkeypatch.setenv(rt.ENV_CONFIG_DIR, str(typo))
+    lookup.reset_warn_once()
+    with caplog.at_level(logging.INFO, logger="kvtune.runtime"):
+        for _ in range(2):
+            va = VerifyAttention.from_defaults(None, deployment="tiny-test", tp=TP, max_batch=1, max_context=128,
+                                               device=device, warmup=False)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert sum(f"KVTUNE_CONFIG_DIR entry '{typo}' is not a folder" in m for m in msgs) == 1
+    assert va.tuned.source == str(packaged / "tiny-test.yaml")
+    assert sum(f"defaults from {packaged / 'tiny-test.yaml'}" in m for m in msgs) == 2
+
+
 def test_no_file_falls_back_and_warns_once(tmp_path, device, caplog, monkeypatch):
     monkeypatch.setattr(lookup, "packaged_defaults_dir", lambda: tmp_path)
     with caplog.at_level(logging.WARNING, logger="kvtune.runtime"):
