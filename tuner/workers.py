@@ -50,6 +50,7 @@ from .log import get_logger
 from .options import SweepOptions
 from .progress import Progress
 from .studies_files import folder_storages, journal_url
+from .strategy import BESIDE_SEARCH, params_key
 from .study import STUDY_SEP, study_name
 from .sweep import Sweep
 
@@ -226,6 +227,32 @@ class SharedSweep(Sweep):
     def _before_batch(self, study) -> None:
         self.intr.check()                  # between batches: nothing held
         self._fail_stale(study)
+
+    def _ask_batch(self, key, plan, study, st, owed: int, rng) -> list:
+        """The batch asked from the snapshot `st`, then checked against the study as it is now:
+        two workers that read one snapshot could both fill its last slot, or both propose one
+        config. Trial numbers are handed out atomically, so the higher-numbered trial yields:
+        released unmeasured when the running trials numbered below it fill the budget, told as a
+        duplicate when one of them holds its config. The baseline and retries are always kept."""
+        batch = super()._ask_batch(key, plan, study, st, owed, rng)
+        if plan.grid is not None or not batch:
+            return batch
+        now, mine = self._state(study), {t.number for t, _, _ in batch}
+        kept = []
+        for trial, params, role in batch:
+            ahead = [t for t in now.running if t.number < trial.number]
+            # a twin inside this batch is told a duplicate of the measured one by _measure_batch
+            twin = next((t for t in ahead if t.number not in mine and t.params
+                         and params_key(t.params) == params_key(params)), None)
+            if role == "baseline" or self._is_retry(study, trial):
+                kept.append((trial, params, role))
+            elif now.counted + sum(1 for t in ahead if t.user_attrs.get("role") not in BESIDE_SEARCH) >= self.trials:
+                self._fail(study, trial, retry=False, released=True)
+            elif twin is not None:
+                self._tell_duplicate(study, trial, None, twin.number)
+            else:
+                kept.append((trial, params, role))
+        return kept
 
     def _hold(self, trial) -> None:
         self.beats.hold(trial._trial_id)                 # heartbeat first: a held trial always has one
