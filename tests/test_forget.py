@@ -105,9 +105,33 @@ def test_export_ignores_rows_measured_on_an_older_kernel_source(out, caplog):
         w.writerows(fake + rows)
     with caplog.at_level(logging.WARNING, logger="kvtune"):
         mixed = export_deployment(str(DEP), out=str(out), path=str(out / "mixed.yaml"), quiet=True)
-    assert "older kernel source" in caplog.text and "0000000000000000" in caplog.text
-    strip = lambda p: {k: v for k, v in yaml.safe_load(p.read_text()).items() if k != "provenance"}  # noqa: E731
-    assert strip(out / "mixed.yaml") == strip(out / "clean.yaml")
+    assert "another kernel source" in caplog.text and "0000000000000000" in caplog.text
+    assert _strip(out / "mixed.yaml") == _strip(out / "clean.yaml")
+    assert mixed.provenance["kernel_hash"] == clean.provenance["kernel_hash"]
+
+
+def _strip(path):
+    return {k: v for k, v in yaml.safe_load(path.read_text()).items() if k != "provenance"}
+
+
+@pytest.mark.parametrize("tail", ["a serving check", "a swept row"])
+def test_the_last_row_of_another_source_does_not_set_the_sweep_aside(out, tail):
+    """The exported source is this checkout's where the sweep measured it: a last row of another
+    source (a serving check an export ran on another checkout, or a row appended after the
+    sweep) must not make every swept row count as stale."""
+    table = out / "kimi-k2-h200" / "trials.csv"
+    rows = _rows(table)
+    clean = export_deployment(str(DEP), out=str(out), path=str(out / "clean.yaml"), quiet=True, check=False)
+    last = next(r for r in reversed(rows) if r["backend"] == "wgmma" and r["phase"] == "search")
+    extra = dict(last, kernel_hash="0000000000000000", median_us=str(float(last["median_us"]) / 10))
+    if tail == "a serving check":
+        extra.update(phase="serve", round="export:tp8:bs1")
+    with table.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows + [extra])
+    mixed = export_deployment(str(DEP), out=str(out), path=str(out / "mixed.yaml"), quiet=True, check=False)
+    assert _strip(out / "mixed.yaml") == _strip(out / "clean.yaml")
     assert mixed.provenance["kernel_hash"] == clean.provenance["kernel_hash"]
 
 

@@ -372,12 +372,21 @@ def exportable(df, warn: bool = True):
     return _latest_source(_latest_device(df, warn), warn)
 
 
+def _swept(df):
+    """The rows a sweep measured (not the export's serving checks, which run whatever source
+    and machine export from), or all rows when there are none."""
+    swept = df[df["phase"].astype(str) != "serve"] if "phase" in df else df
+    return swept if len(swept) else df
+
+
 def _latest_device(df, warn: bool = True):
-    """Numbers from different machines are not comparable: the trials of the latest one's."""
+    """Numbers from different machines are not comparable: the trials of the latest one's
+    (the device of the last row a sweep measured)."""
     devices = list(dict.fromkeys(zip(df["device"].astype(str), df["arch"].astype(str))))
     if len(devices) <= 1:
         return df
-    dev, arch = str(df.iloc[-1]["device"]), str(df.iloc[-1]["arch"])
+    last = _swept(df).iloc[-1]
+    dev, arch = str(last["device"]), str(last["arch"])
     if warn:
         log.warning("the table holds trials from %d devices %s; exporting those of the latest, %s (%s)",
                     len(devices), devices, dev, arch)
@@ -386,23 +395,28 @@ def _latest_device(df, warn: bool = True):
 
 def _latest_source(df, warn: bool = True):
     """A backend's trials on an older kernel source measured code that no longer runs (and its
-    entries would fail the runtime's provenance check): only its latest source's rows count."""
+    entries would fail the runtime's provenance check): only its latest source's rows count.
+    The latest is this checkout's source where the sweep measured rows on it, else the source of
+    the last row the sweep measured: never one only the export's serving checks ran (exporting
+    a table swept on an older source records its checks under this checkout's source, which
+    would then have set every swept row aside)."""
     if "kernel_hash" not in df:
         return df
     keep = []
     for be in dict.fromkeys(df["backend"]):
         rows = df[df["backend"] == be]
         hashes = rows["kernel_hash"].fillna("").astype(str)
-        latest = hashes.iloc[-1]
+        swept = _swept(rows)["kernel_hash"].fillna("").astype(str)
+        current = _current_source(be) if warn else None   # the sweep's ragged phase calls this per pick
+        latest = current if current and (swept == current).any() else swept.iloc[-1]
         if latest and (hashes != latest).any():
             if warn:
-                log.warning("%s: %d trial row(s) were measured on an older kernel source (%s) than its latest, "
-                            "%s; exporting the latest's only (`kvtune forget --backend %s` sets the old ones aside, "
+                log.warning("%s: %d trial row(s) were measured on another kernel source (%s) than the one exported, "
+                            "%s; exporting that one's only (`kvtune forget --backend %s` sets the old ones aside, "
                             "and a sweep then re-tunes it)", be, int((hashes != latest).sum()),
                             sorted(set(hashes[hashes != latest])), latest, be)
             rows = rows[hashes == latest]
-        current = _current_source(be) if warn and latest else None   # the sweep's ragged phase calls this per pick
-        if current and latest != current:
+        if current and latest and latest != current:
             log.warning("%s: its trials were measured on kernel source %s, this checkout's %s source is %s: the "
                         "runtime refuses the exported entries of %s (provenance) until it is swept again "
                         "(`kvtune sweep ... --retune-stale`)", be, latest, be, current, be)
