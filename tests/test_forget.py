@@ -280,3 +280,15 @@ def test_a_storage_url_that_cannot_be_opened_is_named(url):
     from kvtune.tuner.storage import open_storage
     with pytest.raises(ConfigError, match=r"--storage .*: cannot open it as a study storage .*expected sqlite:///PATH"):
         open_storage(url)
+
+
+def test_a_storage_that_cannot_be_opened_moves_no_row(out, capsys):
+    """The rows move only once every storage opened: forgetting the rows but not the studies
+    would make the next sweep resume the finished studies instead of re-tuning."""
+    table = out / "kimi-k2-h200" / "trials.csv"
+    before = table.read_bytes()
+    argv = ["forget", str(DEP), "--backend", "wgmma", "--tp", "8", "--out", str(out), "--storage", "nonsense"]
+    assert main(argv) == 2
+    assert "--storage nonsense: cannot open it as a study storage" in capsys.readouterr().err
+    assert table.read_bytes() == before
+    assert not (out / "kimi-k2-h200" / "trials.forgotten.csv").exists()

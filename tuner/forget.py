@@ -33,7 +33,10 @@ def forget_backend(deployment: str, backends: list[str], out: str = "runs", stor
     table = out_dir / "trials.csv"
     if not table.is_file():
         raise FileNotFoundError(f"{table}: no trials table (is --out the folder the sweep wrote into?)")
-    urls = _study_storages(out_dir, storage)   # checked before any row moves
+    # every storage opened, and its studies to delete listed, before any row moves: a storage
+    # that cannot be opened would otherwise leave the rows forgotten and the studies finished,
+    # and the next sweep would resume them instead of re-tuning
+    doomed = [_matching_studies(url, dep.name, backends, only) for url in _study_storages(out_dir, storage)]
     cols, rows, bad, keep_text = scan_table(table)
     if bad:   # as a sweep would: kept in trials.csv.torn, out of the way of the rewrite below
         _warn_bad(table, bad, f"set aside in {table}.torn")
@@ -46,8 +49,11 @@ def forget_backend(deployment: str, backends: list[str], out: str = "runs", stor
     if gone:
         _append_rows(out_dir / "trials.forgotten.csv", cols, gone)
         write_table(table, cols, keep)
-    studies = sum(_delete_studies(url, dep.name, backends, only) for url in urls)
-    return {"rows": len(gone), "studies": studies, "dir": out_dir}
+    import optuna
+    for st, names in doomed:
+        for name in names:
+            optuna.delete_study(study_name=name, storage=st)
+    return {"rows": len(gone), "studies": sum(len(names) for _, names in doomed), "dir": out_dir}
 
 
 def _bucket_filter(dep, **given) -> dict[str, set[int]]:
@@ -144,18 +150,19 @@ def _study_storages(out_dir: Path, storage: str | None) -> list[str]:
     return present_storages(out_dir)
 
 
-def _delete_studies(url: str, dep: str, backends: list[str], only: dict) -> int:
+def _matching_studies(url: str, dep: str, backends: list[str], only: dict) -> tuple:
+    """(the opened storage at `url`, the names of its studies of `dep`'s `backends` in the
+    buckets `only` keeps). Opening it raises the storage's own error, naming --storage."""
     import optuna
     from .storage import open_storage
     st, _ = open_storage(url)
-    n = 0
+    names = []
     for s in optuna.get_all_study_summaries(st, include_best_trial=False):
         parts = s.study_name.split(STUDY_SEP)   # dep | backend | tp8 | bs1 | ctx4096
         bucket = {k: p[len(k):] for k, p in zip(("tp", "bs", "ctx"), parts[2:]) if p.startswith(k)}
         if len(parts) >= 2 and parts[0] == dep and parts[1] in backends and _in(only, bucket):
-            optuna.delete_study(study_name=s.study_name, storage=st)
-            n += 1
-    return n
+            names.append(s.study_name)
+    return st, names
 
 
 def _cmd_forget(args) -> int:
