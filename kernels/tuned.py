@@ -243,7 +243,7 @@ def check_keys(src, key, d, allowed, required=(), error: type[ValueError] = Sche
     (which pass their ConfigError)."""
     if not isinstance(d, dict):
         raise error(f"{src}: {key}: expected a mapping, got {type(d).__name__}")
-    unknown = sorted(set(d) - set(allowed))
+    unknown = sorted(set(d) - set(allowed), key=repr)   # YAML keys may mix str and int
     if unknown:
         raise error(f"{src}: {key}: unknown key(s) {unknown}; allowed: {list(allowed)}")
     missing = [k for k in required if k not in d]

@@ -1,4 +1,7 @@
 """A sweep folder's study files: which exist, and a file-backed --storage that names none."""
+import pytest
+
+from kvtune.tuner.config import ConfigError
 from kvtune.tuner.studies_files import journal_path, missing_storage_file, present_storages
 
 
@@ -20,3 +23,5 @@ def test_a_file_storage_naming_no_file_is_reported_and_a_server_is_not(tmp_path)
     assert missing_storage_file("postgresql://u@h/db") is None
     assert journal_path(f"journal:{tmp_path / 'j'}") == tmp_path / "j"
     assert journal_path(f"sqlite:///{there}") is None
+    with pytest.raises(ConfigError, match="--storage journal:: no file after 'journal:'"):
+        journal_path("journal:")

@@ -14,7 +14,7 @@ import yaml
 from kvtune.tuner.cli import main
 from kvtune.tuner.export import export_deployment
 from kvtune.tuner.export_gaps import nothing_exported
-from kvtune.tuner.study import pruned_summary
+from kvtune.tuner.prunes import pruned_summary
 from kvtune.tuner.table import read_trials
 
 BUDGET_MB = 0.001
@@ -198,3 +198,23 @@ def test_study_plans_hold_only_configs_the_arch_can_run():
     assert "has no wgmma" in get_backend("wgmma").fit_reject(WgmmaParams(ROWS=72), 9, "sm_120")
     assert get_backend("wgmma").fit_reject(WgmmaParams(ROWS=72), 9, "sm_90") is None
     assert get_backend("cuda").fit_reject(CudaParams(**wide), 9, "cpu") is None   # no limits known there
+
+
+def test_constraints_that_leave_only_the_default_are_named(tmp_path, capsys):
+    """A space whose constraints rule out every config but the default: the sweep measures the
+    default alone, and says why, instead of a plain complete study reading 'nothing beats it'."""
+    spaces = tmp_path / "spaces"
+    spaces.mkdir()
+    (spaces / "triton.yaml").write_text(yaml.safe_dump({
+        "backend": "triton", "params": {"NSPLIT": [1, 2, 4], "BLOCK_N": [32], "HEADS_PER_BLOCK": [1],
+                                        "NUM_WARPS": [4], "STAGES": [1]},
+        "constraints": [{"name": "huge", "expr": "NSPLIT > 1000"}]}))
+    dep = _dep(tmp_path, contexts=[64])
+    out = tmp_path / "out"
+    main(["sweep", str(dep), "--device", "cpu", "--out", str(out), "--no-progress", "--in-process",
+          "--space-dir", str(spaces), "--rounds", "0", "--remeasure-top", "0"])
+    captured = capsys.readouterr()
+    said = "its constraints leave no config to search but the default"   # (N in the space, widened by it)
+    assert said in captured.err
+    row = next(line for line in captured.out.splitlines() if re.match(r"\s*triton\s+8\s+1\s+64\s", line))
+    assert said in row, row

@@ -77,6 +77,11 @@ def test_shipped_devices_load():
     (lambda d: d.update(device="no-such-gpu"), "device"),
     (lambda d: d.update(backends=["reference"]), "backends"),
     (lambda d: d.update(timing="fast"), "timing"),
+    (lambda d: d.update({1: "x", "foo": "y"}), "unknown key(s) ['foo', 1]"),      # keys of two types
+    (lambda d: d["model"].update({2: "x"}), "model: unknown key(s) [2]"),
+    (lambda d: d.update(workspace_budget_mb=float("inf")), "workspace_budget_mb: expected a finite positive"),
+    (lambda d: d.update(ragged_spread=float("inf")), "ragged_spread: expected a finite positive"),
+    (lambda d: d.update(ragged_spread=float("nan")), "ragged_spread"),
 ])
 def test_bad_deployment_names_file_and_key(tmp_path, mutate, key):
     doc = yaml.safe_load(yaml.safe_dump(GOOD))

@@ -10,6 +10,7 @@ file and the key.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,8 +84,8 @@ def pos_int(src, key, v) -> int:
 
 
 def pos_float(src, key, v) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-        raise _err(src, key, f"expected a positive number, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+        raise _err(src, key, f"expected a finite positive number, got {v!r}")
     return float(v)
 
 

@@ -11,7 +11,8 @@ from kvtune.kernels.tuned import BACKEND_NAMES
 from .config import Deployment
 from .log import get_logger
 from .runlock import unfinished_sweep
-from .study import ALL_PRUNED, all_pruned_note, pruned_summary
+from .prunes import all_pruned_note, pruned_summary
+from .study import ALL_PRUNED
 from .table import read_jsonl
 
 log = get_logger(__name__)

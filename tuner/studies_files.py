@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .config import ConfigError
+
 STUDIES_DB = "studies.db"
 STUDIES_JOURNAL = "studies.journal"
 _SQLITE, _JOURNAL = "sqlite:///", "journal:"
@@ -25,8 +27,13 @@ def journal_url(path: Path) -> str:
 
 
 def journal_path(storage: str) -> Path | None:
-    """The file of a `journal:PATH` storage, else None."""
-    return Path(storage[len(_JOURNAL):]) if storage.startswith(_JOURNAL) else None
+    """The file of a `journal:PATH` storage, else None; `journal:` with no path is an error
+    naming --storage (Path("") is the current folder, which no journal can be)."""
+    if not storage.startswith(_JOURNAL):
+        return None
+    if not storage[len(_JOURNAL):].strip():
+        raise ConfigError(f"--storage {storage}: no file after 'journal:'; expected journal:PATH")
+    return Path(storage[len(_JOURNAL):])
 
 
 def present_storages(folder: Path) -> list[str]:

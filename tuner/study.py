@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-import re
-from collections import Counter
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
@@ -32,7 +30,8 @@ from kvtune.kernels import get_backend, params_from_dict
 
 from .config import ConfigError, redact_url
 from .log import get_logger
-from .space import CONSTRAINT_PREFIX, SearchSpace, problem_env
+from .prunes import all_pruned_note, outcomes
+from .space import SearchSpace, problem_env
 from .strategy import BESIDE_SEARCH, local_proposal, params_key
 
 log = get_logger(__name__)
@@ -58,46 +57,6 @@ def _queued_key(trial) -> str:
 
 def nearest(choices, x):
     return min(choices, key=lambda c: (abs(c - x), c))
-
-
-def _shape(reason: str) -> str:
-    """A reason with its numbers (sizes in either unit) blanked out."""
-    return re.sub(r"\d+(?:\.\d+)?(?: MiB| bytes)?", "#", reason)
-
-
-def pruned_summary(reasons, top: int = 2) -> str:
-    """The commonest of the prune reasons `reasons`, each with how many configs it pruned;
-    reasons that differ only in their numbers (a workspace size) count as one, shown by the
-    first. A space constraint's reasons count only when there is no other: they are proposals
-    outside the feasible space, and say nothing about why the feasible configs were pruned."""
-    reasons = [r for r in reasons if isinstance(r, str) and r]   # the table reads a missing one as NaN
-    own = [r for r in reasons if not r.startswith(CONSTRAINT_PREFIX)] or reasons
-    groups = Counter(_shape(r) for r in own)
-    first = {}
-    for r in own:
-        first.setdefault(_shape(r), r)
-    parts = [f"{first[k]} ({n} config{'s' if n > 1 else ''})" for k, n in groups.most_common(top)]
-    if len(groups) > top:
-        parts.append(f"{len(groups) - top} other reason(s)")
-    if len(own) < len(reasons):
-        parts.append(f"{len(reasons) - len(own)} more broke a search-space constraint")
-    return "; ".join(parts) or "no reason recorded"
-
-
-def all_pruned_note(outcomes: dict) -> str | None:
-    """`outcomes` ({outcome: its prune reasons, or any list}): the note of a study or bucket
-    whose every config was pruned, or None when something was measured (or nothing tried)."""
-    if not outcomes.get("pruned") or any(v for o, v in outcomes.items() if o != "pruned"):
-        return None
-    return f"every config was pruned: {pruned_summary(outcomes['pruned'])}"
-
-
-def _outcomes(trials) -> dict:
-    """{outcome: the reasons of the counted `trials` with it}."""
-    out: dict = {}
-    for t in trials:
-        out.setdefault(t.user_attrs.get("outcome"), []).append(t.user_attrs.get("reason"))
-    return out
 
 
 @dataclass
@@ -207,6 +166,12 @@ class StudyLoop:
         plan.feasible = [g for g in full if not plan.violation(g)] if full is not None else None
         plan.grid = full if full is not None and len(full) <= self.trials else \
             plan.feasible if plan.feasible is not None and (len(plan.feasible) <= self.trials or self.o.grid) else None
+        if plan.feasible is not None and all(params_key(g) == params_key(default) for g in plan.feasible):
+            # a complete study of the default alone would read as "tuned: nothing beats it"
+            key = (backend, tp, bs, ctx)
+            self._notes[key] = (f"{space.source}: its constraints leave no config to search but the default "
+                                f"({len(full)} in the space)")
+            log.warning("note: %s: %s", study_name(self.dep.name, *key), self._notes[key])
         return plan
 
     def _seed(self, name: str) -> int:
@@ -400,7 +365,7 @@ class StudyLoop:
             if self._asks.get(key, 0) >= cap:
                 # pruned configs do not count against the budget: a study whose every config is pruned
                 # asks until the cap, and the reason is the prunes, not the sampler
-                self._notes[key] = all_pruned_note(_outcomes(st.measured.values())) or \
+                self._notes[key] = all_pruned_note(outcomes(st.measured.values())) or \
                     "search space exhausted (the sampler kept proposing measured configs)"
                 log.info("note: %s: %s", name, self._notes[key])
                 return not st.running, worked
@@ -572,7 +537,7 @@ class StudyLoop:
                     best = t
                 if t.user_attrs.get("role") == "baseline":
                     base = t
-        note = all_pruned_note(_outcomes(finished)) or self._notes.get((backend, tp, bs, ctx), "")
+        note = all_pruned_note(outcomes(finished)) or self._notes.get((backend, tp, bs, ctx), "")
         return StudyResult(backend, tp, bs, ctx, name, counts, default_us=base.value if base else None,
                            best_us=best.value if best else None, best_params=dict(best.params) if best else None,
                            floor_us=floor, note=note)
