@@ -219,6 +219,9 @@ def test_interrupted_sweep_resumes_without_repeating(tmp_path):
     assert done <= {(r.study, r.trial) for r in after.itertuples()}
     third = run_sweep(dep, SweepOptions(**kw))
     assert third.measured_now == 0, "a finished sweep re-ran trials"
+    # its summary is the search's, as the run that finished it said (not the later phases' trials)
+    summary = lambda sw: [(r.name, r.counts, r.best_us, r.default_us) for r in sw.results]  # noqa: E731
+    assert summary(third) == summary(second)
 
     # the re-measurement's rows live only in the table: a table that lost them (damaged, cut)
     # gets them measured again, not a winner judged on what is left

@@ -527,7 +527,9 @@ class StudyLoop:
         name, study, _ = self._open_study(backend, tp, bs, ctx)
         counts = {o: 0 for o in ("ok", "pruned", "wrong", "failed")}
         best, base, floor = None, None, None
-        finished = self._finished(study)
+        # the search's own trials: the phases after it add cross-bucket trials to the study, and a
+        # resumed sweep would count them where an uninterrupted one had not yet
+        finished = [t for t in self._finished(study) if t.user_attrs.get("role") not in BESIDE_SEARCH]
         for t in finished:
             counts[t.user_attrs["outcome"]] = counts.get(t.user_attrs["outcome"], 0) + 1
             row = t.user_attrs.get("row") or {}
