@@ -189,6 +189,14 @@ def test_report_storage_that_is_not_there_or_not_a_storage(swept, tmp_path, caps
     assert "--storage bogus://x: cannot open it as a study storage" in capsys.readouterr().err
 
 
+def test_report_out_that_is_a_file(swept, tmp_path, capsys):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("kept")
+    assert kvtune_main(["report", str(swept), "--out", str(a_file)]) == 2
+    assert f"--out {a_file}: a file, not a folder" in capsys.readouterr().err
+    assert a_file.read_text() == "kept"
+
+
 def test_report_names_the_error_of_a_deployment_file(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: [unclosed\n")

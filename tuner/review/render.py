@@ -10,6 +10,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from ..config import ConfigError
 from .data import Results, load_results, storage_name
 from .sections import Section, build_sections
 
@@ -92,6 +93,8 @@ def show(sec: Section) -> None:
 def write_report(target: str | os.PathLike, out: str | os.PathLike | None = None, dpi: int = 110,
                  storage: str | None = None) -> Path:
     """Write `index.html` and one PNG per figure into `out` (default: <results>/report/)."""
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise ConfigError(f"--out {out}: a file, not a folder; the report is a folder (index.html and its figures)")
     res = load_results(target, storage)
     out = Path(out) if out is not None else res.folder / "report"
     out.mkdir(parents=True, exist_ok=True)
