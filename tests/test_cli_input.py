@@ -120,6 +120,13 @@ def test_python_api_checks_the_same(tmp_path, opts, msg):
         Sweep(load_deployment(_dep(tmp_path)), SweepOptions(device="cpu", out=str(tmp_path / "out"), **opts))
 
 
+def test_a_refused_selection_leaves_no_output_folder(tmp_path):
+    dep = load_deployment(_dep(tmp_path))
+    with pytest.raises(ConfigError, match=re.escape("--tp: [3] not in the deployment")):
+        Sweep(dep, SweepOptions(device="cpu", out=str(tmp_path / "out"), tps=[3]))
+    assert not (tmp_path / "out" / dep.name).exists()
+
+
 def test_a_sweep_with_nothing_to_run_is_not_complete(tmp_path, capsys):
     """Every backend skipped (the CUDA backend on a machine without a GPU): exit 1, not 'complete'."""
     out = tmp_path / "out"

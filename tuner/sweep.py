@@ -107,12 +107,12 @@ class Sweep(StudyLoop):
         for p in (Path(opts.out), self.out_dir):
             if p.exists() and not p.is_dir():
                 raise ConfigError(f"--out {opts.out}: {p} is a file, not a folder")
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.storage_url = opts.storage or self._default_storage()
         self.tps = subset(opts.tps, dep.tp, "--tp", dep.source)
         self.ctxs = subset(opts.ctxs, dep.contexts, "--ctx", dep.source)
         self.bss = subset(opts.bss, dep.batches, "--bs", dep.source)
         self.backends = subset(opts.backends, dep.backends, "--backend", dep.source, allow_extra=True)
+        self.out_dir.mkdir(parents=True, exist_ok=True)   # after the selections: a refused one leaves no folder
+        self.storage_url = opts.storage or self._default_storage()
         self.trials = opts.trials or dep.trials
         self.measured_now = 0
         self.results: list = []
