@@ -36,6 +36,7 @@ dispatch of those alone is checked in turn; else the pick serves every bucket al
 """
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime, timezone
 from pathlib import Path
@@ -407,7 +408,7 @@ def _latest_source(df, warn: bool = True):
         rows = df[df["backend"] == be]
         hashes = rows["kernel_hash"].fillna("").astype(str)
         swept = _swept(rows)["kernel_hash"].fillna("").astype(str)
-        current = _current_source(be) if warn else None   # the sweep's ragged phase calls this per pick
+        current = _current_source(be)   # the same rule for the export, the ragged phase and the review
         latest = current if current and (swept == current).any() else swept.iloc[-1]
         if latest and (hashes != latest).any():
             if warn:
@@ -416,7 +417,7 @@ def _latest_source(df, warn: bool = True):
                             "and a sweep then re-tunes it)", be, int((hashes != latest).sum()),
                             sorted(set(hashes[hashes != latest])), latest, be)
             rows = rows[hashes == latest]
-        if current and latest and latest != current:
+        if warn and current and latest and latest != current:
             log.warning("%s: its trials were measured on kernel source %s, this checkout's %s source is %s: the "
                         "runtime refuses the exported entries of %s (provenance) until it is swept again "
                         "(`kvtune sweep ... --retune-stale`)", be, latest, be, current, be)
@@ -425,6 +426,7 @@ def _latest_source(df, warn: bool = True):
     return pd.concat(keep).sort_index()
 
 
+@functools.lru_cache(maxsize=None)   # the sweep's ragged phase asks per pick; a process runs one source
 def _current_source(backend: str) -> str | None:
     """This checkout's kernel source hash of `backend` (None: unknown here, or no kernel)."""
     from kvtune.kernels.lookup import backend_kernel_hash

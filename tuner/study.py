@@ -166,7 +166,8 @@ class StudyLoop:
         plan.feasible = [g for g in full if not plan.violation(g)] if full is not None else None
         plan.grid = full if full is not None and len(full) <= self.trials else \
             plan.feasible if plan.feasible is not None and (len(plan.feasible) <= self.trials or self.o.grid) else None
-        if plan.feasible is not None and all(params_key(g) == params_key(default) for g in plan.feasible):
+        if plan.feasible is not None and len(full) > 1 and all(params_key(g) == params_key(default)
+                                                               for g in plan.feasible):
             # a complete study of the default alone would read as "tuned: nothing beats it"
             key = (backend, tp, bs, ctx)
             self._notes[key] = (f"{space.source}: its constraints leave no config to search but the default "

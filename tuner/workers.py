@@ -233,17 +233,21 @@ class SharedSweep(Sweep):
         two workers that read one snapshot could both fill its last slot, or both propose one
         config. Trial numbers are handed out atomically, so the higher-numbered trial yields:
         released unmeasured when the running trials numbered below it fill the budget, told as a
-        duplicate when one of them holds its config. The baseline and retries are always kept."""
+        duplicate when one of them holds (or, its params half written, may hold) its config. A
+        trial taken from the queue got its number when it was queued, so for it every running
+        trial is ahead (both may yield; the loop asks again). The baseline and retries are kept;
+        twins the snapshot saw are left to _measure_batch, which queues a repair config."""
         batch = super()._ask_batch(key, plan, study, st, owed, rng)
         if plan.grid is not None or not batch:
             return batch
         now, mine = self._state(study), {t.number for t, _, _ in batch}
         kept = []
         for trial, params, role in batch:
-            ahead = [t for t in now.running if t.number < trial.number]
+            queued = "fixed_params" in study._storage.get_trial(trial._trial_id).system_attrs
+            ahead = [t for t in now.running if t.number != trial.number and (queued or t.number < trial.number)]
             # a twin inside this batch is told a duplicate of the measured one by _measure_batch
-            twin = next((t for t in ahead if t.number not in mine and t.params
-                         and params_key(t.params) == params_key(params)), None)
+            twin = next((t for t in ahead if t.number not in mine and t.params and params_key(params) not in st.busy
+                         and all(params.get(n) == v for n, v in t.params.items())), None)
             if role == "baseline" or self._is_retry(study, trial):
                 kept.append((trial, params, role))
             elif now.counted + sum(1 for t in ahead if t.user_attrs.get("role") not in BESIDE_SEARCH) >= self.trials:
