@@ -372,6 +372,7 @@ class StudyLoop:
                 return not st.running, worked
             self._requeue_baseline(plan, study, st)
             batch = self._ask_batch(key, plan, study, st, min(owed, cap - self._asks.get(key, 0)), rng)
+            self._prefetch(backend, plan, st, batch)
             worked = self._measure_batch(key, plan, name, study, seed, st, batch, rng) or worked
 
     def _requeue_baseline(self, plan: StudyPlan, study, st: _State) -> None:
@@ -385,9 +386,9 @@ class StudyLoop:
         st.waiting.add(base)
 
     def _ask_batch(self, key, plan: StudyPlan, study, st: _State, owed: int, rng) -> list:
-        """Ask for up to one config per compile worker (`SearchStrategy.width`) and start
-        compiling those that will be measured."""
-        strategy, backend = self.o.strategy, key[0]
+        """Ask for up to one config per compile worker (`SearchStrategy.width`): [(trial,
+        params, role)]. Their compiles start once the batch is settled (`_prefetch`)."""
+        strategy = self.o.strategy
         batch = []
         for _ in range(min(owed, strategy.width(self.runner.prefetch.workers, self.trials))):
             if plan.grid is None:
@@ -399,9 +400,14 @@ class StudyLoop:
             role = trial.user_attrs.get("role", "search")
             trial.set_user_attr("role", role)
             batch.append((trial, params, role))
+        return batch
+
+    def _prefetch(self, backend, plan: StudyPlan, st: _State, batch) -> None:
+        """Start compiling the batch's configs that will be measured (not one measured already,
+        or breaking a constraint; workers have dropped the trials that yielded by now)."""
+        for _, params, role in batch:
             if params_key(params) not in st.measured and not self._violation(role, plan, params):
                 self.runner.prefetch.submit(backend, params, asdict(plan.spec))
-        return batch
 
     def _measure_batch(self, key, plan: StudyPlan, name, study, seed, st: _State, batch, rng) -> bool:
         """Measure a batch in order and tell each result; a config measured already (or, for
