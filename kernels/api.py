@@ -258,9 +258,7 @@ def _check_out(out, problem) -> None:
                          f"{list(out.shape)} on {out.device}")
     if out.stride(-1) != 1:
         raise ValueError("out: the last dimension must be contiguous")
-    if overlapping(out):
-        raise ValueError(f"out: its elements overlap in memory (strides {list(out.stride())}): every row "
-                         "would write the same place; pass a tensor of distinct elements")
+    check_distinct(out, "out")
 
 
 def _check_lse(lse, problem) -> None:
@@ -271,9 +269,14 @@ def _check_lse(lse, problem) -> None:
                          f"{list(lse.shape)} on {lse.device}")
     if lse.stride(-1) != 1:
         raise ValueError("lse: the last (head) dimension must be contiguous")
-    if overlapping(lse):
-        raise ValueError(f"lse: its elements overlap in memory (strides {list(lse.stride())}); pass a tensor "
-                         "of distinct elements")
+    check_distinct(lse, "lse")
+
+
+def check_distinct(t: torch.Tensor, name: str) -> None:
+    """A ValueError naming `name` when elements of the output `t` share memory (`overlapping`)."""
+    if overlapping(t):
+        raise ValueError(f"{name}: its elements overlap in memory (strides {list(t.stride())}): rows would write "
+                         "the same place; pass a tensor of distinct elements")
 
 
 def _check_workspace(workspace, problem, need: int) -> None:

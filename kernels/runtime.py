@@ -36,12 +36,12 @@ from typing import Any
 
 import torch
 
-from .api import is_capturing, verify_attention, verify_attention_dispatch
+from .api import check_distinct, is_capturing, verify_attention, verify_attention_dispatch
 from .api import check_values as api_check_values
 from .backends import LaunchArgs, SplitTable, bucket_index, call_workspace_bytes, launch_all, split_bounds
 from .plans import DEFAULT_BACKEND, Plan, model_on_rank  # noqa: F401 - DEFAULT_BACKEND re-exported
 from .plans import plans as build_plans
-from .shapes import VerifyProblem, overlapping
+from .shapes import VerifyProblem
 from .tuned import TunedDefaults
 
 from .lookup import (  # noqa: F401 - re-exported: the runtime's public lookup names
@@ -432,10 +432,9 @@ class VerifyAttention:
                                 lse.dtype != torch.float32 or lse.device != dev or lse.stride(-1) != 1):
             raise ValueError(f"lse: expected fp32 [{rows}, {self.H}] on {dev} with a contiguous last dim, got "
                              f"{getattr(lse, 'dtype', None)} {list(getattr(lse, 'shape', []))}")
-        for name, t in (("out", out), ("lse", lse)):
-            if t is not None and overlapping(t):
-                raise ValueError(f"{name}: its elements overlap in memory (strides {list(t.stride())}): rows would "
-                                 "write the same place; pass a tensor of distinct elements")
+        check_distinct(out, "out")
+        if lse is not None:
+            check_distinct(lse, "lse")
         if sm_scale is None:
             sm_scale = self.sm_scale
         elif isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not 0 < sm_scale < math.inf:

@@ -55,6 +55,11 @@ def _queued_key(trial) -> str:
     return params_key(trial.system_attrs.get("fixed_params", trial.params))
 
 
+def is_retry(system_attrs: dict) -> bool:
+    """Whether a trial (its system attributes) is the retry of one failed as stale (`RetryStale`)."""
+    return "failed_trial" in system_attrs
+
+
 def nearest(choices, x):
     return min(choices, key=lambda c: (abs(c - x), c))
 
@@ -562,7 +567,7 @@ class StudyLoop:
         pass
 
     def _is_retry(self, study, trial) -> bool:
-        return "failed_trial" in study._storage.get_trial(trial._trial_id).system_attrs
+        return is_retry(study._storage.get_trial(trial._trial_id).system_attrs)
 
     def _interruptible(self):
         return nullcontext()

@@ -51,7 +51,7 @@ from .options import SweepOptions
 from .progress import Progress
 from .studies_files import folder_storages, journal_url
 from .strategy import BESIDE_SEARCH, params_key
-from .study import STUDY_SEP, study_name
+from .study import STUDY_SEP, is_retry, study_name
 from .sweep import Sweep
 
 log = get_logger(__name__)
@@ -243,16 +243,17 @@ class SharedSweep(Sweep):
         now, mine = self._state(study), {t.number for t, _, _ in batch}
         kept = []
         for trial, params, role in batch:
-            queued = "fixed_params" in study._storage.get_trial(trial._trial_id).system_attrs
+            attrs = study._storage.get_trial(trial._trial_id).system_attrs
+            queued = "fixed_params" in attrs
             ahead = [t for t in now.running if t.number != trial.number and (queued or t.number < trial.number)]
             # a twin inside this batch is told a duplicate of the measured one by _measure_batch
-            twin = next((t for t in ahead if t.number not in mine and t.params and params_key(params) not in st.busy
-                         and all(params.get(n) == v for n, v in t.params.items())), None)
-            if role == "baseline" or self._is_retry(study, trial):
+            twins = (t for t in ahead if t.number not in mine and t.params and params_key(params) not in st.busy
+                     and all(params.get(n) == v for n, v in t.params.items()))
+            if role == "baseline" or is_retry(attrs):
                 kept.append((trial, params, role))
             elif now.counted + sum(1 for t in ahead if t.user_attrs.get("role") not in BESIDE_SEARCH) >= self.trials:
                 self._fail(study, trial, retry=False, released=True)
-            elif twin is not None:
+            elif (twin := next(twins, None)) is not None:
                 self._tell_duplicate(study, trial, None, twin.number)
             else:
                 kept.append((trial, params, role))
