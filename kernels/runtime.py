@@ -110,7 +110,8 @@ class VerifyAttention:
         self.allocated_bytes = need + out_bytes + table_bytes
         if workspace_budget_bytes is not None and self.allocated_bytes > workspace_budget_bytes:
             raise ValueError(f"workspace_budget_bytes: VerifyAttention for max_batch={max_batch} needs "
-                             f"{self.allocated_bytes} bytes ({need} scratch + {out_bytes} output), over the "
+                             f"{self.allocated_bytes} bytes ({need} scratch + {out_bytes} output + {table_bytes} "
+                             f"split tables), over the "
                              f"budget of {workspace_budget_bytes}; lower max_batch or the tuned NSPLIT")
         self.workspace = torch.empty(max(need, 1), dtype=torch.uint8, device=device)
         self.out_buf = (torch.empty(max_batch * T, H, Dv, dtype=torch.bfloat16, device=device)

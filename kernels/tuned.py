@@ -332,11 +332,13 @@ def parse_tuned(data: Any, source: str = "<memory>", check_params: bool = True,
         if check_params and e["backend"] != "reference":
             from .backends import params_from_dict
             from .params import params_type
-            for be, cp, _ in entry.configs()[1:]:
+            for be, cp, ns in entry.configs()[1:]:
+                at = ",".join(str(i) for i, n in enumerate(ns) if n)   # the buckets this config serves
                 try:
-                    params_from_dict(params_type(be), cp, where=f"{src}: {key}.buckets[].params", complete=True)
+                    where = f"{src}: {key}.buckets[{at}].params"
+                    params_from_dict(params_type(be), cp, where=where, complete=True)
                 except ValueError as exc:
-                    raise SchemaError(str(exc) if str(exc).startswith(src) else f"{src}: {key}: {exc}") from None
+                    raise SchemaError(str(exc) if str(exc).startswith(src) else f"{where}: {exc}") from None
         entries.append(entry)
     return TunedDefaults(deployment=d["deployment"], model=dict(model), provenance=dict(prov),
                          entries=tuple(entries), source=src)

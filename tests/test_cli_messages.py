@@ -82,6 +82,13 @@ def test_report_of_nothing_lists_every_place_it_looked(tmp_path, monkeypatch):
         assert place in str(e.value), (place, str(e.value))
 
 
+def test_a_repository_relative_results_folder_is_found_from_another_folder(monkeypatch):
+    # the review notebook's kernel starts in results/: "results/<name>" is the repository's folder
+    monkeypatch.chdir(REPO_ROOT / "results")
+    assert resolve_results_dir("results/cpu-tiny").resolve() == (REPO_ROOT / "results" / "cpu-tiny").resolve()
+    assert resolve_results_dir("cpu-tiny").resolve() == (REPO_ROOT / "results" / "cpu-tiny").resolve()
+
+
 def test_kvtune_without_a_command_is_a_usage_error(capsys):
     """Plain `kvtune` prints the commands on stderr and fails, as argparse's own usage errors do:
     a script that lost its subcommand does not pass as a success."""

@@ -62,7 +62,7 @@ def test_a_bucket_on_another_backend_is_a_config_of_that_backend():
 def test_a_bucket_backend_and_its_params_are_checked_and_named(bucket, error):
     with pytest.raises(SchemaError, match=error) as e:
         parse_tuned(_doc([{"max_context": 4096, "NSPLIT": 66}, {"max_context": 65536, "NSPLIT": 132, **bucket}]))
-    assert "entries[0]" in str(e.value)
+    assert "entries[0].buckets[1]" in str(e.value)   # the bucket, not only its entry
 
 
 def test_an_entry_of_a_per_request_backend_takes_no_other_backends_bucket():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 
 import pytest
 import torch
@@ -317,9 +318,14 @@ def test_workspace_budget(device):
     tuned = parse_tuned(tuned_dict(device), "mem")
     va = VerifyAttention.from_defaults(tuned, tp=TP, max_batch=4, max_context=300, device=device, warmup=False)
     assert va.allocated_bytes >= va.workspace_bytes > 0
-    with pytest.raises(ValueError, match="workspace_budget_bytes"):
+    with pytest.raises(ValueError, match="workspace_budget_bytes") as e:
         VerifyAttention.from_defaults(tuned, tp=TP, max_batch=4, max_context=300, device=device, warmup=False,
                                       workspace_budget_bytes=va.allocated_bytes - 1)
+    # the message's parts add up to its total, and the scratch part is the workspace
+    total, scratch, out, tables = map(int, re.search(
+        r"needs (\d+) bytes \((\d+) scratch \+ (\d+) output \+ (\d+) split tables\)", str(e.value)).groups())
+    assert (total, scratch) == (va.allocated_bytes, va.workspace_bytes)
+    assert scratch + out + tables == total and out == 4 * va.T * va.H * 512 * 2
     VerifyAttention.from_defaults(tuned, tp=TP, max_batch=4, max_context=300, device=device, warmup=False,
                                   workspace_budget_bytes=va.allocated_bytes)
 

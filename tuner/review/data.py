@@ -26,14 +26,18 @@ STUDY_KEYS = ["backend", "tp", "bs", "ctx"]
 def resolve_results_dir(target: str | os.PathLike) -> Path:
     """A results folder from a folder path, a deployment name or a deployment YAML file.
 
-    Tried in order: `target` as a folder; `runs/<target>` (where `kvtune sweep` writes by
-    default), then `results/<target>` (committed evidence), here and in the repository; a
-    deployment config (path or name under configs/deployments/) -> the same for its name.
+    Tried in order: `target` as a folder, here and then from the repository root (the
+    notebook's kernel starts in results/, so "results/<name>" is the repository's);
+    `runs/<target>` (where `kvtune sweep` writes by default), then `results/<target>`
+    (committed evidence), here and in the repository; a deployment config (path or name under
+    configs/deployments/) -> the same for its name.
     """
     p = Path(target)
     if p.is_dir():
         return p
     bases = (Path("runs"), Path("results"), REPO_ROOT / "runs", REPO_ROOT / "results")
+    if not p.is_absolute() and (REPO_ROOT / p).is_dir():
+        return REPO_ROOT / p
     for base in bases:
         if (base / str(target)).is_dir():
             return base / str(target)
@@ -49,7 +53,8 @@ def resolve_results_dir(target: str | os.PathLike) -> Path:
                 return base / dep.name
         raise FileNotFoundError(f"deployment {dep.name!r} has no results folder yet (looked for "
                                 f"{_places(bases, dep.name)}); run `kvtune sweep {target}` first")
-    raise FileNotFoundError(f"{target!s}: neither a results folder (looked for {_places((Path(),) + bases, target)}) "
+    looked = _places((Path(), REPO_ROOT) + bases, target)
+    raise FileNotFoundError(f"{target!s}: neither a results folder (looked for {looked}) "
                             f"nor a deployment (a YAML file, or a name under {REPO_ROOT / 'configs' / 'deployments'}/)")
 
 
