@@ -251,25 +251,23 @@ def verify_attention_dispatch(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_
 
 
 def _check_out(out, problem) -> None:
-    shape_o = (problem.rows, problem.H, problem.Dv)
-    _need_tensor(out, "out")
-    if tuple(out.shape) != shape_o or out.dtype != torch.bfloat16 or out.device != problem.device:
-        raise ValueError(f"out: expected bf16 {list(shape_o)} on {problem.device}, got {out.dtype} "
-                         f"{list(out.shape)} on {out.device}")
-    if out.stride(-1) != 1:
-        raise ValueError("out: the last dimension must be contiguous")
-    check_distinct(out, "out")
+    _check_result(out, "out", [problem.rows, problem.H, problem.Dv], torch.bfloat16, "bf16", problem, "dimension")
 
 
 def _check_lse(lse, problem) -> None:
-    shape = [problem.rows, problem.H]
-    _need_tensor(lse, "lse")
-    if list(lse.shape) != shape or lse.dtype != torch.float32 or lse.device != problem.device:
-        raise ValueError(f"lse: expected fp32 {shape} on {problem.device}, got {lse.dtype} "
-                         f"{list(lse.shape)} on {lse.device}")
-    if lse.stride(-1) != 1:
-        raise ValueError("lse: the last (head) dimension must be contiguous")
-    check_distinct(lse, "lse")
+    _check_result(lse, "lse", [problem.rows, problem.H], torch.float32, "fp32", problem, "(head) dimension")
+
+
+def _check_result(t, name: str, shape: list, dtype, dtype_name: str, problem, last: str) -> None:
+    """A preallocated result: the tensor, its shape, dtype and device, a contiguous last
+    dimension, and no overlap with itself (`check_distinct`)."""
+    _need_tensor(t, name)
+    if list(t.shape) != shape or t.dtype != dtype or t.device != problem.device:
+        raise ValueError(f"{name}: expected {dtype_name} {shape} on {problem.device}, got {t.dtype} "
+                         f"{list(t.shape)} on {t.device}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last {last} must be contiguous")
+    check_distinct(t, name)
 
 
 def check_distinct(t: torch.Tensor, name: str) -> None:
