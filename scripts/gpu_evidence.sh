@@ -178,7 +178,7 @@ sweep)
     echo "pytest rc=$?" >> $res/logs/pytest.log
   fi
   if [ "${BENCH_S:-150}" -gt 0 ]; then
-    timeout $(cap ${BENCH_S:-150}) python3 scripts/bench_serving.py --defaults $res/$dep_name/$dep_name.yaml \
+    timeout $(cap ${BENCH_S:-150}) python3 scripts/bench_serving.py --defaults $res/$dep_name/$dep_name.yaml --deployment $dep_name \
         --out $res/serving > $res/logs/serving.log 2>&1
     echo "bench_serving rc=$?" >> $res/logs/serving.log
   fi
