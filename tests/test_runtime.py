@@ -325,7 +325,7 @@ def test_workspace_budget(device):
     total, scratch, out, tables = map(int, re.search(
         r"needs (\d+) bytes \((\d+) scratch \+ (\d+) output \+ (\d+) split tables\)", str(e.value)).groups())
     assert (total, scratch) == (va.allocated_bytes, va.workspace_bytes)
-    assert scratch + out + tables == total and out == 4 * va.T * va.H * 512 * 2
+    assert scratch + out + tables == total and out == 4 * va.T * va.H * va.Dv * 2
     VerifyAttention.from_defaults(tuned, tp=TP, max_batch=4, max_context=300, device=device, warmup=False,
                                   workspace_budget_bytes=va.allocated_bytes)
 

@@ -3,9 +3,8 @@ prefixes from 1k to 128k and changing trees, matching the fp32 oracle on every r
 no allocation during replay; the same for the SGLang-layout adapter."""
 from __future__ import annotations
 
-import gc
-
 import dataclasses
+import gc
 
 import pytest
 import torch

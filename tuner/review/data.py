@@ -33,11 +33,10 @@ def resolve_results_dir(target: str | os.PathLike) -> Path:
     configs/deployments/) -> the same for its name.
     """
     p = Path(target)
-    if p.is_dir():
-        return p
+    for folder in (p, REPO_ROOT / p):   # an absolute p is itself joined to the root
+        if folder.is_dir():
+            return folder
     bases = (Path("runs"), Path("results"), REPO_ROOT / "runs", REPO_ROOT / "results")
-    if not p.is_absolute() and (REPO_ROOT / p).is_dir():
-        return REPO_ROOT / p
     for base in bases:
         if (base / str(target)).is_dir():
             return base / str(target)
