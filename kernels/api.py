@@ -251,22 +251,23 @@ def verify_attention_dispatch(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_
 
 
 def _check_out(out, problem) -> None:
-    _check_result(out, "out", [problem.rows, problem.H, problem.Dv], torch.bfloat16, "bf16", problem, "dimension")
+    check_result(out, "out", [problem.rows, problem.H, problem.Dv], torch.bfloat16, "bf16", problem.device)
 
 
 def _check_lse(lse, problem) -> None:
-    _check_result(lse, "lse", [problem.rows, problem.H], torch.float32, "fp32", problem, "(head) dimension")
+    check_result(lse, "lse", [problem.rows, problem.H], torch.float32, "fp32", problem.device)
 
 
-def _check_result(t, name: str, shape: list, dtype, dtype_name: str, problem, last: str) -> None:
-    """A preallocated result: the tensor, its shape, dtype and device, a contiguous last
-    dimension, and no overlap with itself (`check_distinct`)."""
-    _need_tensor(t, name)
-    if list(t.shape) != shape or t.dtype != dtype or t.device != problem.device:
-        raise ValueError(f"{name}: expected {dtype_name} {shape} on {problem.device}, got {t.dtype} "
-                         f"{list(t.shape)} on {t.device}")
+def check_result(t, name: str, shape: list, dtype, dtype_name: str, device: torch.device) -> None:
+    """A preallocated result (`out` [rows, H, Dv] bf16, `lse` [rows, H] fp32): a tensor of that
+    shape, dtype and device with a contiguous last dimension and no overlap with itself
+    (`check_distinct`); a ValueError naming `name` and the expected shape otherwise."""
+    if not isinstance(t, torch.Tensor) or list(t.shape) != shape or t.dtype != dtype or t.device != device:
+        got = (f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
+               else type(t).__name__)
+        raise ValueError(f"{name}: expected {dtype_name} {shape} on {device}, got {got}")
     if t.stride(-1) != 1:
-        raise ValueError(f"{name}: the last {last} must be contiguous")
+        raise ValueError(f"{name}: the last dimension must be contiguous (strides {list(t.stride())})")
     check_distinct(t, name)
 
 

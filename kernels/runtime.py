@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .api import check_distinct, is_capturing, verify_attention, verify_attention_dispatch
+from .api import check_result, is_capturing, verify_attention, verify_attention_dispatch
 from .api import check_values as api_check_values
 from .backends import LaunchArgs, SplitTable, bucket_index, call_workspace_bytes, launch_all, split_bounds
 from .plans import DEFAULT_BACKEND, Plan, model_on_rank  # noqa: F401 - DEFAULT_BACKEND re-exported
@@ -425,17 +425,10 @@ class VerifyAttention:
             if self.out_buf is None:
                 raise ValueError("out: required (this VerifyAttention was built with preallocate_out=False)")
             out = self.out_buf[:rows]
-        elif not isinstance(out, torch.Tensor) or tuple(out.shape) != (rows, self.H, self.Dv) or \
-                out.dtype != torch.bfloat16 or out.device != dev or out.stride(-1) != 1:
-            raise ValueError(f"out: expected bf16 [{rows}, {self.H}, {self.Dv}] on {dev} with a contiguous last dim, "
-                             f"got {getattr(out, 'dtype', None)} {list(getattr(out, 'shape', []))}")
-        if lse is not None and (not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (rows, self.H) or
-                                lse.dtype != torch.float32 or lse.device != dev or lse.stride(-1) != 1):
-            raise ValueError(f"lse: expected fp32 [{rows}, {self.H}] on {dev} with a contiguous last dim, got "
-                             f"{getattr(lse, 'dtype', None)} {list(getattr(lse, 'shape', []))}")
-        check_distinct(out, "out")
+        else:
+            check_result(out, "out", [rows, self.H, self.Dv], torch.bfloat16, "bf16", dev)
         if lse is not None:
-            check_distinct(lse, "lse")
+            check_result(lse, "lse", [rows, self.H], torch.float32, "fp32", dev)
         if sm_scale is None:
             sm_scale = self.sm_scale
         elif isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not 0 < sm_scale < math.inf:

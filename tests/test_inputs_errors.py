@@ -84,6 +84,10 @@ def test_out_and_params_errors(x):
         call(x, out=one)
     with pytest.raises(ValueError, match="^lse: its elements overlap"):
         verify_attention(*x.args, backend="reference", lse=torch.zeros(1, 2, device=DEVICE).expand(8, 2))
+    with pytest.raises(ValueError, match=r"^out: the last dimension must be contiguous \(strides \[2048, 1024, 2\]\)"):
+        call(x, out=torch.empty(8, 2, 1024, dtype=torch.bfloat16, device=DEVICE)[..., ::2])
+    with pytest.raises(ValueError, match=r"^out: expected bf16 \[8, 2, 512\] on .*, got str$"):
+        call(x, out="out")
 
 
 @pytest.mark.parametrize("make,overlaps", [

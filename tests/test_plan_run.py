@@ -147,6 +147,8 @@ def test_value_checks_can_be_left_to_the_engine(device, va):
     (dict(lse="wrong"), r"lse: expected fp32 \[18, 2\]"),
     (dict(out="one row for all"), r"out: its elements overlap in memory \(strides \[0, 512, 1\]\)"),
     (dict(lse="one row for all"), r"lse: its elements overlap in memory"),
+    (dict(out="strided last dim"), r"out: the last dimension must be contiguous \(strides \[2048, 1024, 2\]\)"),
+    (dict(out="a list"), r"out: expected bf16 \[18, 2, 512\] on .*, got list"),
     (dict(sm_scale=-1.0), "sm_scale"),
     (dict(plan="not a plan"), "plan: expected a StepPlan"),
 ])
@@ -158,6 +160,8 @@ def test_run_names_shapes_that_do_not_match_the_plan(device, va, change, match):
         kw[k] = {"other batch": inp.q[:T], "fp16": inp.q.half(), "narrow": inp.kv_cache[:, :DV],
                  "fewer slots": inp.kv_cache[:-1],
                  "wrong": torch.empty(3, dtype=torch.float32, device=device),
+                 "strided last dim": torch.empty(2 * T, H, 2 * DV, dtype=torch.bfloat16, device=device)[..., ::2],
+                 "a list": [0.0] * (2 * T),
                  "one row for all": (torch.zeros(1, H, DV, dtype=torch.bfloat16, device=device).expand(2 * T, H, DV)
                                      if k == "out" else torch.zeros(1, H, device=device).expand(2 * T, H))}.get(v, v)
     with pytest.raises(ValueError, match=match):
