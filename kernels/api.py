@@ -196,10 +196,10 @@ def verify_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, ba
     if out is None:
         out = torch.empty(shape_o, dtype=torch.bfloat16, device=problem.device)
     else:
-        _check_out(out, problem)
+        check_out(out, problem)
     if lse is not None:
         return_lse = True
-        _check_lse(lse, problem)
+        check_lse(lse, problem)
     elif return_lse:
         lse = torch.empty(shape_o[:2], dtype=torch.float32, device=problem.device)
     need = be.workspace_bytes(problem, params)
@@ -241,24 +241,26 @@ def verify_attention_dispatch(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_
     do_check = (not is_capturing(problem.device)) if check_values_ is None else check_values_
     if do_check:
         check_values(problem, kv_cache, kv_indptr, kv_indices, tree_mask)
-    _check_out(out, problem)
+    check_out(out, problem)
     if lse is not None:
-        _check_lse(lse, problem)
+        check_lse(lse, problem)
     _check_workspace(workspace, problem, call_workspace_bytes(problem, [(p, be) for be, p, _ in calls]))
     launch_all([(be, p, LaunchArgs(problem, q, kv_cache, kv_indptr, kv_indices, tree_mask, float(sm_scale), out,
                                    lse, workspace, t)) for be, p, t in calls])
     return out
 
 
-def _check_out(out, problem) -> None:
-    check_result(out, "out", [problem.rows, problem.H, problem.Dv], torch.bfloat16, "bf16", problem.device)
+def check_out(out, problem) -> None:
+    """`out` for `problem`: bf16 [rows, H, Dv] on its device (`_check_result`)."""
+    _check_result(out, "out", [problem.rows, problem.H, problem.Dv], torch.bfloat16, "bf16", problem.device)
 
 
-def _check_lse(lse, problem) -> None:
-    check_result(lse, "lse", [problem.rows, problem.H], torch.float32, "fp32", problem.device)
+def check_lse(lse, problem) -> None:
+    """`lse` for `problem`: fp32 [rows, H] on its device (`_check_result`)."""
+    _check_result(lse, "lse", [problem.rows, problem.H], torch.float32, "fp32", problem.device)
 
 
-def check_result(t, name: str, shape: list, dtype, dtype_name: str, device: torch.device) -> None:
+def _check_result(t, name: str, shape: list, dtype, dtype_name: str, device: torch.device) -> None:
     """A preallocated result (`out` [rows, H, Dv] bf16, `lse` [rows, H] fp32): a tensor of that
     shape, dtype and device with a contiguous last dimension and no overlap with itself
     (`check_distinct`); a ValueError naming `name` and the expected shape otherwise."""

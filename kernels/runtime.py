@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .api import check_result, is_capturing, verify_attention, verify_attention_dispatch
+from .api import check_lse, check_out, is_capturing, verify_attention, verify_attention_dispatch
 from .api import check_values as api_check_values
 from .backends import LaunchArgs, SplitTable, bucket_index, call_workspace_bytes, launch_all, split_bounds
 from .plans import DEFAULT_BACKEND, Plan, model_on_rank  # noqa: F401 - DEFAULT_BACKEND re-exported
@@ -426,9 +426,9 @@ class VerifyAttention:
                 raise ValueError("out: required (this VerifyAttention was built with preallocate_out=False)")
             out = self.out_buf[:rows]
         else:
-            check_result(out, "out", [rows, self.H, self.Dv], torch.bfloat16, "bf16", dev)
+            check_out(out, step.problem)
         if lse is not None:
-            check_result(lse, "lse", [rows, self.H], torch.float32, "fp32", dev)
+            check_lse(lse, step.problem)
         if sm_scale is None:
             sm_scale = self.sm_scale
         elif isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not 0 < sm_scale < math.inf:
