@@ -381,6 +381,44 @@ def test_ctrl_c_of_workers_resumes(tmp_path):
     _check_export(out, dep, name)
 
 
+def test_ctrl_c_after_the_workers_stops_the_phases_after_the_search(tmp_path):
+    """SIGINT to `kvtune sweep --workers 2 --export` once its workers are done and the main
+    process runs the phases after the search (re-measurement, ragged): the sweep stops there as
+    interrupted (exit 130) and exports nothing; the re-run finishes those phases and exports."""
+    name = "pw"
+    dep, spaces = _deployment(tmp_path, name)
+    doc = yaml.safe_load(dep.read_text())
+    doc.update(batches=[2], trials=3, ragged_spread=4)
+    dep.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "results"
+    table, export = out / name / "trials.csv", out / name / f"{name}.yaml"
+    cmd = _cli("sweep", dep, "--device", "cpu", "--workers", 2, "--out", out, "--space-dir", spaces, "--rounds", 1,
+               "--remeasure-top", 1, "--heartbeat", HEARTBEAT, "--grace", GRACE, "--export")
+    sweep = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        deadline = time.time() + 400
+        while time.time() < deadline and sweep.poll() is None:
+            if table.exists() and not read_trials(table)["phase"].eq("search").all():
+                break
+            time.sleep(0.2)
+        assert sweep.poll() is None, "the sweep ended before its phases after the search could be interrupted"
+        sweep.send_signal(signal.SIGINT)
+    finally:
+        (log,) = _finish([sweep])
+    assert sweep.returncode == 130, log
+    assert "status interrupted" in log and not export.exists(), log
+    stopped = read_trials(table)
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=900)
+    assert again.returncode == 0, again.stdout + again.stderr
+    df = read_trials(table)
+    assert len(df[df["phase"] != "search"]) > len(stopped[stopped["phase"] != "search"])
+    rag = df[df["phase"] == "ragged"]
+    assert set(rag["ctx"]) == {64, 128} and (rag["outcome"] == "ok").all()
+    keys = list(zip(rag["study"], rag["trial"], rag["round"].astype(str)))
+    assert len(keys) == len(set(keys)), "a ragged row measured twice"
+    assert load_tuned(export).entries
+
+
 # --------------------------------------------------------------------------- search strategy
 @pytest.mark.parametrize("workers", [2, None])
 def test_tpe_steps_to_neighbours_of_the_best(tmp_path, workers):

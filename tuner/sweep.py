@@ -111,7 +111,11 @@ class Sweep(StudyLoop):
         self.ctxs = subset(opts.ctxs, dep.contexts, "--ctx", dep.source)
         self.bss = subset(opts.bss, dep.batches, "--bs", dep.source)
         self.backends = subset(opts.backends, dep.backends, "--backend", dep.source, allow_extra=True)
-        self.out_dir.mkdir(parents=True, exist_ok=True)   # after the selections: a refused one leaves no folder
+        try:   # after the selections: a refused one leaves no folder
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:   # a parent that is a file, a read-only or virtual file system
+            raise ConfigError(f"--out {opts.out}: cannot make the folder {self.out_dir}: "
+                              f"{e.strerror or e}") from None
         self.storage_url = opts.storage or self._default_storage()
         self.trials = opts.trials or dep.trials
         self.measured_now = 0
@@ -435,7 +439,13 @@ class Sweep(StudyLoop):
     def summary(self) -> str:
         import pandas as pd
         if not self.results:
-            return "(no studies ran)"
+            if not (self.status == "interrupted" or self.status.startswith("stopped")):
+                return "(no studies ran)"
+            # stopped before any study's result was gathered here (a --workers sweep gathers them
+            # once its workers end): what was measured is kept all the same
+            return (f"sweep of {self.dep.name}: status {self.status} after {self.wall_s:.1f} s, with no study's "
+                    f"result gathered yet; every finished trial is saved in {self.out_dir / 'trials.csv'} and the "
+                    "same command resumes the sweep")
         rows = []
         for r in self.results:
             rows.append({"backend": r.backend, "tp": r.tp, "bs": r.bs, "ctx": r.ctx,

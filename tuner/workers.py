@@ -345,11 +345,20 @@ class SharedSweep(Sweep):
             status = self._run_children()
             if status != "complete":
                 return status
+            self.intr.check()   # a Ctrl-C after the last child ended, before any phase of the parent's
         self._setup()
         self.search()
         if self.post:
             self._post()
+        self.intr.check()
         return "complete"
+
+    def _measure(self, backend, params, spec, seed, extra: dict | None = None) -> dict:
+        # Interrupts' handler only records a Ctrl-C outside `interruptible`, so the phases after
+        # the search (cross, re-measure, ragged: measurements that hold no trial) take it here,
+        # as a single-process sweep's `stops.check` does
+        self.intr.check()
+        return super()._measure(backend, params, spec, seed, extra)
 
     def _post(self):
         backends = [b for b in self.backends if b in self.spaces]
