@@ -12,6 +12,7 @@ from .config import Deployment
 from .log import get_logger
 from .runlock import unfinished_sweep
 from .prunes import all_pruned_note, pruned_summary
+from .strategy import BESIDE_SEARCH
 from .study import ALL_PRUNED
 from .table import read_jsonl
 
@@ -23,15 +24,19 @@ def warn_incomplete(df, dep: Deployment, out_dir: Path) -> None:
     """Say when the last sweep stopped and which buckets have no trials."""
     status = last_sweep_status(out_dir)
     unfinished = unfinished_sweep(out_dir)
-    if unfinished:   # runs.jsonl only has the sweeps that ended
-        log.warning("the last sweep into %s %s: studies it did not finish are missing below; run the same sweep "
-                    "command again to resume it, then export again", out_dir, unfinished)
-    elif status and status.startswith(ALL_PRUNED):
+    if status and status.startswith(ALL_PRUNED) and not unfinished:
         log.warning("the last sweep into %s ended %r: fix the deployment or the search space (the sweep's summary "
                     "gives the prune reasons), then sweep again into a new --out", out_dir, status)
-    elif status and status != "complete":
-        log.warning("the last sweep into %s ended %r: studies it did not finish are missing below; run the same "
-                    "sweep command again to resume it, then export again", out_dir, status)
+    elif unfinished or (status and status != "complete"):   # runs.jsonl only has the sweeps that ended
+        short = short_studies(df, dep)
+        named = ", ".join(f"{be} (tp={tp}, bs={bs}, ctx={c}): {n}" for be, tp, bs, c, n in short[:MAX_NAMED])
+        more = f" and {len(short) - MAX_NAMED} more" if len(short) > MAX_NAMED else ""
+        log.warning("the last sweep into %s %s: a study it did not start has no entry below, and one it did not "
+                    "finish (its search, or the re-measurement and cross-bucket phases after it) is exported from "
+                    "the trials it has%s; run the same sweep command again to resume it, then export again",
+                    out_dir, unfinished or f"ended {status!r}",
+                    f" ({len(short)} with fewer search trials than the deployment's {dep.trials}: {named}{more})"
+                    if short else "")
     missing = missing_buckets(df, dep)
     if missing:
         log.warning("%d (backend, tp, batch, context) bucket(s) of %s have no trials, so no entry below covers "
@@ -101,6 +106,22 @@ def missing_buckets(df, dep: Deployment) -> list[tuple]:
     backends = [b for b in dict.fromkeys(search["backend"].astype(str)) if b in BACKEND_NAMES and b != "reference"]
     return [(be, tp, bs, c) for be in backends for tp in dep.tp for bs in dep.batches for c in dep.contexts
             if (be, tp, bs, c) not in have]
+
+
+def short_studies(df, dep: Deployment) -> list[tuple]:
+    """(backend, tp, bs, ctx, trials) of the studies whose search holds fewer trials that count
+    against the budget (as the sweep counts them, `SearchStrategy.counts`: not the cross-bucket
+    or ragged ones, not the pruned) than the deployment's `trials`: a sweep stopped inside them,
+    or one run with a smaller --trials."""
+    if df.empty:
+        return []
+    search = df[(df["phase"] == "search") & ~df["role"].isin(list(BESIDE_SEARCH)) & (df["outcome"] != "pruned")]
+    out = []
+    for (be, tp, bs, c), g in search.groupby(["backend", "tp", "bs", "ctx"], sort=True):
+        n = g["trial"].nunique()
+        if n < dep.trials and str(be) in BACKEND_NAMES and be != "reference":
+            out.append((str(be), int(tp), int(bs), int(c), int(n)))
+    return out
 
 
 def last_sweep_status(out_dir: Path) -> str | None:
