@@ -53,6 +53,8 @@ def test_backend_typo_in_the_deployment_is_an_error_naming_the_file(tmp_path, ca
     (["--trial-timeout", "nan"], "--trial-timeout: expected a finite number of seconds > 0, got nan"),
     (["--trial-timeout", "-5"], "--trial-timeout: expected a finite number of seconds > 0, got -5"),
     (["--compile-workers", "-3"], "--compile-workers: expected an integer >= 0, got -3"),
+    (["--workers", "0"], "--workers: expected a positive integer, got 0"),   # refused before any storage is made
+    (["--workers", "-1"], "--workers: expected a positive integer, got -1"),
 ])
 @pytest.mark.parametrize("cmd", ["sweep", "worker"])
 def test_bad_numbers_are_errors(tmp_path, capsys, argv, msg, cmd):
@@ -107,6 +109,15 @@ def test_paths_that_are_the_wrong_kind_are_named(tmp_path, capsys):
     assert main(["export", "cpu-tiny", "--out", str(committed.parent), "--path", str(tmp_path), "--no-check"]) != 0
     assert f"--path {tmp_path}: is a folder" in capsys.readouterr().err
     assert not (tmp_path.parent / (tmp_path.name + ".tmp")).exists()
+    # a file further up: the flag, the folder it could not make or write and the file in the way
+    # (were a bare "[Errno 20] Not a directory" and "[Errno 17] File exists")
+    deeper = afile / "x"
+    assert main(["sweep", str(_dep(tmp_path)), "--device", "cpu", "--out", str(deeper), "--no-progress"]) == 2
+    assert f"--out {deeper}: cannot make the folder {deeper / 'tiny'}: Not a directory" in capsys.readouterr().err
+    assert main(["export", "cpu-tiny", "--out", str(committed.parent), "--path", str(deeper / "t.yaml"),
+                 "--no-check"]) == 2
+    assert f"--path {deeper / 't.yaml'}: cannot write {deeper / 't.yaml'}: {afile} is a file, not a folder" \
+        in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("opts, msg", [

@@ -342,6 +342,10 @@ def export_deployment(dep: Deployment | str, out: str = "runs", trials_csv: str 
     except SchemaError as exc:
         raise ValueError(f"{table_path}: a picked config would not load at serving time, nothing written: "
                          f"{exc}") from None
+    except OSError as exc:   # a parent that is a file, a read-only folder
+        blocker = next((p for p in dest.parents if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file, not a folder" if blocker else (exc.strerror or str(exc))
+        raise ValueError(f"{'--path' if path else '--out'} {path or out}: cannot write {dest}: {why}") from None
     if not quiet:
         import pandas as pd
         table = pd.DataFrame(report)

@@ -16,7 +16,7 @@ from . import sweep, workers
 from .config import ConfigError, Deployment, load_deployment, redact_url
 from .executor import WorkerError
 from .log import get_logger
-from .options import SweepOptions, add_sweep_arguments, non_negative_int, options_from_args
+from .options import SweepOptions, add_sweep_arguments, non_negative_int, options_from_args, positive_int
 from .studies_files import journal_path
 from .study import ALL_PRUNED, dead_buckets
 
@@ -187,7 +187,7 @@ def register(subparsers) -> None:
     p.add_argument("--in-process", action="store_true", help="measure in this process (no fault isolation)")
     p.add_argument("--export", action="store_true",
                    help="export the YAML when the sweep completes (running the serving check, as `kvtune export`)")
-    p.add_argument("--workers", type=int,
+    p.add_argument("--workers", type=positive_int("--workers"),
                    help="run N worker processes (one per visible GPU; N CPU processes with --device cpu) that "
                         "share the studies through the storage (default journal:<out>/<deployment>/"
                         "studies.journal; a PostgreSQL URL lets `kvtune worker` join from other hosts)")
@@ -198,7 +198,8 @@ def register(subparsers) -> None:
     add_sweep_arguments(p, worker=True)
     p.add_argument("--storage", required=True,
                    help="the sweep's Optuna storage: journal:PATH (one host) or postgresql://... (several)")
-    p.add_argument("--workers", type=int, help="start this many worker processes here, one per visible GPU")
+    p.add_argument("--workers", type=positive_int("--workers"),
+                   help="start this many worker processes here, one per visible GPU")
     p.add_argument("--wait", type=non_negative_int("--wait"), default=300,
                    help="seconds to wait for the sweep to create its studies in --storage before giving up "
                         "(default 300: hosts started together)")
