@@ -17,7 +17,17 @@ if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ] \
     echo "kvtune: already installed in $venv (pyproject.toml unchanged; delete $stamp_file to reinstall)"
     exit 0
 fi
-python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+# pip's notes that are not problems: a user-site location warning, and setuptools' banner on
+# every editable install (its text between two "!!" lines, then the source line it quotes)
+quiet() {
+    awk '/^WARNING: Location/ {next}
+         /BuildBackendWarning: Editable installation/ {skip = 1; bangs = 0; next}
+         skip && /^ *!!/ {if (++bangs == 2) skip = 0; next}
+         skip {next}
+         /with strategy, WheelFile\(/ {next}
+         {print}'
+}
+python -m pip install -q --upgrade pip 2>&1 | quiet || true
 if ! python -c "import torch" 2>/dev/null; then
     if python -c "import sys; sys.exit(0 if sys.platform == 'linux' else 1)" && ! command -v nvidia-smi >/dev/null; then
         # PyPI's Linux torch is the CUDA build (GBs of nvidia-* wheels): the CPU build is the
@@ -27,6 +37,6 @@ if ! python -c "import torch" 2>/dev/null; then
             || echo "kvtune: no CPU build of torch 2.13 found; the plain requirement follows (it may be the CUDA build)" >&2
     fi
 fi
-python -m pip install -q -e ".[test,review]" 2>&1 | grep -v "^WARNING: Location" || true
+python -m pip install -q -e ".[test,review]" 2>&1 | quiet || true
 python -c "import kvtune.kernels, kvtune.tuner, torch, triton; print(f'kvtune installed: torch {torch.__version__}, triton {triton.__version__}')"
 echo "$stamp" > "$stamp_file"

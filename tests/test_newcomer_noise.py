@@ -71,6 +71,48 @@ def test_setup_reinstalls_only_when_pyproject_changes(tmp_path):
     assert setup() == []
 
 
+BANNER = """  /tmp/pip-build-env-x/overlay/lib/python3.11/site-packages/setuptools/command/editable_wheel.py:354: \
+BuildBackendWarning: Editable installation.
+  !!
+
+          ********************************************************************************
+          Please be careful with folders in your working directory with the same
+          name as your package as they may take precedence during imports.
+          ********************************************************************************
+
+  !!
+    with strategy, WheelFile(wheel_path, "w") as wheel_obj:
+WARNING: Location 'x' is ignored
+ERROR: a real problem pip reports
+"""
+
+
+def test_setup_hides_the_editable_install_banner_only(tmp_path):
+    """setuptools' editable-install banner (printed by pip even under -q) and pip's location note
+    are left out of what setup.sh shows; pip's other output is kept."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (tmp_path / "banner").write_text(BANNER)
+    py = venv / "bin" / "python"
+    py.write_text(f"""#!/usr/bin/env bash
+if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then cat "{tmp_path / 'banner'}" >&2; exit 0; fi
+exec "{sys.executable}" "$@"
+""")
+    py.chmod(0o755)
+    (venv / "bin" / "activate").write_text(f'export PATH="{venv / "bin"}:$PATH"\n')
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(REPO / "scripts" / "setup.sh", repo / "scripts" / "setup.sh")
+    shutil.copy(REPO / "pyproject.toml", repo / "pyproject.toml")
+    r = subprocess.run(["bash", str(repo / "scripts" / "setup.sh"), str(venv)], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ))
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert out.count("ERROR: a real problem pip reports") >= 2, out   # the pip upgrade's and the install's
+    for noise in ("BuildBackendWarning", "!!", "Please be careful", "WheelFile", "*****", "WARNING: Location"):
+        assert noise not in out, out
+
+
 def test_skipped_gpu_tests_are_explained(tmp_path):
     shutil.copy(REPO / "tests" / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_x.py").write_text("import pytest\n\n@pytest.mark.gpu\ndef test_a():\n    pass\n\n"
