@@ -348,20 +348,18 @@ class VerifyAttention:
             if t.device != dev:
                 raise ValueError(f"{name}: on {t.device}, this VerifyAttention runs on {dev}")
         if kv_indptr.dim() != 1 or kv_indptr.dtype != torch.int32 or not kv_indptr.is_contiguous():
-            raise ValueError(f"kv_indptr: expected a contiguous 1-D int32 tensor [B+1], got {kv_indptr.dtype} "
-                             f"{list(kv_indptr.shape)}")
+            raise ValueError(f"kv_indptr: expected a contiguous 1-D int32 tensor [B+1], got {_got(kv_indptr)}")
         B = kv_indptr.shape[0] - 1
         if not 1 <= B <= self.max_batch:
             raise ValueError(f"kv_indptr: shape {tuple(kv_indptr.shape)} gives B={B} requests; this "
                              f"VerifyAttention serves 1..{self.max_batch}")
         if kv_indices.dim() != 1 or kv_indices.dtype not in (torch.int32, torch.int64) or \
                 (kv_indices.numel() and kv_indices.stride(0) != 1):
-            raise ValueError(f"kv_indices: expected a contiguous 1-D int32/int64 tensor, got {kv_indices.dtype} "
-                             f"{list(kv_indices.shape)}")
+            raise ValueError(f"kv_indices: expected a contiguous 1-D int32/int64 tensor, got {_got(kv_indices)}")
         rows = B * self.T
         if tuple(tree_mask.shape) != (rows,) or tree_mask.dtype != torch.int64 or not tree_mask.is_contiguous():
             raise ValueError(f"tree_mask: expected a contiguous int64 tensor [{rows}] (B*T for B={B}, T={self.T}), "
-                             f"got {tree_mask.dtype} {list(tree_mask.shape)}")
+                             f"got {_got(tree_mask)}")
         if num_slots is not None and (isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1):
             raise ValueError(f"num_slots: expected an int >= 1 or None, got {num_slots!r}")
         problem = self._problems[B]
@@ -409,12 +407,13 @@ class VerifyAttention:
             raise ValueError(f"q: expected [{rows}, {self.H}, {self.Dk}] (B*T, H, Dk) for the planned B={step.B}, "
                              f"T={self.T}, got {list(getattr(q, 'shape', []))}")
         if q.dtype != torch.bfloat16 or q.device != dev or q.stride(-1) != 1:
-            raise ValueError(f"q: expected bf16 on {dev} with a contiguous last dim, got {q.dtype} on {q.device}")
+            raise ValueError(f"q: expected bf16 on {dev} with a contiguous last dim, got {q.dtype} on {q.device} "
+                             f"(strides {list(q.stride())})")
         if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 2 or kv_cache.shape[1] != self.Dk:
             raise ValueError(f"kv_cache: expected [num_slots, {self.Dk}], got {list(getattr(kv_cache, 'shape', []))}")
         if kv_cache.dtype != torch.bfloat16 or kv_cache.device != dev or kv_cache.stride(-1) != 1:
             raise ValueError(f"kv_cache: expected bf16 rows, contiguous, on {dev}, got {kv_cache.dtype} on "
-                             f"{kv_cache.device}")
+                             f"{kv_cache.device} (strides {list(kv_cache.stride())})")
         if step.slots_used is not None and kv_cache.shape[0] < step.slots_used:
             raise ValueError(f"kv_cache: {kv_cache.shape[0]} slots, but the planned kv_indices use slot "
                              f"{step.slots_used - 1}")
@@ -458,6 +457,12 @@ class VerifyAttention:
         num_slots = kv_cache.shape[0] if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 2 else None
         step = self.plan(kv_indptr, kv_indices, tree_mask, num_slots=num_slots)
         return self.run(q, kv_cache, out, lse=lse, sm_scale=sm_scale, plan=step)
+
+
+def _got(t: torch.Tensor) -> str:
+    """dtype, shape and, where they are not a contiguous tensor's, strides: what a metadata error shows."""
+    strides = "" if t.is_contiguous() else f" with strides {list(t.stride())} (not contiguous)"
+    return f"{t.dtype} {list(t.shape)}{strides}"
 
 
 @dataclass(frozen=True)

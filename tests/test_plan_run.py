@@ -108,6 +108,10 @@ def _plan_errors(device):
         ("tree short", lambda va, x: va.plan(x.kv_indptr, x.kv_indices, x.tree_mask[:-1]), r"tree_mask: .*\[18\]"),
         ("tree int32", lambda va, x: va.plan(x.kv_indptr, x.kv_indices, x.tree_mask.to(i32)), "tree_mask"),
         ("num_slots", lambda va, x: va.plan(*x.args[2:5], num_slots=0), "num_slots"),
+        ("tree strided", lambda va, x: va.plan(x.kv_indptr, x.kv_indices, x.tree_mask.repeat_interleave(2)[::2]),
+         r"tree_mask: .*got torch.int64 \[18\] with strides \[2\] \(not contiguous\)"),
+        ("indices strided", lambda va, x: va.plan(x.kv_indptr, x.kv_indices.repeat_interleave(2)[::2], x.tree_mask),
+         r"kv_indices: .*with strides \[2\] \(not contiguous\)"),
         # values (read outside graph capture)
         ("not monotonic", lambda va, x: va.plan(x.kv_indptr.flip(0).contiguous(), x.kv_indices, x.tree_mask),
          "kv_indptr"),
@@ -142,6 +146,8 @@ def test_value_checks_can_be_left_to_the_engine(device, va):
     (dict(q="other batch"), r"q: expected \[18, 2, 576\] .*planned B=2"),
     (dict(q="fp16"), "q: expected bf16"),
     (dict(kv_cache="narrow"), r"kv_cache: expected \[num_slots, 576\]"),
+    (dict(q="strided last dim"), r"q: expected bf16 .* \(strides \[2304, 1152, 2\]\)"),
+    (dict(kv_cache="column-major"), r"kv_cache: expected bf16 rows, contiguous, .* \(strides \[1, \d+\]\)"),
     (dict(kv_cache="fewer slots"), "kv_cache: .* fewer than the num_slots"),
     (dict(out="wrong"), r"out: expected bf16 \[18, 2, 512\]"),
     (dict(lse="wrong"), r"lse: expected fp32 \[18, 2\]"),
@@ -160,7 +166,9 @@ def test_run_names_shapes_that_do_not_match_the_plan(device, va, change, match):
         kw[k] = {"other batch": inp.q[:T], "fp16": inp.q.half(), "narrow": inp.kv_cache[:, :DV],
                  "fewer slots": inp.kv_cache[:-1],
                  "wrong": torch.empty(3, dtype=torch.float32, device=device),
-                 "strided last dim": torch.empty(2 * T, H, 2 * DV, dtype=torch.bfloat16, device=device)[..., ::2],
+                 "strided last dim": torch.empty(2 * T, H, 2 * (DV if k == "out" else inp.q.shape[-1]),
+                                                 dtype=torch.bfloat16, device=device)[..., ::2],
+                 "column-major": inp.kv_cache.t().contiguous().t(),
                  "a list": [0.0] * (2 * T),
                  "one row for all": (torch.zeros(1, H, DV, dtype=torch.bfloat16, device=device).expand(2 * T, H, DV)
                                      if k == "out" else torch.zeros(1, H, device=device).expand(2 * T, H))}.get(v, v)
