@@ -50,6 +50,7 @@ import triton.language as tl
 from .api import is_capturing
 from .runtime import StepPlan, VerifyAttention, flag
 from .shapes import cdiv, next_pow2
+from .triton_kernel import TritonBackend
 
 # how the draft visibility is given (the kernel's MASK_MODE): SGLang's flat custom mask, or
 # none with is_causal (a chain) or without (every draft sees every draft)
@@ -185,6 +186,11 @@ class SGLangVerifyAdapter:
         self.verify = verify
         v = verify
         dev = v.device
+        # plan packs the metadata with a Triton kernel whatever backend runs the attention (the
+        # reference one too): say so here, not as Triton's driver error at the first plan
+        why = TritonBackend().supports(dev)
+        if why:
+            raise ValueError(f"device {dev}: the adapter packs each step's metadata with Triton. {why}")
         self.capacity = v.max_batch * (v.max_context + v.T)
         if self.capacity >= 2**31:
             raise ValueError(f"max_batch * (max_context + T) = {self.capacity} combined keys exceeds int32 indexing")

@@ -242,3 +242,21 @@ def test_bad_arguments_are_named(device, shared, change, match):
         a[k] = v
     with pytest.raises(ValueError, match=match):
         ad(**a)
+
+
+def test_cpu_adapter_without_the_interpreter_says_how(tmp_path):
+    """On CPU tensors without TRITON_INTERPRET, the adapter (whose plan packs with a Triton
+    kernel whatever backend attends, the reference one too) is refused when made, naming the
+    variable, not with Triton's driver error at the first plan."""
+    import os
+    import subprocess
+    import sys
+    code = ("from kvtune.kernels.sglang import SGLangVerifyAdapter\n"
+            "SGLangVerifyAdapter.from_defaults(None, deployment='nope', tp=1, max_batch=2, max_context=300, "
+            "device='cpu', draft_tokens=4, heads=8, sm_scale=0.1)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["KVTUNE_VERIFY"] = "reference"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode != 0
+    assert "ValueError: device cpu: the adapter packs each step's metadata with Triton" in r.stderr, r.stderr
+    assert "TRITON_INTERPRET=1" in r.stderr and "active drivers" not in r.stderr, r.stderr
