@@ -42,22 +42,30 @@ exec "{real}" "$@"
 """
 
 
-def test_setup_reinstalls_only_when_pyproject_changes(tmp_path):
+def _setup_with(tmp_path, fake_python: str):
+    """A repo holding setup.sh and pyproject.toml, and a venv whose `python` is the bash script
+    `fake_python`; returns a function that runs setup.sh on them (CompletedProcess)."""
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
-    log = tmp_path / "calls"
     py = venv / "bin" / "python"
-    py.write_text(FAKE_PYTHON.format(log=log, real=sys.executable))
+    py.write_text(fake_python)
     py.chmod(0o755)
     (venv / "bin" / "activate").write_text(f'export PATH="{venv / "bin"}:$PATH"\n')
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     shutil.copy(REPO / "scripts" / "setup.sh", repo / "scripts" / "setup.sh")
     shutil.copy(REPO / "pyproject.toml", repo / "pyproject.toml")
+    return lambda: subprocess.run(["bash", str(repo / "scripts" / "setup.sh"), str(venv)], capture_output=True,
+                                  text=True, timeout=300, env=dict(os.environ))
+
+
+def test_setup_reinstalls_only_when_pyproject_changes(tmp_path):
+    log = tmp_path / "calls"
+    run_setup = _setup_with(tmp_path, FAKE_PYTHON.format(log=log, real=sys.executable))
+    repo = tmp_path / "repo"
 
     def setup():
-        r = subprocess.run(["bash", str(repo / "scripts" / "setup.sh"), str(venv)], capture_output=True, text=True,
-                           timeout=300, env=dict(os.environ))
+        r = run_setup()
         assert r.returncode == 0, r.stdout + r.stderr
         calls = log.read_text().splitlines() if log.exists() else []
         log.unlink(missing_ok=True)
@@ -90,22 +98,11 @@ ERROR: a real problem pip reports
 def test_setup_hides_the_editable_install_banner_only(tmp_path):
     """setuptools' editable-install banner (printed by pip even under -q) and pip's location note
     are left out of what setup.sh shows; pip's other output is kept."""
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
     (tmp_path / "banner").write_text(BANNER)
-    py = venv / "bin" / "python"
-    py.write_text(f"""#!/usr/bin/env bash
+    r = _setup_with(tmp_path, f"""#!/usr/bin/env bash
 if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then cat "{tmp_path / 'banner'}" >&2; exit 0; fi
 exec "{sys.executable}" "$@"
-""")
-    py.chmod(0o755)
-    (venv / "bin" / "activate").write_text(f'export PATH="{venv / "bin"}:$PATH"\n')
-    repo = tmp_path / "repo"
-    (repo / "scripts").mkdir(parents=True)
-    shutil.copy(REPO / "scripts" / "setup.sh", repo / "scripts" / "setup.sh")
-    shutil.copy(REPO / "pyproject.toml", repo / "pyproject.toml")
-    r = subprocess.run(["bash", str(repo / "scripts" / "setup.sh"), str(venv)], capture_output=True, text=True,
-                       timeout=300, env=dict(os.environ))
+""")()
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     assert out.count("ERROR: a real problem pip reports") >= 2, out   # the pip upgrade's and the install's

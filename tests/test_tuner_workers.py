@@ -197,6 +197,41 @@ def _finish(procs, timeout=300):
     return outs
 
 
+def _interrupt_when(cmd, cwd, ready, what, timeout=240):
+    """Start `cmd`, send it SIGINT once `ready()` holds (it must still be running then), and
+    return (the process, its output)."""
+    sweep = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd)
+    try:
+        deadline = time.time() + timeout
+        while time.time() < deadline and sweep.poll() is None:
+            if ready():
+                break
+            time.sleep(0.2)
+        assert sweep.poll() is None, f"the sweep ended before {what} could be interrupted"
+        sweep.send_signal(signal.SIGINT)
+    finally:
+        (log,) = _finish([sweep])
+    return sweep, log
+
+
+def _ragged_deployment(tmp_path, name):
+    """`_deployment` at a batch bucket of 2 (so the sweep has a ragged phase), 3 trials a study."""
+    dep, spaces = _deployment(tmp_path, name)
+    doc = yaml.safe_load(dep.read_text())
+    doc.update(batches=[2], trials=3, ragged_spread=4)
+    dep.write_text(yaml.safe_dump(doc))
+    return dep, spaces
+
+
+def _check_ragged_once(df):
+    """Every context bucket has ragged rows, all ok, none measured twice."""
+    rag = df[df["phase"] == "ragged"]
+    assert set(rag["ctx"]) == {64, 128} and (rag["outcome"] == "ok").all()
+    keys = list(zip(rag["study"], rag["trial"], rag["round"].astype(str)))
+    assert len(keys) == len(set(keys)), "a ragged row measured twice"
+    return rag
+
+
 def test_journal_workers_survive_a_killed_worker(tmp_path):
     """`kvtune sweep --workers 2` on the default journal storage; SIGKILL one worker mid-trial."""
     name = "jw"
@@ -350,19 +385,14 @@ def test_ctrl_c_of_workers_resumes(tmp_path):
     journal = out / name / "studies.journal"
     cmd = _cli("sweep", dep, "--device", "cpu", "--workers", 2, "--out", out, "--space-dir", spaces, "--rounds", 1,
                "--remeasure-top", 1, "--heartbeat", HEARTBEAT, "--grace", GRACE)
-    sweep = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
-    try:
-        deadline = time.time() + 240
-        while time.time() < deadline and sweep.poll() is None:
-            if journal.exists():
-                storage = _storage(f"journal:{journal}")
-                if sum(t.state.is_finished() for ts in _all_trials(storage).values() for t in ts) >= 3:
-                    break
-            time.sleep(0.2)
-        assert sweep.poll() is None, "the sweep ended before it could be interrupted"
-        sweep.send_signal(signal.SIGINT)
-    finally:
-        (log,) = _finish([sweep])
+
+    def three_finished():
+        if not journal.exists():
+            return False
+        trials = _all_trials(_storage(f"journal:{journal}")).values()
+        return sum(t.state.is_finished() for ts in trials for t in ts) >= 3
+
+    sweep, log = _interrupt_when(cmd, tmp_path, three_finished, "it")
     assert sweep.returncode == 130, log
     import optuna
     TS = optuna.trial.TrialState
@@ -386,25 +416,14 @@ def test_ctrl_c_after_the_workers_stops_the_phases_after_the_search(tmp_path):
     process runs the phases after the search (re-measurement, ragged): the sweep stops there as
     interrupted (exit 130) and exports nothing; the re-run finishes those phases and exports."""
     name = "pw"
-    dep, spaces = _deployment(tmp_path, name)
-    doc = yaml.safe_load(dep.read_text())
-    doc.update(batches=[2], trials=3, ragged_spread=4)
-    dep.write_text(yaml.safe_dump(doc))
+    dep, spaces = _ragged_deployment(tmp_path, name)
     out = tmp_path / "results"
     table, export = out / name / "trials.csv", out / name / f"{name}.yaml"
     cmd = _cli("sweep", dep, "--device", "cpu", "--workers", 2, "--out", out, "--space-dir", spaces, "--rounds", 1,
                "--remeasure-top", 1, "--heartbeat", HEARTBEAT, "--grace", GRACE, "--export")
-    sweep = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
-    try:
-        deadline = time.time() + 400
-        while time.time() < deadline and sweep.poll() is None:
-            if table.exists() and not read_trials(table)["phase"].eq("search").all():
-                break
-            time.sleep(0.2)
-        assert sweep.poll() is None, "the sweep ended before its phases after the search could be interrupted"
-        sweep.send_signal(signal.SIGINT)
-    finally:
-        (log,) = _finish([sweep])
+    sweep, log = _interrupt_when(cmd, tmp_path,
+                                 lambda: table.exists() and not read_trials(table)["phase"].eq("search").all(),
+                                 "its phases after the search", timeout=400)
     assert sweep.returncode == 130, log
     assert "status interrupted" in log and not export.exists(), log
     stopped = read_trials(table)
@@ -412,10 +431,7 @@ def test_ctrl_c_after_the_workers_stops_the_phases_after_the_search(tmp_path):
     assert again.returncode == 0, again.stdout + again.stderr
     df = read_trials(table)
     assert len(df[df["phase"] != "search"]) > len(stopped[stopped["phase"] != "search"])
-    rag = df[df["phase"] == "ragged"]
-    assert set(rag["ctx"]) == {64, 128} and (rag["outcome"] == "ok").all()
-    keys = list(zip(rag["study"], rag["trial"], rag["round"].astype(str)))
-    assert len(keys) == len(set(keys)), "a ragged row measured twice"
+    _check_ragged_once(df)
     assert load_tuned(export).entries
 
 
@@ -487,20 +503,14 @@ def test_workers_run_the_ragged_phase_once(tmp_path):
     rows, none twice, each naming a correct trial of its study, and the export is the oracle's."""
     from export_oracle import check_export
     name = "rw"
-    dep, spaces = _deployment(tmp_path, name)
-    doc = yaml.safe_load(dep.read_text())
-    doc.update(batches=[2], trials=3, ragged_spread=4)
-    dep.write_text(yaml.safe_dump(doc))
+    dep, spaces = _ragged_deployment(tmp_path, name)
     out = tmp_path / "results"
     cmd = _cli("sweep", dep, "--device", "cpu", "--workers", 2, "--out", out, "--space-dir", spaces, "--rounds", 1,
                "--remeasure-top", 1, "--heartbeat", HEARTBEAT, "--grace", GRACE, "--export")
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
     df = read_trials(out / name / "trials.csv")
-    rag = df[df["phase"] == "ragged"]
-    assert set(rag["ctx"]) == {64, 128} and (rag["outcome"] == "ok").all()
-    keys = list(zip(rag["study"], rag["trial"], rag["round"].astype(str)))
-    assert len(keys) == len(set(keys)), "a ragged row measured twice"
+    rag = _check_ragged_once(df)
     for study, trial in zip(rag["study"], rag["trial"]):
         twin = df[(df["study"] == study) & (df["phase"] == "search") & (df["trial"] == trial)]
         assert len(twin) == 1 and twin["outcome"].iloc[0] == "ok", (study, trial)
