@@ -48,9 +48,9 @@ import triton
 import triton.language as tl
 
 from .api import is_capturing
+from .backends import get_backend
 from .runtime import StepPlan, VerifyAttention, flag
 from .shapes import cdiv, next_pow2
-from .triton_kernel import TritonBackend
 
 # how the draft visibility is given (the kernel's MASK_MODE): SGLang's flat custom mask, or
 # none with is_causal (a chain) or without (every draft sees every draft)
@@ -188,7 +188,7 @@ class SGLangVerifyAdapter:
         dev = v.device
         # plan packs the metadata with a Triton kernel whatever backend runs the attention (the
         # reference one too): say so here, not as Triton's driver error at the first plan
-        why = TritonBackend().supports(dev)
+        why = get_backend("triton").supports(dev)
         if why:
             raise ValueError(f"device {dev}: the adapter packs each step's metadata with Triton. {why}")
         self.capacity = v.max_batch * (v.max_context + v.T)
