@@ -147,6 +147,12 @@ def device_name(device: torch.device | str) -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
+def _sms_of(device: torch.device | str) -> int | None:
+    """The SM count of a CUDA device (None for any other device)."""
+    device = torch.device(device)
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+
+
 def backend_kernel_hash(name: str) -> str | None:
     """The running kernel source hash of backend `name` (None for the oracle). Raises
     ValueError when the backend cannot be imported."""
@@ -202,7 +208,15 @@ def check_provenance(tuned: TunedDefaults, device: torch.device | str, *, deploy
                               "anyway):\n  " + "\n  ".join(bad))
     for line in bad:
         warn_once(f"prov:{line}", f"kvtune: using mismatched tuned defaults: {line}")
-    if not bad and tuned.provenance.get("device_name") not in (None, device_name(device)):
+    rec, have = tuned.provenance.get("sm_count"), _sms_of(device)
+    if isinstance(rec, int) and have is not None and rec != have:
+        # legal (the arch and kernels match), but NSPLIT was sized for the tuning GPU's SMs: a
+        # split count over this GPU's SM count runs a second wave of CTAs
+        warn_once(f"sms:{tuned.source}:{have}", f"kvtune: {tuned.source} was tuned on a GPU of {rec} SMs "
+                  f"({tuned.provenance.get('device_name')}), this one has {have}: its NSPLIT values may run "
+                  "a second wave here; tune this GPU (`kvtune calibrate --deployment-for <family>`, then "
+                  "`kvtune sweep` of the deployment it prints)")
+    elif not bad and tuned.provenance.get("device_name") not in (None, device_name(device)):
         # same arch and kernel, other SKU (H100 vs H200): legal, but the tuning may not be optimal
         warn_once(f"sku:{tuned.source}", f"kvtune: {tuned.source} was tuned on "
                    f"{tuned.provenance.get('device_name')!r}, running on {device_name(device)!r}",

@@ -19,11 +19,29 @@ import torch
 
 from .api import DEFAULT_KV_LORA_RANK
 from .backends import Backend, SplitTable, bucket_index, get_backend, params_from_dict, split_bounds
-from .lookup import ENV_VERIFY, ProvenanceError, warn_once
+from .lookup import ENV_VERIFY, ProvenanceError, device_arch, warn_once
 from .shapes import MAX_DRAFT_TOKENS, VerifyProblem
 from .tuned import TunedDefaults, TunedEntry
 
+#: the untuned fallback where the CUDA kernel cannot run (CPU tensors under Triton's
+#: interpreter, no NVRTC, a T whose CUDA default does not fit the GPU's shared memory)
 DEFAULT_BACKEND = "triton"
+
+
+def default_backend(problem: VerifyProblem) -> str:
+    """The backend of the untuned fallback for `problem`: cuda where its default config can run
+    on the problem's device (every GPU from sm_80; the H200 measured Triton's default 3-9x
+    slower), else DEFAULT_BACKEND."""
+    if not problem.is_cuda:
+        return DEFAULT_BACKEND
+    try:
+        be = get_backend("cuda")
+    except ImportError:
+        return DEFAULT_BACKEND
+    if be.supports(problem.device) is not None:
+        return DEFAULT_BACKEND
+    params = be.default_params(problem)
+    return DEFAULT_BACKEND if be.fit_reject(params, problem.T, device_arch(problem.device)) else "cuda"
 
 
 @dataclass(frozen=True)
@@ -240,7 +258,7 @@ def plans(tuned: TunedDefaults | None, kw: dict, mode: str, backend: str | None,
         warn_once(f"notp:{src}:{tp}", f"kvtune: {src} has no entry for tp={tp}; falling back to the "
                   "backend's untuned default parameters")
     plans: list[Plan] = []
-    fallback = forced or backend or DEFAULT_BACKEND
+    fallback = forced or backend or default_backend(problem_of(kw, max_batch))
     for e in entries:
         plans.append(_plan_from_entry(e, forced, fallback, allow_mismatch, kw, max_batch,
                                       f"{src} (tp={tp}, max_batch={e.max_batch})"))

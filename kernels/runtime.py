@@ -184,7 +184,8 @@ class VerifyAttention:
             run, with the last context bucket).
         draft_tokens, heads, kv_lora_rank, rope_dim, sm_scale: the model on this rank;
             default from the YAML's `model` (heads = num_heads / tp). Required without a YAML.
-        backend: the backend of the untuned fallback (default: triton). `KVTUNE_VERIFY`
+        backend: the backend of the untuned fallback (default: cuda where its default config
+            runs on `device`, triton elsewhere: `plans.default_backend`). `KVTUNE_VERIFY`
             overrides both the YAML's and this choice.
         workspace_budget_bytes: refuse (ValueError) to preallocate more than this.
         warmup: compile every config at start-up and self-check it against the oracle.

@@ -1,5 +1,6 @@
 """The CUDA backend without a GPU: NVRTC compiles the kernel for every target arch, the
 resource report is sane, parameter validation names the field, and the cache is used."""
+import itertools
 import os
 
 import pytest
@@ -9,9 +10,10 @@ import cuda.bindings.nvrtc  # noqa: F401  (a hard dependency: a broken install m
 
 from kvtune.kernels import VerifyProblem  # noqa: E402
 from kvtune.kernels.cuda import nvrtc  # noqa: E402
+from kvtune.kernels.cuda import backend as cuda_backend  # noqa: E402
 from kvtune.kernels.cuda.backend import (ARCH_LIMITS, CudaBackend, CudaParams, KernelGeometry,  # noqa: E402
-                                         compile_params, default_for_arch, reject_reason,
-                                         split_expr)
+                                         check_static, compile_params, default_for_arch, fit_reason,
+                                         reject_reason, split_expr)
 
 ARCHS = ["sm_80", "sm_89", "sm_90", "sm_120"]
 
@@ -64,10 +66,52 @@ def test_spread_compiles(arch, i):
 
 
 @pytest.mark.parametrize("T,H", [(1, 64), (64, 1), (16, 8)])
-def test_defaults_for_other_T_compile_on_sm120_shape(T, H):
+def test_defaults_for_other_T_build_on_sm90(T, H):
     be = CudaBackend()
     p = be.default_params(_problem(H=H, T=T))
     assert be.static_reject(p, _problem(H=H, T=T), "sm_90") is None
+
+
+@pytest.mark.parametrize("T,H", [(1, 64), (16, 8), (41, 1), (48, 1)])
+def test_sm120_defaults_build_up_to_T48(T, H):
+    # T 41-48 fit 99 KB only with 4 warps; the default must find that, not give up
+    be = CudaBackend()
+    p = default_for_arch(T, max(1, min(H, 72 // T)), "sm_120")
+    assert be.static_reject(p, _problem(H=H, T=T), "sm_120") is None
+
+
+def _legal(p, T):
+    try:
+        check_static(p, T)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_default_fits_wherever_any_config_fits(arch):
+    # every legal template config of CUDA_PARAMS, judged by the kernel's shared-memory model
+    # (fit_reason) at each T: where one fits, the default must fit too
+    space = [CudaParams(VEC=v, BLOCK_N=n, NUM_WARPS=w, HEADS_PER_BLOCK=h, STAGES=st)
+             for v, n, w, h, st in itertools.product((2, 4, 8), (16, 32, 64), (4, 8, 16), (1, 2, 4, 8), (2, 3))]
+    for T in range(1, 65):
+        any_fits = any(_legal(q, T) and fit_reason(q, T, arch) is None for q in space)
+        p = default_for_arch(T, max(1, min(8, 72 // T)), arch)
+        assert _legal(p, T), (T, p)
+        assert (fit_reason(p, T, arch) is None) == any_fits, (arch, T, p, fit_reason(p, T, arch))
+
+
+@pytest.mark.parametrize("sms", [132, 114, 108, 170, 188])
+def test_default_nsplit_is_one_full_wave(sms, monkeypatch):
+    # one CTA per SM (the default's shared memory): NSPLIT x head groups CTAs must not pass the
+    # SM count (a second wave), and one more split per group would
+    monkeypatch.setattr(cuda_backend, "sm_count", lambda problem: sms)
+    be = CudaBackend()
+    for H in range(1, 129):
+        p = be.default_params(_problem(H=H, T=9))
+        groups = -(-H // p.HEADS_PER_BLOCK)
+        assert p.NSPLIT * groups <= sms or p.NSPLIT == 1, (H, p)
+        assert (p.NSPLIT + 1) * groups > sms or p.NSPLIT == 256, (H, p)
 
 
 def test_small_config_fits_sm120():

@@ -13,6 +13,7 @@ import yaml
 
 from kvtune.kernels import make_inputs, reference_attention, rel_error
 from kvtune.kernels import lookup
+from kvtune.kernels.backends import get_backend
 from kvtune.kernels import runtime as rt
 from kvtune.kernels.runtime import ProvenanceError, VerifyAttention, load_defaults
 from kvtune.kernels.triton_kernel import TritonBackend, TritonParams, kernel_source_hash, partials
@@ -223,10 +224,13 @@ def test_no_file_falls_back_and_warns_once(tmp_path, device, caplog, monkeypatch
         va = VerifyAttention.from_defaults(None, tp=TP, max_batch=2, max_context=128, device=device,
                                            deployment="absent", draft_tokens=T, heads=H, sm_scale=0.0721)
     assert sum("no tuned defaults" in r.getMessage() for r in caplog.records) == 1
-    assert va.plans[0].source == "untuned default of triton"
-    assert va.plans[0].params == TritonBackend().default_params(va.problem(2))
+    # the documented fallback: the CUDA kernel on a GPU (every GPU the tests run on is sm_80 or
+    # newer, and T 3 fits any), Triton under its interpreter on a CPU
+    want = get_backend("cuda" if device == "cuda" else "triton")
+    assert va.plans[0].source == f"untuned default of {want.name}"
+    assert va.plans[0].params == want.default_params(va.problem(2))
     # each batch size runs the backend's default for that size (NSPLIT fills the GPU for it)
-    assert [va.params_for(n) for n in (1, 2)] == [TritonBackend().default_params(va.problem(n)) for n in (1, 2)]
+    assert [va.params_for(n) for n in (1, 2)] == [want.default_params(va.problem(n)) for n in (1, 2)]
     assert va.plans[0].split_table is None
     check_against_oracle(va, [1, 97], "random", 3, device)
     # one error names every value the missing file would have given
@@ -384,6 +388,26 @@ def test_untuned_tp_falls_back(device, caplog):
     assert "no entry for tp=2" in caplog.text
     assert va.H == NUM_HEADS // 2 and va.plans[0].split_table is None
     assert va.nsplit_for(1, 10) == va.plans[0].params.NSPLIT
+
+
+@pytest.mark.parametrize("tuned_sms,warned", [(188, True), (170, False)])
+def test_a_file_tuned_on_another_sm_count_is_warned_about(device, caplog, monkeypatch, tuned_sms, warned):
+    """Same arch and kernels, another SM count (a file of an RTX PRO 6000's 188 SMs on an RTX
+    5090's 170): the file loads, and one warning names both counts (its NSPLIT may run a second
+    wave here); the same count says nothing."""
+    monkeypatch.setattr(lookup, "_sms_of", lambda dev: 170)
+    d = tuned_dict(device)
+    d["provenance"]["sm_count"] = tuned_sms
+    with caplog.at_level(logging.WARNING, logger="kvtune.runtime"):
+        for _ in range(2):
+            VerifyAttention.from_defaults(parse_tuned(d, "mem"), tp=TP, max_batch=1, max_context=128,
+                                          device=device, warmup=False)
+    hits = [r.getMessage() for r in caplog.records if "SMs" in r.getMessage()]
+    if warned:
+        assert len(hits) == 1 and "a GPU of 188 SMs" in hits[0] and "this one has 170" in hits[0], hits
+        assert "second wave" in hits[0] and "kvtune calibrate --deployment-for" in hits[0]
+    else:
+        assert hits == []
 
 
 # -- environment overrides -------------------------------------------------------------

@@ -280,8 +280,9 @@ class CudaBackend(SplitMergeBackend):
         sms = sm_count(problem)
         arch = device_arch(problem.device) if problem.is_cuda and torch.cuda.is_available() else "sm_90"
         p = default_for_arch(problem.T, hpb, arch)
-        # NSPLIT counts splits of the whole batch's keys per head group (key-balanced)
-        return replace(p, NSPLIT=max(1, min(256, round(sms / cdiv(problem.H, p.HEADS_PER_BLOCK)))))
+        # NSPLIT counts splits of the whole batch's keys per head group (key-balanced); rounded
+        # down: one CTA over the SM count is a second wave (H 56 on 132 SMs: 7 x 19 = 133)
+        return replace(p, NSPLIT=max(1, min(256, sms // cdiv(problem.H, p.HEADS_PER_BLOCK))))
 
     def _check_kernel(self, params: CudaParams, problem: VerifyProblem) -> None:
         check_static(params, problem.T)
@@ -308,7 +309,7 @@ class CudaBackend(SplitMergeBackend):
             limit = torch.cuda.get_device_properties(idx).shared_memory_per_block_optin
             if geo.smem_bytes > limit:
                 raise ValueError(f"params: {geo.smem_bytes} bytes of shared memory per block exceed this "
-                                 f"device's {limit} ({arch}); use fewer STAGES, BLOCK_N or HEADS_PER_BLOCK")
+                                 f"device's {limit} ({arch}); {_smaller_hint(T, limit)}")
             mod = compile_params(params, T, arch)
             ks = load_kernels(mod, idx, {split_expr(params, T): geo.smem_bytes})
             got = (ks[split_expr(params, T)], ks[MERGE_EXPR], geo, pdl_enabled(arch))
@@ -487,14 +488,44 @@ def _pdl_config(grid: tuple, stream, smem: int = 0):
 
 def default_for_arch(T: int, heads_per_block: int, arch: str) -> CudaParams:
     """The default template values for `arch`: the sm_90 shape (32-key tiles, 2 stages),
-    shrunk (16-key tiles, then fewer heads per CTA) until its shared memory fits the arch."""
+    shrunk (16-key tiles, then fewer heads per CTA, then 4 warps) until its shared memory fits
+    the arch. Where even the smallest does not fit (sm_120 above T 48: one head's T query rows
+    of 576 columns and two 16-key tiles over 99 KB), the smallest is returned and
+    `fit_reason` says why it cannot run."""
     limit = ARCH_LIMITS[arch].smem_per_block if arch in ARCH_LIMITS else ARCH_LIMITS["sm_120"].smem_per_block
     p = CudaParams(VEC=8, BLOCK_N=32, NUM_WARPS=8, HEADS_PER_BLOCK=heads_per_block, STAGES=2)
     if KernelGeometry.of(p, T).smem_bytes > limit:
         p = replace(p, BLOCK_N=16)
     while KernelGeometry.of(p, T).smem_bytes > limit and p.HEADS_PER_BLOCK > 1:
         p = replace(p, HEADS_PER_BLOCK=p.HEADS_PER_BLOCK // 2)
+    four = replace(p, NUM_WARPS=4)
+    if KernelGeometry.of(p, T).smem_bytes > limit >= KernelGeometry.of(four, T).smem_bytes:
+        # 4 warps keep fewer per-warp partial-S buffers (sm_120 at T 41-48: 113.5 -> 101.0 KB)
+        p = four
     return p
+
+
+def _least_configs(T: int) -> list[CudaParams]:
+    """The smallest legal configs at T (one head, 16-key tiles, 2 stages; 4 or 8 warps)."""
+    out = []
+    for warps in (4, 8):
+        q = CudaParams(VEC=8, BLOCK_N=16, NUM_WARPS=warps, HEADS_PER_BLOCK=1, STAGES=2)
+        try:
+            check_static(q, T)
+        except ValueError:
+            continue
+        out.append(q)
+    return out
+
+
+def _smaller_hint(T: int, limit: int) -> str:
+    """What to change when a config's shared memory exceeds `limit` bytes at T."""
+    need = min(KernelGeometry.of(q, T).smem_bytes for q in _least_configs(T))
+    if need <= limit:
+        return "use fewer STAGES, BLOCK_N, HEADS_PER_BLOCK or NUM_WARPS"
+    return (f"no cuda config fits T={T} draft tokens here (the smallest, one head and 16-key tiles, "
+            f"needs {need} B: the T query rows stay in shared memory); use fewer draft tokens or "
+            "backend='triton'")
 
 
 def reject_reason(params: CudaParams, T: int, arch: str) -> str | None:
