@@ -8,6 +8,7 @@ the backend.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import torch
 import triton
@@ -203,12 +204,30 @@ class TritonBackend(Backend):
 
     def default_params(self, problem: VerifyProblem) -> TritonParams:
         # at most 32 query rows per tile (32 x 512 fp32 accumulators over 8 warps stay in
-        # registers); enough splits for about one program per SM (16 without a GPU)
+        # registers); enough splits for about one program per SM (16 without a GPU); 16-key
+        # tiles where 32 do not fit the GPU's shared memory (sm_120 from T 33: 64 padded rows)
         block_h = max(1, min(problem.H, 32 // problem.T))
-        sms = torch.cuda.get_device_properties(problem.device).multi_processor_count if problem.is_cuda else 64
+        props = torch.cuda.get_device_properties(problem.device) if problem.is_cuda else None
+        sms = props.multi_processor_count if props is not None else 64
         progs = problem.B * cdiv(problem.H, block_h)
         nsplit = min(128, next_pow2(max(1, sms // progs)))
-        return TritonParams(NSPLIT=nsplit, BLOCK_N=32, HEADS_PER_BLOCK=block_h, NUM_WARPS=8, STAGES=2)
+        p = TritonParams(NSPLIT=nsplit, BLOCK_N=32, HEADS_PER_BLOCK=block_h, NUM_WARPS=8, STAGES=2)
+        limit = getattr(props, "shared_memory_per_block_optin", 0) if props is not None else 0
+        if limit and p.smem_bytes(problem.T, problem.Dk) > limit:
+            p = replace(p, BLOCK_N=16)
+        return p
+
+    def fit_reject(self, params: TritonParams, T: int, arch: str) -> str | None:
+        # judged at the MLA key row the GPU deployments tune (the CUDA kernels' only one)
+        from .cuda.backend import DK
+        from .cuda.params import ARCH_LIMITS
+        if arch not in ARCH_LIMITS:
+            return None
+        need, limit = params.smem_bytes(T, DK), ARCH_LIMITS[arch].smem_per_block
+        if need > limit:
+            return (f"shared memory {need} B per block (a {params.block_m(T)}-row Q tile and a {params.BLOCK_N}-key "
+                    f"tile of {DK} bf16 columns) exceeds {arch}'s {limit} B")
+        return None
 
     def check_params(self, params: TritonParams, problem: VerifyProblem) -> None:
         dpe = problem.Dk - problem.Dv

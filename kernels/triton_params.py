@@ -26,3 +26,10 @@ class TritonParams:
     def block_m(self, T: int) -> int:
         """Rows of the stage-1 tile: HEADS_PER_BLOCK*T padded to a power of two (>= 16 for tl.dot)."""
         return max(16, next_pow2(self.HEADS_PER_BLOCK * T))
+
+    def smem_bytes(self, T: int, Dk: int) -> int:
+        """Shared memory of the stage-1 kernel: the bf16 Q tile and one bf16 key tile, all Dk
+        columns. Triton 3.6's sm_120 compiles of this kernel report exactly this for STAGES 1-3
+        up to 64 rows (it does not multiply the key tile by the stages), and 2 KB more at 128
+        rows: a lower bound that the compile itself has the last word on."""
+        return (self.block_m(T) + self.BLOCK_N) * Dk * 2
