@@ -16,7 +16,7 @@ from kvtune.kernels import lookup
 from kvtune.kernels.backends import get_backend
 from kvtune.kernels import runtime as rt
 from kvtune.kernels.runtime import ProvenanceError, VerifyAttention, load_defaults
-from kvtune.kernels.triton_kernel import TritonBackend, TritonParams, kernel_source_hash, partials
+from kvtune.kernels.triton_kernel import TritonBackend, kernel_source_hash, partials
 from kvtune.kernels.tuned import SchemaError, dump_tuned, load_tuned, parse_tuned
 
 T, TP, NUM_HEADS = 9, 8, 16          # 2 heads per rank: small enough for the interpreter
@@ -388,85 +388,6 @@ def test_untuned_tp_falls_back(device, caplog):
     assert "no entry for tp=2" in caplog.text
     assert va.H == NUM_HEADS // 2 and va.plans[0].split_table is None
     assert va.nsplit_for(1, 10) == va.plans[0].params.NSPLIT
-
-
-@pytest.mark.parametrize("tuned_sms,warned", [(188, True), (170, False)])
-def test_a_file_tuned_on_another_sm_count_is_warned_about(device, caplog, monkeypatch, tuned_sms, warned):
-    """Same arch and kernels, another SM count (a file of an RTX PRO 6000's 188 SMs on an RTX
-    5090's 170): the file loads, and one warning names both counts (its NSPLIT may run a second
-    wave here); the same count says nothing."""
-    monkeypatch.setattr(lookup, "_sms_of", lambda dev: 170)
-    d = tuned_dict(device)
-    d["provenance"]["sm_count"] = tuned_sms
-    with caplog.at_level(logging.WARNING, logger="kvtune.runtime"):
-        for _ in range(2):
-            VerifyAttention.from_defaults(parse_tuned(d, "mem"), tp=TP, max_batch=1, max_context=128,
-                                          device=device, warmup=False)
-    hits = [r.getMessage() for r in caplog.records if "SMs" in r.getMessage()]
-    if warned:
-        assert len(hits) == 1 and "a GPU of 188 SMs" in hits[0] and "this one has 170" in hits[0], hits
-        assert "second wave" in hits[0] and "kvtune calibrate --deployment-for" in hits[0]
-    else:
-        assert hits == []
-
-
-# -- environment overrides -------------------------------------------------------------
-
-def test_env_off_disables(device, monkeypatch):
-    monkeypatch.setenv(rt.ENV_VERIFY, "off")
-    assert VerifyAttention.from_defaults(parse_tuned(tuned_dict(device), "mem"), tp=TP, device=device) is None
-
-
-def test_env_invalid_value(device, monkeypatch):
-    monkeypatch.setenv(rt.ENV_VERIFY, "fast")
-    with pytest.raises(ValueError, match="KVTUNE_VERIFY='fast'"):
-        VerifyAttention.from_defaults(parse_tuned(tuned_dict(device), "mem"), tp=TP, device=device)
-
-
-def test_env_forcing_an_unrunnable_backend_is_named(device, monkeypatch):
-    if device != "cpu":
-        pytest.skip("needs a device the cuda backend cannot run on")
-    monkeypatch.setenv(rt.ENV_VERIFY, "cuda")
-    with pytest.raises(ValueError, match="KVTUNE_VERIFY=cuda: backend 'cuda' cannot"):
-        VerifyAttention.from_defaults(parse_tuned(tuned_dict(device), "mem"), tp=TP, device=device)
-
-
-def test_env_forces_backend(device, monkeypatch, caplog):
-    tuned = parse_tuned(tuned_dict(device), "mem")
-    monkeypatch.setenv(rt.ENV_VERIFY, "reference")
-    with caplog.at_level(logging.WARNING, logger="kvtune.runtime"):
-        va = VerifyAttention.from_defaults(tuned, tp=TP, max_batch=4, max_context=300, device=device)
-    assert {p.backend.name for p in va.plans} == {"reference"}
-    assert "KVTUNE_VERIFY=reference overrides" in caplog.text
-    check_against_oracle(va, [1, 54, 97], "random", 5, device)
-    for mode in ("triton", "auto", "  AUTO "):
-        monkeypatch.setenv(rt.ENV_VERIFY, mode)
-        va = VerifyAttention.from_defaults(tuned, tp=TP, max_batch=4, max_context=300, device=device, warmup=False)
-        assert [p.params for p in va.plans] == [TritonParams(4, 16, 2, 4, 1), TritonParams(2, 32, 1, 4, 2)]
-        assert all(p.split_table is not None for p in va.plans)
-
-
-def test_unrunnable_entry_backend_falls_back_only_when_allowed(device, caplog):
-    if device != "cpu":
-        pytest.skip("needs a device the cuda backend cannot run on")
-    d = tuned_dict(device)
-    d["entries"][0].update(backend="cuda", params={"NSPLIT": 8})
-    d["provenance"]["kernel_hash"]["cuda"] = "0123456789abcdef"
-    tuned = parse_tuned(d, "mem", check_params=False)
-    with pytest.raises(ValueError, match="cuda"):
-        VerifyAttention.from_defaults(tuned, tp=TP, max_batch=1, max_context=128, device=device, warmup=False)
-    # this checkout's cuda source: the entry's backend is what cannot run; the hint is given
-    # because the fallback runs here (Triton under its interpreter, as the tests run it)
-    d["provenance"]["kernel_hash"]["cuda"] = lookup.backend_kernel_hash("cuda")
-    with pytest.raises(ValueError, match=r"backend 'cuda' cannot .*\(allow_mismatch=True falls back to triton's "):
-        VerifyAttention.from_defaults(parse_tuned(d, "mem", check_params=False), tp=TP, max_batch=1,
-                                      max_context=128, device=device, warmup=False)
-    with caplog.at_level(logging.WARNING, logger="kvtune.runtime"):
-        va = VerifyAttention.from_defaults(tuned, tp=TP, max_batch=1, max_context=128, device=device,
-                                           allow_mismatch=True)
-    assert va.plans[0].backend.name == "triton" and va.plans[0].split_table is None
-    assert "falling back to triton" in caplog.text
-    check_against_oracle(va, [54], "random", 9, device)
 
 
 # -- a deliberately wrong kernel is caught at start-up ---------------------------------

@@ -172,7 +172,7 @@ def test_calibrate_cpu_writes_a_loadable_profile(tmp_path):
     assert prof.name == "here" and prof.arch == "cpu" and prof.read_gbps > 0 and prof.bf16_tflops > 0
 
 
-def test_a_gpu_sweep_refuses_a_gpu_its_deployment_does_not_name(caplog):
+def test_a_gpu_sweep_refuses_a_gpu_its_deployment_does_not_name(capsys):
     """H100 and H200 share sm_90 and every kernel: only device_name tells their timings apart,
     so sweeping kimi-k2-h200 on an H100 (or the reverse) is refused unless asked for."""
     from kvtune.tuner.sweep import check_device_name
@@ -185,9 +185,10 @@ def test_a_gpu_sweep_refuses_a_gpu_its_deployment_does_not_name(caplog):
     msg = str(e.value)
     assert "kimi-k2-h200.yaml" in msg and "NVIDIA H200" in msg and "NVIDIA H100 80GB HBM3" in msg
     assert "--other-device" in msg
-    caplog.set_level("WARNING")
+    capsys.readouterr()
     check_device_name(h200, on_h100, other_device=True)    # asked for: a warning, no error
-    assert any("NVIDIA H100 80GB HBM3" in r.getMessage() for r in caplog.records)
+    err = capsys.readouterr().err   # the tuner's log reaches stderr, not the root logger caplog reads
+    assert "warning:" in err and "NVIDIA H100 80GB HBM3" in err and "(--other-device)" in err, err
     with pytest.raises(ConfigError, match="NVIDIA H200"):
         check_device_name(h100, {"device_name": "NVIDIA H200", "arch": "sm_90"})
     with pytest.raises(ConfigError, match="sm_80"):   # a profile whose arch is wrong for its own GPU
@@ -244,19 +245,36 @@ def test_another_gpu_gets_a_deployment_written_from_its_measured_profile(tmp_pat
     base = load_deployment("kimi-k2-rtx-pro-6000")
     assert dep.name == "kimi-k2-geforce-rtx-5090" and dep.device.device_name == "NVIDIA GeForce RTX 5090"
     assert dep.device.read_gbps == 1700.0 and dep.device.source == str(tmp_path / "devices" / "geforce-rtx-5090.yaml")
-    assert dataclasses.replace(dep, name=base.name, device=base.device) == base   # the buckets, the space
-    assert dep.space_dir == base.space_dir and dep.space_dir is not None
+    # the buckets; the space is the sm_120 one with NSPLIT's choices, eighths to doubles of the
+    # PRO 6000's 188 SMs, made the same of the 5090's 170
+    assert dataclasses.replace(dep, name=base.name, device=base.device, space_dir=base.space_dir) == base
+    assert dep.space_dir == str(tmp_path / "deployments" / ".." / "search_spaces" / "geforce-rtx-5090")
+    assert _choices(dep.space_dir, "cuda") == [170 // 8, 170 // 4, 170 // 2, 170, 170 * 3 // 2, 170 * 2]
+    assert _choices(base.space_dir, "cuda") == [23, 47, 94, 188, 282, 376]
+    assert _choices(dep.space_dir, "triton") == _choices(base.space_dir, "triton")   # splits per request
+    for name in ("cuda", "triton"):
+        load_space(name, space_dir=dep.space_dir)      # loads as a sweep loads it
     again = deployment_for_gpu(prof.device_name, "kimi-k2", tmp_path, lambda: pytest.fail("measured twice"))
     assert again == path, "the deployment written for this GPU is reused (its floors are the trials')"
     # a 227-KB sm_90 part no file names (an H800, say) takes an sm_90 deployment's buckets and space
-    h800 = _profile("h800", "NVIDIA H800", "sm_90", 227)
+    h800 = dataclasses.replace(_profile("h800", "NVIDIA H800", "sm_90", 227), sm_count=132)
     assert load_deployment(deployment_for_gpu("NVIDIA H800", "kimi-k2", tmp_path, lambda: h800)).space_dir is None
+    # an H100 PCIe (114 SMs): the sm_90 spaces, NSPLIT as the same fractions of 114 SMs
+    pcie = dataclasses.replace(_profile("h100-pcie", "NVIDIA H100 PCIe", "sm_90", 227), sm_count=114)
+    dep = load_deployment(deployment_for_gpu(pcie.device_name, "kimi-k2", tmp_path, lambda: pcie))
+    assert _choices(dep.space_dir, "cuda") == [114 // 8, 114 // 4, 114 // 2, 114, 114 * 3 // 2, 114 * 2]
+    assert _choices(dep.space_dir, "wgmma")[-2:] == [114, 228] and 114 // 3 in _choices(dep.space_dir, "wgmma")
     with pytest.raises(ValueError, match="NVIDIA H800"):
         deployment_for_gpu("NVIDIA A100-SXM4-80GB", "kimi-k2", tmp_path, lambda: h800)
     # 163 KB: as far from 99 as from 227; the base whose configs fit (sm_120's space, 99 KB) wins
-    a100 = _profile("a100-sxm4-80gb", "NVIDIA A100-SXM4-80GB", "sm_80", 163)
+    a100 = dataclasses.replace(_profile("a100-sxm4-80gb", "NVIDIA A100-SXM4-80GB", "sm_80", 163), sm_count=108)
     dep = load_deployment(deployment_for_gpu(a100.device_name, "kimi-k2", tmp_path, lambda: a100))
-    assert dep.space_dir == base.space_dir
+    assert _choices(dep.space_dir, "cuda") == [108 // 8, 108 // 4, 108 // 2, 108, 108 * 3 // 2, 108 * 2]
+    assert _choices(dep.space_dir, "triton") == _choices(base.space_dir, "triton")   # sm_120's
+
+
+def _choices(space_dir, backend):
+    return yaml.safe_load((Path(space_dir) / f"{backend}.yaml").read_text())["params"]["NSPLIT"]["choices"]
 
 
 def test_a_written_deployment_never_takes_a_shipped_name(tmp_path):

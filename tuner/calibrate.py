@@ -8,13 +8,16 @@ from the device properties.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import yaml
 
 from .config import CONFIG_DIR, DeviceProfile, load_deployment, read_yaml
 from .options import positive_int
+from .space import SPACE_DIR
 
 
 def _time(fn, reps: int, cuda: bool) -> list[float]:
@@ -83,6 +86,40 @@ def calibrate(device: str = "cuda", name: str | None = None, reps: int = 10) -> 
         ceilings_source=f"kvtune calibrate --device cpu, {stamp}: torch.sum over 256 MiB bf16; 1024^3 bf16 matmul")
 
 
+def rescaled_nsplit(choice: int, base_sms: int, sms: int) -> int:
+    """An NSPLIT choice made for a GPU of `base_sms` SMs, for one of `sms`: the same fraction of
+    the SMs, rounded down (a split over the SM count is a second wave). A choice within 5% of a
+    fraction p/q with q <= 8 (the spaces' eighths, thirds, halves, ...: 188 / 8 = 23.5 -> 23)
+    keeps that fraction exactly, so 23 of 188 becomes 170 // 8 = 21, not 20."""
+    f = Fraction(choice, base_sms)
+    near = f.limit_denominator(8)
+    if near and abs(near - f) <= f / 20:
+        f = near
+    return max(1, math.floor(f * sms))
+
+
+def write_rescaled_spaces(src: Path, dest: Path, base_sms: int, sms: int) -> Path:
+    """Each `<backend>.yaml` of the search-space folder `src` written to `dest`; for the backends
+    whose NSPLIT counts the splits of a whole batch per head group (SplitMergeBackend: about one
+    CTA per SM), its NSPLIT choices rescaled from `base_sms` to `sms` SMs (`rescaled_nsplit`,
+    duplicates dropped). Triton's NSPLIT, splits per request, is kept."""
+    from kvtune.kernels.backends import get_backend
+    from kvtune.kernels.cuda.backend import SplitMergeBackend
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in sorted(src.glob("*.yaml")):
+        doc = read_yaml(path)
+        nsplit = (doc.get("params") or {}).get("NSPLIT")
+        try:
+            per_batch = isinstance(get_backend(str(doc.get("backend"))), SplitMergeBackend)
+        except (KeyError, ValueError, ImportError):
+            per_batch = False     # the space's loader names what is wrong with it
+        if per_batch and isinstance(nsplit, dict) and isinstance(nsplit.get("choices"), list):
+            nsplit["choices"] = sorted({rescaled_nsplit(int(c), base_sms, sms) for c in nsplit["choices"]})
+        (dest / path.name).write_text(f"# {path}, NSPLIT's choices rescaled from {base_sms} to {sms} SMs by "
+                                      "kvtune calibrate\n" + yaml.safe_dump(doc, sort_keys=False))
+    return dest
+
+
 def deployment_for_gpu(device_name: str, family: str = "kimi-k2", out_dir: str | Path = "runs/configs",
                        profile=None) -> Path:
     """The deployment file a sweep on the GPU `device_name` should use: the shipped
@@ -120,6 +157,11 @@ def deployment_for_gpu(device_name: str, family: str = "kimi-k2", out_dir: str |
     doc = read_yaml(Path(base.source))
     doc.update(name=f"{family}-{prof.name}", device=prof.name,
                description=f"{base.name}'s buckets on {prof.device_name} (written by kvtune calibrate)")
+    if prof.sm_count != base.device.sm_count:
+        # the base's NSPLIT choices are fractions of its SM count: the same fractions of this one
+        spaces = write_rescaled_spaces(Path(base.space_dir or SPACE_DIR), out / "search_spaces" / prof.name,
+                                       base.device.sm_count, prof.sm_count)
+        doc["search_spaces"] = str(Path("..") / spaces.relative_to(out))
     path = out / "deployments" / f"{family}-{prof.name}.yaml"
     path.write_text(f"# {base.name}'s buckets for {prof.device_name}, whose ceilings `kvtune calibrate` measured "
                     f"into ../devices/{prof.name}.yaml\n" + yaml.safe_dump(doc, sort_keys=False))
