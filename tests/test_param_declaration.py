@@ -124,6 +124,20 @@ def test_compile_check_reads_spaces_through_the_loader(tmp_path, capsys):
         template_configs(read_space(SPACE_DIR / "triton.yaml"))
 
 
+@pytest.mark.parametrize("T,fits", [(48, True), (64, False)])
+def test_compile_check_at_large_T_on_sm120(T, fits, capsys, tmp_path, monkeypatch):
+    """sm_120's 99 KB: at T 48 the default (4 warps, one head) builds; at T 64 nothing does, and
+    compile-check says so and what to do, not only that the default does not fit."""
+    from kvtune.tuner.cli import main
+    monkeypatch.setenv("KVTUNE_CACHE_DIR", str(tmp_path))
+    rc = main(["compile-check", "--arch", "sm_120", "--T", str(T), "--jobs", "1"])
+    err = capsys.readouterr().err
+    if fits:
+        assert rc == 0, err
+    else:
+        assert rc == 1 and f"no cuda config fits T={T} draft tokens on sm_120" in err and "backend='triton'" in err, err
+
+
 DEVICE = {"name": "x", "device_name": "X", "arch": "sm_90", "sm_count": 132, "l2_bytes": 1 << 20,
           "ceilings": {"read_gbps": 4000, "bf16_tflops": 700}}
 

@@ -113,6 +113,10 @@ def _run(args) -> int:
     d = rows[0]
     if d.get("compile_error") or not d["fits"]:
         print(f"default config does not build cleanly for {args.arch}: {d['reason']}", file=sys.stderr)
+        if not n_fit and not d.get("compile_error"):
+            from kvtune.kernels.cuda.backend import fit_hint
+            from kvtune.kernels.cuda.params import arch_limits
+            print(f"  {fit_hint(args.T, arch_limits(args.arch).smem_per_block, f'on {args.arch}')}", file=sys.stderr)
         return 1
     return 0
 

@@ -309,7 +309,7 @@ class CudaBackend(SplitMergeBackend):
             limit = torch.cuda.get_device_properties(idx).shared_memory_per_block_optin
             if geo.smem_bytes > limit:
                 raise ValueError(f"params: {geo.smem_bytes} bytes of shared memory per block exceed this "
-                                 f"device's {limit} ({arch}); {_smaller_hint(T, limit)}")
+                                 f"device's {limit} ({arch}); {fit_hint(T, limit)}")
             mod = compile_params(params, T, arch)
             ks = load_kernels(mod, idx, {split_expr(params, T): geo.smem_bytes})
             got = (ks[split_expr(params, T)], ks[MERGE_EXPR], geo, pdl_enabled(arch))
@@ -518,12 +518,13 @@ def _least_configs(T: int) -> list[CudaParams]:
     return out
 
 
-def _smaller_hint(T: int, limit: int) -> str:
-    """What to change when a config's shared memory exceeds `limit` bytes at T."""
+def fit_hint(T: int, limit: int, where: str = "here") -> str:
+    """What to change when a config's shared memory exceeds `limit` bytes at T (`where`: the
+    device or arch, for the message)."""
     need = min(KernelGeometry.of(q, T).smem_bytes for q in _least_configs(T))
     if need <= limit:
         return "use fewer STAGES, BLOCK_N, HEADS_PER_BLOCK or NUM_WARPS"
-    return (f"no cuda config fits T={T} draft tokens here (the smallest, one head and 16-key tiles, "
+    return (f"no cuda config fits T={T} draft tokens {where} (the smallest, one head and 16-key tiles, "
             f"needs {need} B: the T query rows stay in shared memory); use fewer draft tokens or "
             "backend='triton'")
 
