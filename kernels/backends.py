@@ -135,8 +135,8 @@ class Backend(abc.ABC):
             return str(e)
         return None
 
-    def fit_reject(self, params: Any, T: int, arch: str) -> str | None:
-        """Why `params` cannot fit `arch` at T draft tokens, judged without compiling (the kernel's
+    def fit_reject(self, params: Any, T: int, arch: str, Dk: int = 576) -> str | None:
+        """Why `params` cannot fit `arch` at T draft tokens and Dk key columns, judged without compiling (the kernel's
         shared memory and threads against the arch's limits), or None when it may: compiling can
         still reject it (`static_reject`). The tuner plans its studies with it, so a search space
         need not restate the kernel's shared-memory model."""

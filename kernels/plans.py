@@ -19,7 +19,7 @@ import torch
 
 from .api import DEFAULT_KV_LORA_RANK
 from .backends import Backend, SplitTable, bucket_index, get_backend, params_from_dict, split_bounds
-from .lookup import ENV_VERIFY, ProvenanceError, device_arch, warn_once
+from .lookup import ENV_VERIFY, ProvenanceError, warn_once
 from .shapes import MAX_DRAFT_TOKENS, VerifyProblem
 from .tuned import TunedDefaults, TunedEntry
 
@@ -29,9 +29,9 @@ DEFAULT_BACKEND = "triton"
 
 
 def default_backend(problem: VerifyProblem) -> str:
-    """The backend of the untuned fallback for `problem`: cuda where its default config can run
-    on the problem's device (every GPU from sm_80; the H200 measured Triton's default 3-9x
-    slower), else DEFAULT_BACKEND."""
+    """The backend of the untuned fallback for `problem`: cuda where its default config runs the
+    problem on its device (every GPU from sm_80 at the contract's Dk 576 / Dv 512; the H200
+    measured Triton's default 3-9x slower), else DEFAULT_BACKEND (Triton serves any Dk, Dv, T)."""
     if not problem.is_cuda:
         return DEFAULT_BACKEND
     try:
@@ -41,7 +41,17 @@ def default_backend(problem: VerifyProblem) -> str:
     if be.supports(problem.device) is not None:
         return DEFAULT_BACKEND
     params = be.default_params(problem)
-    return DEFAULT_BACKEND if be.fit_reject(params, problem.T, device_arch(problem.device)) else "cuda"
+    try:
+        be.check_params(params, problem)     # the model's dimensions, T's rules
+    except ValueError:
+        return DEFAULT_BACKEND
+    # the device's own limit, as the launch checks it (an arch without a table entry included)
+    return DEFAULT_BACKEND if be.smem_bytes(params, problem.T) > device_smem_per_block(problem.device) else "cuda"
+
+
+def device_smem_per_block(device: torch.device) -> int:
+    """Opt-in shared memory per block of a CUDA device, in bytes."""
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
 
 
 @dataclass(frozen=True)

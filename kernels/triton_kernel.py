@@ -217,16 +217,14 @@ class TritonBackend(Backend):
             p = replace(p, BLOCK_N=16)
         return p
 
-    def fit_reject(self, params: TritonParams, T: int, arch: str) -> str | None:
-        # judged at the MLA key row the GPU deployments tune (the CUDA kernels' only one)
-        from .cuda.backend import DK
+    def fit_reject(self, params: TritonParams, T: int, arch: str, Dk: int = 576) -> str | None:
         from .cuda.params import ARCH_LIMITS
         if arch not in ARCH_LIMITS:
             return None
-        need, limit = params.smem_bytes(T, DK), ARCH_LIMITS[arch].smem_per_block
+        need, limit = params.smem_bytes(T, Dk), ARCH_LIMITS[arch].smem_per_block
         if need > limit:
             return (f"shared memory {need} B per block (a {params.block_m(T)}-row Q tile and a {params.BLOCK_N}-key "
-                    f"tile of {DK} bf16 columns) exceeds {arch}'s {limit} B")
+                    f"tile of {Dk} bf16 columns) exceeds {arch}'s {limit} B")
         return None
 
     def check_params(self, params: TritonParams, problem: VerifyProblem) -> None:

@@ -225,7 +225,7 @@ def test_no_file_falls_back_and_warns_once(tmp_path, device, caplog, monkeypatch
                                            deployment="absent", draft_tokens=T, heads=H, sm_scale=0.0721)
     assert sum("no tuned defaults" in r.getMessage() for r in caplog.records) == 1
     # the documented fallback: the CUDA kernel on a GPU (every GPU the tests run on is sm_80 or
-    # newer, and T 3 fits any), Triton under its interpreter on a CPU
+    # newer, and the CUDA default fits T 9 on each), Triton under its interpreter on a CPU
     want = get_backend("cuda" if device == "cuda" else "triton")
     assert va.plans[0].source == f"untuned default of {want.name}"
     assert va.plans[0].params == want.default_params(va.problem(2))

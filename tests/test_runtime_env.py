@@ -91,3 +91,29 @@ def test_unrunnable_entry_backend_falls_back_only_when_allowed(device, caplog):
     assert va.plans[0].backend.name == "triton" and va.plans[0].split_table is None
     assert "falling back to triton" in caplog.text
     check_against_oracle(va, [54], "random", 9, device)
+
+
+@pytest.mark.parametrize("arch,smem,T,Dk,want", [
+    ("sm_120", 101376, 9, 576, "cuda"),       # the CUDA default fits a 99-KB part at T 9
+    ("sm_120", 101376, 48, 576, "cuda"),      # 4 warps, one head: 101 KB
+    ("sm_120", 101376, 56, 576, "triton"),    # no CUDA config fits above T 48
+    ("sm_121", 101376, 56, 576, "triton"),    # an arch without a table entry: the device's own limit
+    ("sm_89", 101376, 44, 576, "triton"),     # the 4-warp config that would fit spills there
+    ("sm_90", 232448, 9, 576, "cuda"),
+    ("sm_90", 232448, 9, 320, "triton"),      # kv_lora_rank 256: the CUDA kernel is built for Dk 576
+])
+def test_the_untuned_fallback_on_a_gpu(monkeypatch, arch, smem, T, Dk, want):
+    """Which backend serves a GPU without tuned defaults, decided on a faked GPU of `arch` with
+    `smem` bytes per block: cuda where its default config runs the problem there, else triton."""
+    import torch
+
+    from kvtune.kernels import plans
+    from kvtune.kernels.cuda import backend as cuda_backend
+    from kvtune.kernels.shapes import VerifyProblem
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_backend, "device_arch", lambda device: arch)
+    monkeypatch.setattr(cuda_backend, "sm_count", lambda problem: 188)
+    monkeypatch.setattr(cuda_backend.CudaBackend, "supports", lambda self, device: None)
+    monkeypatch.setattr(plans, "device_smem_per_block", lambda device: smem)
+    problem = VerifyProblem(B=1, T=T, H=8, Dk=Dk, Dv=Dk - 64, device=torch.device("cuda"))
+    assert plans.default_backend(problem) == want

@@ -100,19 +100,15 @@ def rescaled_nsplit(choice: int, base_sms: int, sms: int) -> int:
 
 def write_rescaled_spaces(src: Path, dest: Path, base_sms: int, sms: int) -> Path:
     """Each `<backend>.yaml` of the search-space folder `src` written to `dest`; for the backends
-    whose NSPLIT counts the splits of a whole batch per head group (SplitMergeBackend: about one
+    whose NSPLIT counts the splits of a whole batch per head group (`nsplit_per_batch`: about one
     CTA per SM), its NSPLIT choices rescaled from `base_sms` to `sms` SMs (`rescaled_nsplit`,
     duplicates dropped). Triton's NSPLIT, splits per request, is kept."""
-    from kvtune.kernels.backends import get_backend
-    from kvtune.kernels.cuda.backend import SplitMergeBackend
+    from kvtune.kernels.params import nsplit_per_batch   # the declarations: no torch, no NVRTC
     dest.mkdir(parents=True, exist_ok=True)
     for path in sorted(src.glob("*.yaml")):
         doc = read_yaml(path)
         nsplit = (doc.get("params") or {}).get("NSPLIT")
-        try:
-            per_batch = isinstance(get_backend(str(doc.get("backend"))), SplitMergeBackend)
-        except (KeyError, ValueError, ImportError):
-            per_batch = False     # the space's loader names what is wrong with it
+        per_batch = nsplit_per_batch(str(doc.get("backend")))
         if per_batch and isinstance(nsplit, dict) and isinstance(nsplit.get("choices"), list):
             nsplit["choices"] = sorted({rescaled_nsplit(int(c), base_sms, sms) for c in nsplit["choices"]})
         (dest / path.name).write_text(f"# {path}, NSPLIT's choices rescaled from {base_sms} to {sms} SMs by "

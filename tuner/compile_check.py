@@ -116,7 +116,8 @@ def _run(args) -> int:
         if not n_fit and not d.get("compile_error"):
             from kvtune.kernels.cuda.backend import fit_hint
             from kvtune.kernels.cuda.params import arch_limits
-            print(f"  {fit_hint(args.T, arch_limits(args.arch).smem_per_block, f'on {args.arch}')}", file=sys.stderr)
+            hint = fit_hint(args.T, arch_limits(args.arch).smem_per_block, args.arch, f"on {args.arch}")
+            print(f"  {hint}", file=sys.stderr)
         return 1
     return 0
 

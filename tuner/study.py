@@ -118,7 +118,8 @@ class StudyPlan:
         if why or not self.backend:
             return why
         be = get_backend(self.backend)
-        return be.fit_reject(params_from_dict(be.params_type, dict(params)), self.spec.draft_tokens, self.arch)
+        return be.fit_reject(params_from_dict(be.params_type, dict(params)), self.spec.draft_tokens, self.arch,
+                             Dk=self.spec.Dk)
 
     def admits(self, params: dict) -> bool:
         """Whether every parameter of `params` takes one of this study's choices (a warm start

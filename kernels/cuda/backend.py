@@ -290,8 +290,12 @@ class CudaBackend(SplitMergeBackend):
     def _reject_on(self, params: CudaParams, problem: VerifyProblem, arch: str) -> str | None:
         return reject_reason(params, problem.T, arch)
 
-    def fit_reject(self, params: CudaParams, T: int, arch: str) -> str | None:
+    def fit_reject(self, params: CudaParams, T: int, arch: str, Dk: int = DK) -> str | None:
         return fit_reason(params, T, arch) if arch in ARCH_LIMITS else None
+
+    def smem_bytes(self, params: CudaParams, T: int) -> int:
+        """Dynamic shared memory of the split kernel per block (what the launch asks for)."""
+        return KernelGeometry.of(params, T).smem_bytes
 
     def supports(self, device: torch.device) -> str | None:
         return nvrtc_unsupported(device, lambda arch: int(arch.split("_")[1]) >= 80, "sm_80 or newer")
@@ -309,7 +313,7 @@ class CudaBackend(SplitMergeBackend):
             limit = torch.cuda.get_device_properties(idx).shared_memory_per_block_optin
             if geo.smem_bytes > limit:
                 raise ValueError(f"params: {geo.smem_bytes} bytes of shared memory per block exceed this "
-                                 f"device's {limit} ({arch}); {fit_hint(T, limit)}")
+                                 f"device's {limit} ({arch}); {fit_hint(T, limit, arch)}")
             mod = compile_params(params, T, arch)
             ks = load_kernels(mod, idx, {split_expr(params, T): geo.smem_bytes})
             got = (ks[split_expr(params, T)], ks[MERGE_EXPR], geo, pdl_enabled(arch))
@@ -486,29 +490,35 @@ def _pdl_config(grid: tuple, stream, smem: int = 0):
     return cfg
 
 
+#: Archs whose 4-warp configs of one head build cleanly at T 41-48, the only T where 4 warps
+#: alone bring the default under 99 KB: NVRTC 13 builds them without spills for sm_120, while for
+#: sm_80/86/89 they take 255 registers and spill (tests/test_cuda_compile.py), so 99-KB sm_86 and
+#: sm_89 stop at T 40.
+FOUR_WARP_ARCHS = ("sm_120",)
+
+
 def default_for_arch(T: int, heads_per_block: int, arch: str) -> CudaParams:
     """The default template values for `arch`: the sm_90 shape (32-key tiles, 2 stages),
-    shrunk (16-key tiles, then fewer heads per CTA, then 4 warps) until its shared memory fits
-    the arch. Where even the smallest does not fit (sm_120 above T 48: one head's T query rows
-    of 576 columns and two 16-key tiles over 99 KB), the smallest is returned and
-    `fit_reason` says why it cannot run."""
+    shrunk (16-key tiles, then fewer heads per CTA, then 4 warps on FOUR_WARP_ARCHS) until its
+    shared memory fits the arch. Where even the smallest does not fit (sm_120 above T 48,
+    sm_86/sm_89 above T 40), the smallest is returned and `fit_reason` says why it cannot run."""
     limit = ARCH_LIMITS[arch].smem_per_block if arch in ARCH_LIMITS else ARCH_LIMITS["sm_120"].smem_per_block
     p = CudaParams(VEC=8, BLOCK_N=32, NUM_WARPS=8, HEADS_PER_BLOCK=heads_per_block, STAGES=2)
     if KernelGeometry.of(p, T).smem_bytes > limit:
         p = replace(p, BLOCK_N=16)
     while KernelGeometry.of(p, T).smem_bytes > limit and p.HEADS_PER_BLOCK > 1:
         p = replace(p, HEADS_PER_BLOCK=p.HEADS_PER_BLOCK // 2)
-    four = replace(p, NUM_WARPS=4)
-    if KernelGeometry.of(p, T).smem_bytes > limit >= KernelGeometry.of(four, T).smem_bytes:
-        # 4 warps keep fewer per-warp partial-S buffers (sm_120 at T 41-48: 113.5 -> 101.0 KB)
-        p = four
+    if KernelGeometry.of(p, T).smem_bytes > limit:
+        # 4 warps keep fewer per-warp partial-S buffers (T 41-48: 113.5 -> 101.0 KB)
+        p = min(least_configs(T, arch), key=lambda q: KernelGeometry.of(q, T).smem_bytes, default=p)
     return p
 
 
-def _least_configs(T: int) -> list[CudaParams]:
-    """The smallest legal configs at T (one head, 16-key tiles, 2 stages; 4 or 8 warps)."""
+def least_configs(T: int, arch: str) -> list[CudaParams]:
+    """The smallest configs legal at T that build cleanly where they fit on `arch` (one head,
+    16-key tiles, 2 stages; 8 warps, and 4 on FOUR_WARP_ARCHS)."""
     out = []
-    for warps in (4, 8):
+    for warps in (4, 8) if arch in FOUR_WARP_ARCHS else (8,):
         q = CudaParams(VEC=8, BLOCK_N=16, NUM_WARPS=warps, HEADS_PER_BLOCK=1, STAGES=2)
         try:
             check_static(q, T)
@@ -518,15 +528,15 @@ def _least_configs(T: int) -> list[CudaParams]:
     return out
 
 
-def fit_hint(T: int, limit: int, where: str = "here") -> str:
-    """What to change when a config's shared memory exceeds `limit` bytes at T (`where`: the
-    device or arch, for the message)."""
-    need = min(KernelGeometry.of(q, T).smem_bytes for q in _least_configs(T))
+def fit_hint(T: int, limit: int, arch: str, where: str = "here") -> str:
+    """What to change when a config's shared memory exceeds `limit` bytes at T on `arch`
+    (`where`: the device or arch, for the message)."""
+    need = min(KernelGeometry.of(q, T).smem_bytes for q in least_configs(T, arch))
     if need <= limit:
         return "use fewer STAGES, BLOCK_N, HEADS_PER_BLOCK or NUM_WARPS"
-    return (f"no cuda config fits T={T} draft tokens {where} (the smallest, one head and 16-key tiles, "
-            f"needs {need} B: the T query rows stay in shared memory); use fewer draft tokens or "
-            "backend='triton'")
+    return (f"no cuda config fits T={T} draft tokens {where} (the smallest that builds on {arch}, one head "
+            f"and 16-key tiles, needs {need} B: the T query rows stay in shared memory); use fewer draft "
+            "tokens or backend='triton'")
 
 
 def reject_reason(params: CudaParams, T: int, arch: str) -> str | None:
