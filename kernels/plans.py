@@ -46,12 +46,7 @@ def default_backend(problem: VerifyProblem) -> str:
     except ValueError:
         return DEFAULT_BACKEND
     # the device's own limit, as the launch checks it (an arch without a table entry included)
-    return DEFAULT_BACKEND if be.smem_bytes(params, problem.T) > device_smem_per_block(problem.device) else "cuda"
-
-
-def device_smem_per_block(device: torch.device) -> int:
-    """Opt-in shared memory per block of a CUDA device, in bytes."""
-    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    return DEFAULT_BACKEND if be.device_reject(params, problem.T, problem.device) else "cuda"
 
 
 @dataclass(frozen=True)

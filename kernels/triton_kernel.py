@@ -212,8 +212,7 @@ class TritonBackend(Backend):
         progs = problem.B * cdiv(problem.H, block_h)
         nsplit = min(128, next_pow2(max(1, sms // progs)))
         p = TritonParams(NSPLIT=nsplit, BLOCK_N=32, HEADS_PER_BLOCK=block_h, NUM_WARPS=8, STAGES=2)
-        limit = getattr(props, "shared_memory_per_block_optin", 0) if props is not None else 0
-        if limit and p.smem_bytes(problem.T, problem.Dk) > limit:
+        if props is not None and p.smem_bytes(problem.T, problem.Dk) > props.shared_memory_per_block_optin:
             p = replace(p, BLOCK_N=16)
         return p
 

@@ -114,6 +114,6 @@ def test_the_untuned_fallback_on_a_gpu(monkeypatch, arch, smem, T, Dk, want):
     monkeypatch.setattr(cuda_backend, "device_arch", lambda device: arch)
     monkeypatch.setattr(cuda_backend, "sm_count", lambda problem: 188)
     monkeypatch.setattr(cuda_backend.CudaBackend, "supports", lambda self, device: None)
-    monkeypatch.setattr(plans, "device_smem_per_block", lambda device: smem)
+    monkeypatch.setattr(cuda_backend, "device_smem_per_block", lambda device: smem)
     problem = VerifyProblem(B=1, T=T, H=8, Dk=Dk, Dv=Dk - 64, device=torch.device("cuda"))
     assert plans.default_backend(problem) == want

@@ -30,6 +30,11 @@ def device_arch(device) -> str:
     return f"sm_{major}{minor}"
 
 
+def device_smem_per_block(device) -> int:
+    """Opt-in shared memory per block of a CUDA device, in bytes."""
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
 def qk_tilings(p: CudaParams, T: int) -> list[tuple[int, int, int]]:
     """Every (QMT, QRG, QKS) tiling of S^T = K Q^T that verify.cu's Config accepts for `p` at
     T: QMT divides the key m16 tiles, the QRG row groups are all non-empty, QKS divides the 36
@@ -293,9 +298,15 @@ class CudaBackend(SplitMergeBackend):
     def fit_reject(self, params: CudaParams, T: int, arch: str, Dk: int = DK) -> str | None:
         return fit_reason(params, T, arch) if arch in ARCH_LIMITS else None
 
-    def smem_bytes(self, params: CudaParams, T: int) -> int:
-        """Dynamic shared memory of the split kernel per block (what the launch asks for)."""
-        return KernelGeometry.of(params, T).smem_bytes
+    def device_reject(self, params: CudaParams, T: int, device: torch.device | int) -> str | None:
+        """Why `params` cannot launch at T on the CUDA `device` (its own opt-in shared memory per
+        block, an arch without an ARCH_LIMITS entry included), or None."""
+        need, limit = KernelGeometry.of(params, T).smem_bytes, device_smem_per_block(device)
+        if need <= limit:
+            return None
+        arch = device_arch(device)
+        return (f"params: {need} bytes of shared memory per block exceed this device's {limit} ({arch}); "
+                f"{fit_hint(T, limit, arch)}")
 
     def supports(self, device: torch.device) -> str | None:
         return nvrtc_unsupported(device, lambda arch: int(arch.split("_")[1]) >= 80, "sm_80 or newer")
@@ -308,12 +319,11 @@ class CudaBackend(SplitMergeBackend):
         got = self._kernels.get(key)
         if got is None:
             from .nvrtc import load_kernels
+            why = self.device_reject(params, T, idx)
+            if why:
+                raise ValueError(why)
             arch = device_arch(idx)
             geo = KernelGeometry.of(params, T)
-            limit = torch.cuda.get_device_properties(idx).shared_memory_per_block_optin
-            if geo.smem_bytes > limit:
-                raise ValueError(f"params: {geo.smem_bytes} bytes of shared memory per block exceed this "
-                                 f"device's {limit} ({arch}); {fit_hint(T, limit, arch)}")
             mod = compile_params(params, T, arch)
             ks = load_kernels(mod, idx, {split_expr(params, T): geo.smem_bytes})
             got = (ks[split_expr(params, T)], ks[MERGE_EXPR], geo, pdl_enabled(arch))
