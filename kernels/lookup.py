@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
 import re
 from pathlib import Path
 from typing import Sequence
@@ -21,6 +20,7 @@ from typing import Sequence
 import torch
 
 from .backends import get_backend
+from .devices import device_arch, device_name, device_sm_count  # noqa: F401 (device_name re-exported)
 from .tuned import BACKEND_NAMES, SchemaError, TunedDefaults, load_tuned
 
 log = logging.getLogger("kvtune.runtime")
@@ -130,29 +130,6 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     return dev
 
 
-def device_arch(device: torch.device | str) -> str:
-    """`sm_XY` of a CUDA device, `cpu` otherwise (the spelling of `provenance.arch`)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return "cpu"
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}"
-
-
-def device_name(device: torch.device | str) -> str:
-    """The device's name as `provenance.device_name` spells it (the tuner records this too)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()})"
-
-
-def _sms_of(device: torch.device | str) -> int | None:
-    """The SM count of a CUDA device (None for any other device)."""
-    device = torch.device(device)
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
-
-
 def backend_kernel_hash(name: str) -> str | None:
     """The running kernel source hash of backend `name` (None for the oracle). Raises
     ValueError when the backend cannot be imported."""
@@ -208,7 +185,7 @@ def check_provenance(tuned: TunedDefaults, device: torch.device | str, *, deploy
                               "anyway):\n  " + "\n  ".join(bad))
     for line in bad:
         warn_once(f"prov:{line}", f"kvtune: using mismatched tuned defaults: {line}")
-    rec, have = tuned.provenance.get("sm_count"), _sms_of(device)
+    rec, have = tuned.provenance.get("sm_count"), device_sm_count(device)
     if isinstance(rec, int) and have is not None and rec != have:
         # legal (the arch and kernels match), but NSPLIT was sized for the tuning GPU's SMs: a
         # split count over this GPU's SM count runs a second wave of CTAs

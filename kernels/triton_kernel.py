@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .backends import Backend, LaunchArgs
+from .devices import device_sm_count, device_smem_per_block
 from .shapes import VerifyProblem, cdiv, next_pow2
 from .triton_params import TRITON_PARAMS, TritonParams
 
@@ -207,12 +208,11 @@ class TritonBackend(Backend):
         # registers); enough splits for about one program per SM (16 without a GPU); 16-key
         # tiles where 32 do not fit the GPU's shared memory (sm_120 from T 33: 64 padded rows)
         block_h = max(1, min(problem.H, 32 // problem.T))
-        props = torch.cuda.get_device_properties(problem.device) if problem.is_cuda else None
-        sms = props.multi_processor_count if props is not None else 64
+        sms = device_sm_count(problem.device) or 64
         progs = problem.B * cdiv(problem.H, block_h)
         nsplit = min(128, next_pow2(max(1, sms // progs)))
         p = TritonParams(NSPLIT=nsplit, BLOCK_N=32, HEADS_PER_BLOCK=block_h, NUM_WARPS=8, STAGES=2)
-        if props is not None and p.smem_bytes(problem.T, problem.Dk) > props.shared_memory_per_block_optin:
+        if problem.is_cuda and p.smem_bytes(problem.T, problem.Dk) > device_smem_per_block(problem.device):
             p = replace(p, BLOCK_N=16)
         return p
 

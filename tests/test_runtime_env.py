@@ -19,7 +19,7 @@ def test_a_file_tuned_on_another_sm_count_is_warned_about(device, caplog, monkey
     """Same arch and kernels, another SM count (a file of an RTX PRO 6000's 188 SMs on an RTX
     5090's 170): the file loads, and one warning names both counts (its NSPLIT may run a second
     wave here); the same count says nothing."""
-    monkeypatch.setattr(lookup, "_sms_of", lambda dev: 170)
+    monkeypatch.setattr(lookup, "device_sm_count", lambda dev: 170)
     d = tuned_dict(device)
     d["provenance"]["sm_count"] = tuned_sms
     with caplog.at_level(logging.WARNING, logger="kvtune.runtime"):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..backends import Backend, LaunchArgs
+from ..devices import device_arch, device_sm_count, device_smem_per_block  # noqa: F401 (device_arch re-exported)
 from ..shapes import VerifyProblem, cdiv
 from .params import ARCH_LIMITS, CUDA_PARAMS, ArchLimits, CudaParams, arch_limits  # noqa: F401 (re-exported)
 
@@ -23,16 +24,6 @@ DK, DV = 576, 512
 KV_BITS = 16  # the cached K/V element type (a template value of verify.cu): bf16; fp8 e4m3 comes next
 MERGE_SPLIT_GROUPS = 16  # the merge kernel's SG: split groups merged in parallel per (row, head, 128 columns),
 # 16 threads each (8 columns per thread)
-
-
-def device_arch(device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}"
-
-
-def device_smem_per_block(device) -> int:
-    """Opt-in shared memory per block of a CUDA device, in bytes."""
-    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
 
 
 def qk_tilings(p: CudaParams, T: int) -> list[tuple[int, int, int]]:
@@ -182,18 +173,12 @@ def pdl_enabled(arch: str) -> bool:
     return int(arch.split("_")[1]) >= 90 and os.environ.get("KVTUNE_CUDA_PDL", "0") == "1"
 
 LOG2E = 1.4426950408889634
-_SM_COUNTS: dict[int, int] = {}
-
-
 def sm_count(problem: VerifyProblem, default: int = 132) -> int:
-    """SMs of the problem's GPU (read once per device), or `default` (an H100/H200's) when
-    the problem is planned without one."""
+    """SMs of the problem's GPU, or `default` (an H100/H200's) when the problem is planned
+    without one."""
     if not (problem.is_cuda and torch.cuda.is_available()):
         return default
-    idx = problem.device.index if problem.device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNTS:
-        _SM_COUNTS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNTS[idx]
+    return device_sm_count(problem.device)
 
 
 def nvrtc_unsupported(device: torch.device, archs_ok, need: str) -> str | None:

@@ -19,8 +19,8 @@ import torch
 
 from ..backends import LaunchArgs
 from ..shapes import VerifyProblem, cdiv
-from .backend import (DK, DV, MERGE_EXPR, SplitLaunch, SplitMergeBackend, device_arch, merge_shape, nvrtc_unsupported,
-                      pdl_enabled, sm_count, work_items)
+from .backend import (DK, DV, MERGE_EXPR, SplitLaunch, SplitMergeBackend, device_arch, device_smem_per_block,
+                      merge_shape, nvrtc_unsupported, pdl_enabled, sm_count, work_items)
 from .params import ARCH_LIMITS, WgmmaParams
 
 #: the sources of its module, in order (nvrtc.SOURCE_PARTS)
@@ -255,7 +255,7 @@ class WgmmaBackend(Sm90aBackend):
         if got is None:
             from .nvrtc import load_kernels
             arch = device_arch(idx)
-            limit = torch.cuda.get_device_properties(idx).shared_memory_per_block_optin
+            limit = device_smem_per_block(idx)
             smem = smem_bytes(rows)
             if smem > limit:
                 raise ValueError(f"wgmma: {smem} bytes of shared memory per block exceed this device's {limit}")

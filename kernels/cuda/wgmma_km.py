@@ -19,7 +19,8 @@ import torch
 
 from ..backends import LaunchArgs
 from ..shapes import VerifyProblem, cdiv
-from .backend import DK, DV, MERGE_EXPR, SplitLaunch, device_arch, pdl_enabled, sm_count, work_items
+from .backend import (DK, DV, MERGE_EXPR, SplitLaunch, device_arch, device_smem_per_block, pdl_enabled, sm_count,
+                      work_items)
 from .params import ARCH_LIMITS, WgmmaKmParams
 from .wgmma import MERGE_WARP_EXPR, WGMMA_ARCHS, Sm90aBackend, _Loaded, sm90a_fit, sm90a_reject
 
@@ -97,7 +98,7 @@ class WgmmaKmBackend(Sm90aBackend):
         if got is None:
             from .nvrtc import load_kernels
             arch = device_arch(idx)
-            limit = torch.cuda.get_device_properties(idx).shared_memory_per_block_optin
+            limit = device_smem_per_block(idx)
             if SMEM_BYTES > limit:
                 raise ValueError(f"wgmma_km: {SMEM_BYTES} bytes of shared memory per block exceed this "
                                  f"device's {limit}")
