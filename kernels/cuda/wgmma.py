@@ -246,7 +246,7 @@ class WgmmaBackend(Sm90aBackend):
                             lambda: compile_wgmma(problem.T, arch, params.ROWS, params.COPY_LANES),
                             split_exprs(problem.T, params.ROWS, params.COPY_LANES))
 
-    def fit_reject(self, params: WgmmaParams, T: int, arch: str, Dk: int = 576) -> str | None:
+    def fit_reject(self, params: WgmmaParams, T: int, arch: str, Dk: int = DK) -> str | None:
         return sm90a_fit(self.name, arch, smem_bytes(params.ROWS)) if arch in ARCH_LIMITS else None
 
     def _get(self, T: int, rows: int, device: torch.device, lanes: int = COPY_LANES) -> _Loaded:

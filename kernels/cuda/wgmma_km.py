@@ -89,7 +89,7 @@ class WgmmaKmBackend(Sm90aBackend):
                             lambda: compile_km(problem.T, arch, params.DV_SPLIT, params.SPLIT_ALIGN),
                             (split_expr(problem.T, params.DV_SPLIT, params.SPLIT_ALIGN),))
 
-    def fit_reject(self, params: WgmmaKmParams, T: int, arch: str, Dk: int = 576) -> str | None:
+    def fit_reject(self, params: WgmmaKmParams, T: int, arch: str, Dk: int = DK) -> str | None:
         return sm90a_fit(self.name, arch, SMEM_BYTES) if arch in ARCH_LIMITS else None
 
     def _get(self, T: int, device: torch.device, dv_split: int, align: int) -> _Loaded:
