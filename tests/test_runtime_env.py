@@ -117,3 +117,28 @@ def test_the_untuned_fallback_on_a_gpu(monkeypatch, arch, smem, T, Dk, want):
     monkeypatch.setattr(cuda_backend, "device_smem_per_block", lambda device: smem)
     problem = VerifyProblem(B=1, T=T, H=8, Dk=Dk, Dv=Dk - 64, device=torch.device("cuda"))
     assert plans.default_backend(problem) == want
+
+
+def test_device_readers_on_a_faked_gpu_and_the_cpu(monkeypatch):
+    """kernels/devices.py: a CUDA ordinal, 'cuda:N' and a torch.device read the same GPU's
+    properties; the SM count is read once per device; a CPU device has no SMs or shared memory."""
+    import types
+
+    import torch
+
+    from kvtune.kernels import devices
+    reads = []
+
+    def props(idx):
+        reads.append(idx)
+        return types.SimpleNamespace(multi_processor_count=170 + idx, shared_memory_per_block_optin=101376)
+    monkeypatch.setattr(devices, "_SM_COUNTS", {})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx: (12, 0))
+    assert [devices.device_sm_count(d) for d in (1, "cuda:1", torch.device("cuda", 1))] == [171] * 3
+    assert reads == [1]
+    assert devices.device_sm_count(2) == 172
+    assert devices.device_smem_per_block("cuda:1") == 101376
+    assert devices.device_arch(1) == "sm_120"
+    assert devices.device_arch("cpu") == "cpu" and devices.device_name("cpu").startswith("cpu (")
+    assert devices.device_sm_count("cpu") is None and devices.device_smem_per_block(torch.device("cpu")) is None
