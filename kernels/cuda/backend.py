@@ -173,6 +173,8 @@ def pdl_enabled(arch: str) -> bool:
     return int(arch.split("_")[1]) >= 90 and os.environ.get("KVTUNE_CUDA_PDL", "0") == "1"
 
 LOG2E = 1.4426950408889634
+
+
 def sm_count(problem: VerifyProblem, default: int = 132) -> int:
     """SMs of the problem's GPU, or `default` (an H100/H200's) when the problem is planned
     without one."""
