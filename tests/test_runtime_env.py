@@ -142,3 +142,36 @@ def test_device_readers_on_a_faked_gpu_and_the_cpu(monkeypatch):
     assert devices.device_arch(1) == "sm_120"
     assert devices.device_arch("cpu") == "cpu" and devices.device_name("cpu").startswith("cpu (")
     assert devices.device_sm_count("cpu") is None and devices.device_smem_per_block(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("name", ["cuda", "wgmma", "wgmma_km"])
+def test_split_merge_backends_check_the_devices_shared_memory(monkeypatch, name):
+    """The split-merge backends check a config's shared memory against the device's own opt-in
+    limit in one place (`device_reject`), before the first compile of a launch: on a faked sm_90
+    of 99 KB per block every default (each over 99 KB and within sm_90's table limit) is refused
+    with both numbers, the kernel and the arch named; on sm_90's own limit it launches."""
+    import torch
+
+    from kvtune.kernels.backends import get_backend
+    from kvtune.kernels.cuda import backend as cuda_backend
+    from kvtune.kernels.cuda.params import ARCH_LIMITS
+    from kvtune.kernels.shapes import VerifyProblem
+    limit = {"now": 101376}
+    monkeypatch.setattr(cuda_backend, "device_smem_per_block", lambda device: limit["now"])
+    monkeypatch.setattr(cuda_backend, "device_arch", lambda device: "sm_90")
+    be = get_backend(name)
+    params = be.default_params(VerifyProblem(B=1, T=9, H=8, Dk=576, Dv=512, device=torch.device("cpu")))
+    need = be.split_smem_bytes(params, 9)
+    assert 101376 < need <= ARCH_LIMITS["sm_90"].smem_per_block
+    why = be.device_reject(params, 9, 0)
+    assert why is not None and f"{need} bytes" in why and "101376 (sm_90)" in why and f"{name} kernel" in why
+    with pytest.raises(ValueError) as e:   # refused before compiling or touching a GPU
+        if name == "cuda":
+            be._get(params, 9, torch.device("cuda", 0))
+        elif name == "wgmma":
+            be._get(9, params.ROWS, torch.device("cuda", 0), params.COPY_LANES)
+        else:
+            be._get(9, torch.device("cuda", 0), params.DV_SPLIT, params.SPLIT_ALIGN)
+    assert str(e.value) == why
+    limit["now"] = ARCH_LIMITS["sm_90"].smem_per_block
+    assert be.device_reject(params, 9, 0) is None

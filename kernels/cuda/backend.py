@@ -246,6 +246,30 @@ class SplitMergeBackend(Backend):
         """Why `params` cannot build or fit on `arch` (compile error, spills, shared memory), or None."""
         return None
 
+    def split_smem_bytes(self, params, T: int) -> int:
+        """Dynamic shared memory per block that `params`' split kernel asks for at T."""
+        raise NotImplementedError
+
+    def _device_hint(self, T: int, limit: int, arch: str) -> str:
+        """What runs instead on a device of `limit` bytes per block ('' for nothing to say)."""
+        return ""
+
+    def smem_reject(self, need: int, T: int, device: torch.device | int) -> str | None:
+        """Why a split kernel of `need` bytes of shared memory per block cannot launch on the CUDA
+        `device` (its own opt-in limit, an arch without an ARCH_LIMITS entry included), or None."""
+        limit = device_smem_per_block(device)
+        if need <= limit:
+            return None
+        arch = device_arch(device)
+        hint = self._device_hint(T, limit, arch)
+        return (f"params: {need} bytes of shared memory per block ({self.name} kernel) exceed this device's "
+                f"{limit} ({arch})" + (f"; {hint}" if hint else ""))
+
+    def device_reject(self, params, T: int, device: torch.device | int) -> str | None:
+        """Why `params` cannot launch at T on the CUDA `device`, or None (the check every launch's
+        first compile makes, and the untuned fallback's)."""
+        return self.smem_reject(self.split_smem_bytes(params, T), T, device)
+
     def launch(self, a: LaunchArgs, params) -> None:
         on_tensors_device(a, lambda: launch_split_merge(a, self.split_launch(a, params)))
 
@@ -285,15 +309,11 @@ class CudaBackend(SplitMergeBackend):
     def fit_reject(self, params: CudaParams, T: int, arch: str, Dk: int = DK) -> str | None:
         return fit_reason(params, T, arch) if arch in ARCH_LIMITS else None
 
-    def device_reject(self, params: CudaParams, T: int, device: torch.device | int) -> str | None:
-        """Why `params` cannot launch at T on the CUDA `device` (its own opt-in shared memory per
-        block, an arch without an ARCH_LIMITS entry included), or None."""
-        need, limit = KernelGeometry.of(params, T).smem_bytes, device_smem_per_block(device)
-        if need <= limit:
-            return None
-        arch = device_arch(device)
-        return (f"params: {need} bytes of shared memory per block exceed this device's {limit} ({arch}); "
-                f"{fit_hint(T, limit, arch)}")
+    def split_smem_bytes(self, params: CudaParams, T: int) -> int:
+        return KernelGeometry.of(params, T).smem_bytes
+
+    def _device_hint(self, T: int, limit: int, arch: str) -> str:
+        return fit_hint(T, limit, arch)
 
     def supports(self, device: torch.device) -> str | None:
         return nvrtc_unsupported(device, lambda arch: int(arch.split("_")[1]) >= 80, "sm_80 or newer")

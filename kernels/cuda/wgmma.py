@@ -19,7 +19,7 @@ import torch
 
 from ..backends import LaunchArgs
 from ..shapes import VerifyProblem, cdiv
-from .backend import (DK, DV, MERGE_EXPR, SplitLaunch, SplitMergeBackend, device_arch, device_smem_per_block,
+from .backend import (DK, DV, MERGE_EXPR, SplitLaunch, SplitMergeBackend, device_arch,
                       merge_shape, nvrtc_unsupported, pdl_enabled, sm_count, work_items)
 from .params import ARCH_LIMITS, WgmmaParams
 
@@ -229,6 +229,9 @@ class Sm90aBackend(SplitMergeBackend):
     def supports(self, device: torch.device) -> str | None:
         return nvrtc_unsupported(device, lambda arch: arch in WGMMA_ARCHS, "wgmma (sm_90: H100 / H200)")
 
+    def _device_hint(self, T: int, limit: int, arch: str) -> str:
+        return "backend='cuda' has configs for smaller shared memory"
+
 
 class WgmmaBackend(Sm90aBackend):
     name = "wgmma"
@@ -249,16 +252,19 @@ class WgmmaBackend(Sm90aBackend):
     def fit_reject(self, params: WgmmaParams, T: int, arch: str, Dk: int = DK) -> str | None:
         return sm90a_fit(self.name, arch, smem_bytes(params.ROWS)) if arch in ARCH_LIMITS else None
 
+    def split_smem_bytes(self, params: WgmmaParams, T: int) -> int:
+        return smem_bytes(params.ROWS)
+
     def _get(self, T: int, rows: int, device: torch.device, lanes: int = COPY_LANES) -> _Loaded:
         idx = device.index if device.index is not None else torch.cuda.current_device()
         got = self._kernels.get((T, rows, lanes, idx))
         if got is None:
             from .nvrtc import load_kernels
-            arch = device_arch(idx)
-            limit = device_smem_per_block(idx)
             smem = smem_bytes(rows)
-            if smem > limit:
-                raise ValueError(f"wgmma: {smem} bytes of shared memory per block exceed this device's {limit}")
+            why = self.smem_reject(smem, T, idx)
+            if why:
+                raise ValueError(why)
+            arch = device_arch(idx)
             any_b, one_b = split_exprs(T, rows, lanes)
             ks = load_kernels(compile_wgmma(T, arch, rows, lanes), idx, {any_b: smem, one_b: smem})
             got = _Loaded(ks[any_b], ks[MERGE_EXPR], ks[MERGE_WARP_EXPR], pdl_enabled(arch), ks[one_b])

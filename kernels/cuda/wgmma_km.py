@@ -19,7 +19,7 @@ import torch
 
 from ..backends import LaunchArgs
 from ..shapes import VerifyProblem, cdiv
-from .backend import (DK, DV, MERGE_EXPR, SplitLaunch, device_arch, device_smem_per_block, pdl_enabled, sm_count,
+from .backend import (DK, DV, MERGE_EXPR, SplitLaunch, device_arch, pdl_enabled, sm_count,
                       work_items)
 from .params import ARCH_LIMITS, WgmmaKmParams
 from .wgmma import MERGE_WARP_EXPR, WGMMA_ARCHS, Sm90aBackend, _Loaded, sm90a_fit, sm90a_reject
@@ -92,16 +92,18 @@ class WgmmaKmBackend(Sm90aBackend):
     def fit_reject(self, params: WgmmaKmParams, T: int, arch: str, Dk: int = DK) -> str | None:
         return sm90a_fit(self.name, arch, SMEM_BYTES) if arch in ARCH_LIMITS else None
 
+    def split_smem_bytes(self, params: WgmmaKmParams, T: int) -> int:
+        return SMEM_BYTES
+
     def _get(self, T: int, device: torch.device, dv_split: int, align: int) -> _Loaded:
         idx = device.index if device.index is not None else torch.cuda.current_device()
         got = self._kernels.get((T, dv_split, align, idx))
         if got is None:
             from .nvrtc import load_kernels
+            why = self.smem_reject(SMEM_BYTES, T, idx)
+            if why:
+                raise ValueError(why)
             arch = device_arch(idx)
-            limit = device_smem_per_block(idx)
-            if SMEM_BYTES > limit:
-                raise ValueError(f"wgmma_km: {SMEM_BYTES} bytes of shared memory per block exceed this "
-                                 f"device's {limit}")
             expr = split_expr(T, dv_split, align)
             ks = load_kernels(compile_km(T, arch, dv_split, align), idx, {expr: SMEM_BYTES})
             got = _Loaded(ks[expr], ks[MERGE_EXPR], ks[MERGE_WARP_EXPR], pdl_enabled(arch))
