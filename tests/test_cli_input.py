@@ -55,6 +55,8 @@ def test_backend_typo_in_the_deployment_is_an_error_naming_the_file(tmp_path, ca
     (["--compile-workers", "-3"], "--compile-workers: expected an integer >= 0, got -3"),
     (["--workers", "0"], "--workers: expected a positive integer, got 0"),   # refused before any storage is made
     (["--workers", "-1"], "--workers: expected a positive integer, got -1"),
+    (["--heartbeat", "0"], "--heartbeat: expected a positive integer, got 0"),
+    (["--grace", "-5"], "--grace: expected a positive integer, got -5"),
 ])
 @pytest.mark.parametrize("cmd", ["sweep", "worker"])
 def test_bad_numbers_are_errors(tmp_path, capsys, argv, msg, cmd):

@@ -132,11 +132,12 @@ def add_sweep_arguments(p, worker: bool = False) -> None:
                    help=None if worker else "stop (resumably, like Ctrl-C) after this many measurements in this run "
                    "(with --workers: in each worker)")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--heartbeat", type=int, default=10, help="seconds between a worker's heartbeats (default 10)")
+    p.add_argument("--heartbeat", type=positive_int("--heartbeat"), default=10,
+                   help="seconds between a worker's heartbeats (default 10)")
     p.add_argument("--other-device", action="store_true", help=None if worker else
                    "sweep although this GPU is not the one the deployment's device profile names (device_name): "
                    "the export would carry this GPU's timings under that deployment's name")
-    p.add_argument("--grace", type=int, default=60,
+    p.add_argument("--grace", type=positive_int("--grace"), default=60,
                    help="seconds without a heartbeat before a running trial is failed and retried (default 60)")
 
 

@@ -129,7 +129,9 @@ class SharedSweep(Sweep):
     def __init__(self, dep: Deployment, opts: SweepOptions, heartbeat_s: int = 10, grace_s: int = 60,
                  index: int = 0, of: int = 1, post: bool = False):
         from .storage import Heartbeats
-        self.heartbeat_s, self.grace_s = max(1, int(heartbeat_s)), max(1, int(grace_s))
+        self.heartbeat_s, self.grace_s = int(heartbeat_s), int(grace_s)
+        if self.heartbeat_s < 1:
+            raise ConfigError(f"--heartbeat {heartbeat_s}: expected a positive number of seconds")
         if self.grace_s <= self.heartbeat_s:   # every live trial would be failed as stale between two beats
             raise ConfigError(f"--grace {grace_s}: must exceed --heartbeat {heartbeat_s} (a trial is failed as "
                               "stale after --grace seconds without a heartbeat; give it several)")
