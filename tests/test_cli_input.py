@@ -239,3 +239,17 @@ def test_a_gpu_sized_deployment_on_the_cpu_warns(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "warning: deployment kimi-k2-h200" in err and "is sized for NVIDIA H200 (sm_90)" in err
     assert "cpu-tiny" in err
+
+
+def test_a_missing_deployment_is_named_as_given(tmp_path, capsys):
+    """A path that is not a file says so (no '.yaml.yaml' guess); a bare name that is no shipped
+    deployment lists the shipped ones."""
+    missing = tmp_path / "nonexist.yaml"
+    assert main(["sweep", str(missing), "--device", "cpu", "--out", str(tmp_path / "out")]) == 2
+    assert f"deployment '{missing}': no such file" in capsys.readouterr().err
+    assert main(["sweep", str(tmp_path), "--device", "cpu", "--out", str(tmp_path / "out")]) == 2
+    assert f"deployment '{tmp_path}': a folder" in capsys.readouterr().err
+    assert main(["sweep", "kimi-k2-h300", "--device", "cpu", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "deployment 'kimi-k2-h300' not found" in err and "kimi-k2-h200, kimi-k2-rtx-pro-6000" in err
+    assert not (tmp_path / "out").exists()

@@ -318,10 +318,15 @@ def find_deployment(name_or_path: str | Path) -> Path:
     p = Path(name_or_path)
     if p.is_file():
         return p
-    cand = CONFIG_DIR / "deployments" / f"{name_or_path}.yaml"
+    if p.suffix in (".yaml", ".yml") or len(p.parts) > 1:   # a path, not a shipped deployment's name
+        raise ConfigError(f"deployment {str(name_or_path)!r}: {'a folder' if p.is_dir() else 'no such file'}")
+    shipped = CONFIG_DIR / "deployments"
+    cand = shipped / f"{name_or_path}.yaml"
     if cand.is_file():
         return cand
-    raise ConfigError(f"deployment {str(name_or_path)!r} not found (neither a file nor {cand})")
+    names = ", ".join(sorted(f.stem for f in shipped.glob("*.yaml")))
+    raise ConfigError(f"deployment {str(name_or_path)!r} not found (neither a file nor a deployment of {shipped}: "
+                      f"{names})")
 
 
 def load_deployment(name_or_path: str | Path) -> Deployment:
