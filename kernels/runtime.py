@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -265,6 +266,8 @@ class VerifyAttention:
         tokens each (host mirror): per request for Triton; for a backend whose NSPLIT counts
         the batch's splits, from the batch's keys, as `direct_config` reads it, without a sync."""
         p = self.plan_for(batch)
+        if isinstance(prefix_len, bool) or not isinstance(prefix_len, numbers.Integral) or prefix_len < 0:
+            raise ValueError(f"prefix_len: expected a prefix length in tokens >= 0, got {prefix_len!r}")
         _, params, table = self._launch[batch]
         if table is None:
             return getattr(params, "NSPLIT", 1)

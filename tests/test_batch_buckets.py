@@ -93,6 +93,15 @@ def test_nsplit_keeps_the_tuned_cta_count(device, n):
         assert [va.nsplit_for(n, c) for c in CONTEXTS] == list(ENTRIES[m][1])
 
 
+def test_nsplit_for_refuses_a_prefix_that_is_no_length(device):
+    va = VerifyAttention.from_defaults(exported(device), tp=TP, max_batch=4, max_context=256, device=device,
+                                       warmup=False)
+    for bad in (-5, 1.5, "64", True):
+        with pytest.raises(ValueError, match=r"^prefix_len: expected a prefix length in tokens >= 0, got "):
+            va.nsplit_for(1, bad)
+    assert va.nsplit_for(1, 0) >= 1
+
+
 def test_workspace_stays_within_each_bucket_bound(device):
     """The sweep checks the workspace budget at each bucket's bound (its largest batch); no
     batch the bucket serves needs more, so the runtime's workspace is the largest of those."""
