@@ -95,3 +95,17 @@ def test_kvtune_without_a_command_is_a_usage_error(capsys):
     assert main([]) == 2
     out, err = capsys.readouterr()
     assert out == "" and "sweep" in err and "export" in err
+
+
+def test_a_second_ctrl_c_while_the_command_exits_prints_no_traceback(tmp_path):
+    """`kvtune` (cli.entry) ignores SIGINT once `main` has returned: a second Ctrl-C, or the
+    process-group copy `timeout -s INT` sends, landing in the interpreter's exit handlers
+    (torch's among them) would otherwise print a KeyboardInterrupt traceback after the command
+    said 'interrupted'. The signal here is sent from an exit handler, where it lands for real."""
+    code = ("import atexit, os, signal\n"
+            "from kvtune.tuner import cli\n"
+            "cli.main = lambda argv=None: 130\n"
+            "atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))\n"
+            "cli.entry()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 130 and "KeyboardInterrupt" not in done.stderr and "Traceback" not in done.stderr

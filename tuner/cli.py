@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 from .log import set_level
@@ -52,5 +53,15 @@ def main(argv=None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The `kvtune` command: `main`, then the exit with Ctrl-C ignored. A second SIGINT (a
+    second Ctrl-C, or `timeout -s INT`, which signals the command and then its process group)
+    would otherwise land in the interpreter's exit handlers and print a traceback after the
+    command has already said it was interrupted and saved its work."""
+    code = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
