@@ -44,7 +44,12 @@ def _check_q_and_cache(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank) ->
         raise ValueError("kv_cache: rows must be contiguous (last-dimension stride 1)")
     Dk = q.shape[2]
     if kv_cache.shape[1] != Dk:
-        raise ValueError(f"kv_cache: row width {kv_cache.shape[1]} != q's Dk {Dk}")
+        # blame the one that is not the MLA width (kv_lora_rank 512 + rope 64) when the other is
+        mla = DEFAULT_KV_LORA_RANK + 64
+        who = "q" if kv_cache.shape[1] == mla else "kv_cache"
+        raise ValueError(f"{who}: q's Dk {Dk} != kv_cache's row width {kv_cache.shape[1]}; q [B*T, H, Dk] and "
+                         f"kv_cache [num_slots, Dk] share Dk = kv_lora_rank + rope dims ({mla} for DeepSeek-V3 "
+                         f"and Kimi-K2)")
     if not isinstance(kv_lora_rank, int) or not 0 < kv_lora_rank <= Dk:
         raise ValueError(f"kv_lora_rank: must be an int in (0, Dk={Dk}], got {kv_lora_rank!r}")
 

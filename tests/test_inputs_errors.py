@@ -26,6 +26,7 @@ def call(x, **over):
     (lambda x: dict(q=x.q[:-1]), "q"),                                  # T does not divide
     (lambda x: dict(kv_cache=x.kv_cache.half()), "kv_cache"),
     (lambda x: dict(kv_cache=x.kv_cache[:, :500]), "kv_cache"),          # width != Dk
+    (lambda x: dict(q=x.q[..., :512]), "q"),                              # Dk 512 against a 576-wide cache
     (lambda x: dict(kv_indptr=x.kv_indptr.long()), "kv_indptr"),
     (lambda x: dict(kv_indptr=x.kv_indptr[:1]), "kv_indptr"),
     (lambda x: dict(kv_indices=x.kv_indices.float()), "kv_indices"),
