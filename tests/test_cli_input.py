@@ -46,17 +46,17 @@ def test_backend_typo_in_the_deployment_is_an_error_naming_the_file(tmp_path, ca
 
 
 @pytest.mark.parametrize("argv, msg", [
-    (["--trials", "0"], "--trials: expected a positive integer, got 0"),
-    (["--trials", "-3"], "--trials: expected a positive integer, got -3"),
-    (["--max-minutes", "-1"], "--max-minutes: expected a finite number of minutes >= 0, got -1"),
-    (["--max-minutes", "nan"], "--max-minutes: expected a finite number of minutes >= 0, got nan"),
-    (["--trial-timeout", "nan"], "--trial-timeout: expected a finite number of seconds > 0, got nan"),
-    (["--trial-timeout", "-5"], "--trial-timeout: expected a finite number of seconds > 0, got -5"),
-    (["--compile-workers", "-3"], "--compile-workers: expected an integer >= 0, got -3"),
-    (["--workers", "0"], "--workers: expected a positive integer, got 0"),   # refused before any storage is made
-    (["--workers", "-1"], "--workers: expected a positive integer, got -1"),
-    (["--heartbeat", "0"], "--heartbeat: expected a positive integer, got 0"),
-    (["--grace", "-5"], "--grace: expected a positive integer, got -5"),
+    (["--trials", "0"], "argument --trials: expected a positive integer, got 0"),
+    (["--trials", "-3"], "argument --trials: expected a positive integer, got -3"),
+    (["--max-minutes", "-1"], "argument --max-minutes: expected a finite number of minutes >= 0, got -1"),
+    (["--max-minutes", "nan"], "argument --max-minutes: expected a finite number of minutes >= 0, got nan"),
+    (["--trial-timeout", "nan"], "argument --trial-timeout: expected a finite number of seconds > 0, got nan"),
+    (["--trial-timeout", "-5"], "argument --trial-timeout: expected a finite number of seconds > 0, got -5"),
+    (["--compile-workers", "-3"], "argument --compile-workers: expected an integer >= 0, got -3"),
+    (["--workers", "0"], "argument --workers: expected a positive integer, got 0"),   # before any storage
+    (["--workers", "-1"], "argument --workers: expected a positive integer, got -1"),
+    (["--heartbeat", "0"], "argument --heartbeat: expected a positive integer, got 0"),
+    (["--grace", "-5"], "argument --grace: expected a positive integer, got -5"),
 ])
 @pytest.mark.parametrize("cmd", ["sweep", "worker"])
 def test_bad_numbers_are_errors(tmp_path, capsys, argv, msg, cmd):
@@ -69,13 +69,13 @@ def test_bad_numbers_are_errors(tmp_path, capsys, argv, msg, cmd):
 
 
 @pytest.mark.parametrize("argv, msg", [
-    (["sweep", "DEP", "--rounds", "-1"], "--rounds: expected an integer >= 0, got -1"),
-    (["sweep", "DEP", "--remeasure-top", "-1"], "--remeasure-top: expected an integer >= 0, got -1"),
-    (["compile-check", "--arch", "sm_120", "--T", "0"], "--T: expected draft tokens in 1..64, got 0"),
-    (["compile-check", "--arch", "sm_120", "--T", "100"], "--T: expected draft tokens in 1..64, got 100"),
-    (["compile-check", "--arch", "sm_120", "--heads", "0"], "--heads: expected a positive integer, got 0"),
-    (["compile-check", "--arch", "sm_120", "--jobs", "0"], "--jobs: expected a positive integer, got 0"),
-    (["calibrate", "--device", "cpu", "--reps", "0"], "--reps: expected a positive integer, got 0"),
+    (["sweep", "DEP", "--rounds", "-1"], "argument --rounds: expected an integer >= 0, got -1"),
+    (["sweep", "DEP", "--remeasure-top", "-1"], "argument --remeasure-top: expected an integer >= 0, got -1"),
+    (["compile-check", "--arch", "sm_120", "--T", "0"], "argument --T: expected draft tokens in 1..64, got 0"),
+    (["compile-check", "--arch", "sm_120", "--T", "100"], "argument --T: expected draft tokens in 1..64, got 100"),
+    (["compile-check", "--arch", "sm_120", "--heads", "0"], "argument --heads: expected a positive integer, got 0"),
+    (["compile-check", "--arch", "sm_120", "--jobs", "0"], "argument --jobs: expected a positive integer, got 0"),
+    (["calibrate", "--device", "cpu", "--reps", "0"], "argument --reps: expected a positive integer, got 0"),
 ])
 def test_other_commands_check_their_numbers(tmp_path, capsys, argv, msg):
     """A value that would divide by zero, do nothing or fail later is refused by argparse."""
@@ -253,3 +253,18 @@ def test_a_missing_deployment_is_named_as_given(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "deployment 'kimi-k2-h300' not found" in err and "kimi-k2-h200, kimi-k2-rtx-pro-6000" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_mistyped_option_is_named_by_its_subcommand_with_the_nearest_one(capsys):
+    """`kvtune sweep DEP --trails 3`: the sweep's usage (not the top level's), the argument, and
+    the option meant."""
+    with pytest.raises(SystemExit) as e:
+        main(["sweep", "cpu-tiny", "--trails", "3"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert err.startswith("usage: kvtune sweep ")
+    assert "kvtune sweep: error: unrecognized arguments: --trails 3; --trails: did you mean --trials?" in err
+    with pytest.raises(SystemExit):
+        main(["export", "cpu-tiny", "extra"])
+    err = capsys.readouterr().err
+    assert err.startswith("usage: kvtune export ") and "unrecognized arguments: extra" in err and "did you" not in err

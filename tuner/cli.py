@@ -6,6 +6,7 @@ the tuner's notes and warnings go to stderr, results to stdout.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import signal
 import sys
@@ -38,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:   # said by the subcommand's own parser, with its usage and the nearest option
+        _unknown_arguments(parser, args.command, extra)
     if args.command is None:   # a usage error, as argparse treats one: a script calling plain `kvtune` fails
         parser.print_help(sys.stderr)
         return 2
@@ -51,6 +54,20 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:   # the sweep handles its own; any other command has nothing half-written to keep
         print(f"kvtune {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _unknown_arguments(parser: argparse.ArgumentParser, command: str | None, extra: list[str]) -> None:
+    """Exit 2 naming the arguments no parser took: through the subcommand's parser (its usage,
+    not the top level's), with the nearest option of that subcommand for an option typed wrong."""
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    target = sub.choices.get(command, parser) if sub is not None and command else parser
+    known = [o for a in target._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for x in extra:
+        close = difflib.get_close_matches(x.split("=", 1)[0], known, n=1) if x.startswith("-") else []
+        if close:
+            hints.append(f"{x.split('=', 1)[0]}: did you mean {close[0]}?")
+    target.error("unrecognized arguments: " + " ".join(extra) + ("; " + "; ".join(hints) if hints else ""))
 
 
 def entry() -> None:

@@ -69,15 +69,17 @@ def subset(sel, allowed, flag, src, allow_extra=False) -> list:
 
 
 def _checked(flag, cast, ok, expected):
-    """argparse type: `cast(text)` where `ok` holds, else an error naming `flag` and what it expects."""
+    """argparse type: `cast(text)` where `ok` holds, else an error saying what `flag` expects
+    (argparse puts "argument <flag>: " in front of it)."""
     def parse(text):
         try:
             v = cast(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag}: expected {expected}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
         if not ok(v):
-            raise argparse.ArgumentTypeError(f"{flag}: expected {expected}, got {text}")
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
         return v
+    parse.__name__ = flag   # argparse names a failed conversion by its type's name
     return parse
 
 
