@@ -241,6 +241,8 @@ def check_keys(src, key, d, allowed, required=(), error: type[ValueError] = Sche
     """`d` itself, once it is a mapping with keys only from `allowed` and every key of
     `required`; else `error("<src>: <key>: ...")`. Shared with the tuner's config files
     (which pass their ConfigError)."""
+    if d is None and key == "<top>":
+        raise error(f"{src}: empty, or cut before its first key; expected a mapping with keys {list(allowed)}")
     if not isinstance(d, dict):
         raise error(f"{src}: {key}: expected a mapping, got {type(d).__name__}")
     unknown = sorted(set(d) - set(allowed), key=repr)   # YAML keys may mix str and int

@@ -54,3 +54,13 @@ def test_a_key_given_twice_is_refused(tmp_path, device):
     with pytest.raises(SchemaError, match=r"twice.yaml: not valid YAML: key 'schema_version' given twice"):
         load_tuned(bad)
 
+
+
+@pytest.mark.parametrize("text", ["", "\n", "# kvtune tuned defaults, cut in its first comment\n"])
+def test_an_empty_file_says_it_is_empty(tmp_path, text):
+    """A file with no YAML in it (empty, or cut inside its first line) is named as empty, not
+    as 'expected a mapping, got NoneType'."""
+    empty = tmp_path / "empty.yaml"
+    empty.write_text(text)
+    with pytest.raises(SchemaError, match=r"empty.yaml: empty, or cut before its first key"):
+        load_tuned(empty)
