@@ -432,3 +432,16 @@ def test_a_bucket_served_by_another_backend_is_reported_under_that_backend(tmp_p
                 assert len(at) == 1 and at["backend"].iloc[0] == backend and at["NSPLIT"].iloc[0] == b["NSPLIT"]
                 assert at["ragged µs"].iloc[0] == pytest.approx(b["ragged_us"], abs=1e-3)
     assert crossed >= 4, "the export holds buckets served by another backend"
+
+
+def test_report_of_a_torn_export_warns_on_the_terminal(tmp_path, capsys):
+    """An exported YAML cut short is reported in the page and on stderr; the report is still
+    written from the trials."""
+    folder = tmp_path / "cpu-tiny"
+    shutil.copytree(CPU_TINY, folder, ignore=shutil.ignore_patterns("report"))
+    y = folder / "cpu-tiny.yaml"
+    y.write_text(y.read_text()[:200])
+    assert kvtune_main(["report", str(folder), "--out", str(tmp_path / "r")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: " in err and "cpu-tiny.yaml" in err and "without the exported YAML" in err
+    assert (tmp_path / "r" / "index.html").is_file()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import html
 import math
 import os
+import sys
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -96,6 +97,9 @@ def write_report(target: str | os.PathLike, out: str | os.PathLike | None = None
     if out is not None and Path(out).exists() and not Path(out).is_dir():
         raise ConfigError(f"--out {out}: a file, not a folder; the report is a folder (index.html and its figures)")
     res = load_results(target, storage)
+    if res.tuned_error:   # the page shows it too, but nobody reads a page they were not told about
+        print(f"warning: {res.tuned_error}; the report shows the trials without the exported YAML",
+              file=sys.stderr)
     out = Path(out) if out is not None else res.folder / "report"
     out.mkdir(parents=True, exist_ok=True)
     body = [header_html(res), "<ul>"]
