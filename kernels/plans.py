@@ -173,8 +173,8 @@ def _plan_from_entry(e: TunedEntry, forced: str | None, fallback: str, allow_mis
         params = be.default_params(problem_of(kw, min(e.max_batch, max_batch)))
         why = why or f"{ENV_VERIFY}={forced} overrides {source}'s backend " + \
             (repr(e.backend) if len(e.backends()) == 1 else f"dispatch over {e.backends()}")
-        warn_once(f"fallback:{source}:{fallback}", f"kvtune: {why}: running {be.name} with its default "
-                   f"parameters {params}")
+        warn_once(f"fallback:{source}:{fallback}", f"kvtune: {why}: running {be.name} " +
+                  (f"with its default parameters {params}" if params is not None else "(it takes no parameters)"))
         return Plan(e.max_batch, be, params, None, None, f"{source}, replaced by {be.name} defaults")
     be = usable[e.backend]
     params = params_from_dict(be.params_type, dict(e.params), where=f"{source}: params", complete=True) \

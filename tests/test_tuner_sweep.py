@@ -241,7 +241,7 @@ def test_interrupted_sweep_resumes_without_repeating(tmp_path):
         run_sweep(dep, SweepOptions(**kw))
 
 
-def test_export_waits_for_a_complete_sweep(tmp_path, caplog):
+def test_export_waits_for_a_complete_sweep(tmp_path, caplog, capsys):
     """`kvtune sweep --export` that stops early (a measurement or time limit, Ctrl-C) exports
     nothing: a half-searched bucket would replace the last good export's entry. Resumed to the
     end, it exports."""
@@ -258,7 +258,10 @@ def test_export_waits_for_a_complete_sweep(tmp_path, caplog):
     # exported by hand anyway: the warning names the study stopped inside, with the one trial
     # of the 4 measurements that the first study's 3 left it
     caplog.clear()
+    capsys.readouterr()
     assert main(["export", str(dep), "--out", str(out), "--no-check"]) == 0
+    printed = capsys.readouterr().out   # no serving check ran: no column of Nones for it
+    assert "tuned_us" in printed and "served_us" not in printed and "None" not in printed
     said = [r.getMessage() for r in caplog.records if "the last sweep into" in r.getMessage()]
     assert len(said) == 1 and "fewer search trials than the deployment's 3: triton (tp=8, bs=1, ctx=300): 1)" \
         in said[0], said

@@ -349,7 +349,7 @@ def export_deployment(dep: Deployment | str, out: str = "runs", trials_csv: str 
     if not quiet:
         import pandas as pd
         table = pd.DataFrame(report)
-        unscored = [c for c in ("ragged_us", "default_ragged_us") if c in table and table[c].isna().all()]
+        unscored = [c for c in ("served_us", "ragged_us", "default_ragged_us") if c in table and table[c].isna().all()]
         print(table.drop(columns=unscored).to_string(index=False, float_format=lambda x: f"{x:.2f}"))
         print(f"exported {dest}")
     return tuned
