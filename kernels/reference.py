@@ -42,7 +42,9 @@ def reference_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale,
         logits = torch.einsum("thd,ld->thl", qb, k) * sm_scale
         vis = visibility(T, (e - s) - T, tree_mask[b * T:(b + 1) * T])   # [T, L]
         logits = logits.masked_fill(~vis[:, None, :], float("-inf"))
-        row_lse = torch.logsumexp(logits, dim=-1)       # [T, H]
+        # in fp64: torch's fp32 reduction can differ by an ulp on a process's first call (measured on
+        # CPU: 1 bf16 ulp in ~100 outputs of 2 runs in 20), and the oracle must answer the same every time
+        row_lse = torch.logsumexp(logits.double(), dim=-1).float()   # [T, H]
         # a row that sees nothing (lse = -inf) gets p = 0, a row that read a NaN (lse = NaN) p = NaN
         p = torch.exp(logits - torch.where(row_lse == float("-inf"), 0.0, row_lse)[..., None])
         o[b * T:(b + 1) * T] = torch.einsum("thl,ld->thd", p, v)
