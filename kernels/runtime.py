@@ -117,9 +117,12 @@ class VerifyAttention:
         self.workspace = torch.empty(max(need, 1), dtype=torch.uint8, device=device)
         self.out_buf = (torch.empty(max_batch * T, H, Dv, dtype=torch.bfloat16, device=device)
                         if preallocate_out else None)
+        untuned = tuned is None or all(p.entry is None and p.source.startswith("untuned default") for p in self.plans)
         log.info("kvtune: VerifyAttention tp=%d max_batch=%d max_context=%d preallocated %d bytes (%d scratch); "
                  "defaults from %s", tp, max_batch, max_context, self.allocated_bytes, need,
-                 tuned.source if tuned is not None else "none (untuned backend defaults)")
+                 "none (untuned backend defaults)" if tuned is None else
+                 f"{tuned.source}, which has no entry for tp={tp} (untuned backend defaults)" if untuned else
+                 tuned.source)
 
     def _batch_launches(self, max_batch: int, T: int, device: torch.device) -> None:
         """Fill `_launch[n]` and `_nsplits[n]` for every batch n in 1..max_batch."""

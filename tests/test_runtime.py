@@ -383,9 +383,15 @@ def test_model_mismatch_and_bad_calls(device):
 
 def test_untuned_tp_falls_back(device, caplog):
     tuned = parse_tuned(tuned_dict(device), "mem")
-    with caplog.at_level(logging.WARNING, logger="kvtune.runtime"):
+    with caplog.at_level(logging.INFO, logger="kvtune.runtime"):
         va = VerifyAttention.from_defaults(tuned, tp=2, max_batch=1, max_context=128, device=device, warmup=False)
     assert "no entry for tp=2" in caplog.text
+    # the start-up line says the defaults are not the file's, not just "defaults from mem"
+    assert "defaults from mem, which has no entry for tp=2 (untuned backend defaults)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvtune.runtime"):
+        VerifyAttention.from_defaults(tuned, tp=TP, max_batch=1, max_context=128, device=device, warmup=False)
+    assert "defaults from mem\n" in caplog.text + "\n" and "untuned" not in caplog.text
     assert va.H == NUM_HEADS // 2 and va.plans[0].split_table is None
     assert va.nsplit_for(1, 10) == va.plans[0].params.NSPLIT
 
