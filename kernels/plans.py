@@ -49,6 +49,9 @@ def default_backend(problem: VerifyProblem) -> str:
     return DEFAULT_BACKEND if be.device_reject(params, problem.T, problem.device) else "cuda"
 
 
+#: how a plan without a YAML entry names its source (`Plan.untuned`)
+UNTUNED_SOURCE = "untuned default"
+
 @dataclass(frozen=True)
 class Plan:
     """How batches of up to `max_batch` requests run (one per batch entry of the YAML).
@@ -66,6 +69,11 @@ class Plan:
     entry: TunedEntry | None
     source: str
     others: tuple = ()
+
+    @property
+    def untuned(self) -> bool:
+        """Whether this plan is the fallback backend's untuned default (no YAML entry for its tp)."""
+        return self.entry is None and self.source.startswith(UNTUNED_SOURCE)
 
     def bucket_nsplits(self) -> tuple[int, ...]:
         """The NSPLIT of each context bucket of the entry, within its config's grid (the plan's
@@ -272,7 +280,7 @@ def plans(tuned: TunedDefaults | None, kw: dict, mode: str, backend: str | None,
     if not plans:
         be = _usable_backend(fallback, device, f"{ENV_VERIFY}={forced}" if forced else "backend")
         params = be.default_params(problem_of(kw, max_batch))
-        plans.append(Plan(max_batch, be, params, None, None, f"untuned default of {fallback}"))
+        plans.append(Plan(max_batch, be, params, None, None, f"{UNTUNED_SOURCE} of {fallback}"))
     for p in plans:
         for params, _, be in p.launches():   # a dispatch's every config
             try:

@@ -117,7 +117,7 @@ class VerifyAttention:
         self.workspace = torch.empty(max(need, 1), dtype=torch.uint8, device=device)
         self.out_buf = (torch.empty(max_batch * T, H, Dv, dtype=torch.bfloat16, device=device)
                         if preallocate_out else None)
-        untuned = tuned is None or all(p.entry is None and p.source.startswith("untuned default") for p in self.plans)
+        untuned = tuned is None or all(p.untuned for p in self.plans)
         log.info("kvtune: VerifyAttention tp=%d max_batch=%d max_context=%d preallocated %d bytes (%d scratch); "
                  "defaults from %s", tp, max_batch, max_context, self.allocated_bytes, need,
                  "none (untuned backend defaults)" if tuned is None else
@@ -159,7 +159,7 @@ class VerifyAttention:
                         SplitTable.build(split_bounds(p.backend, [b.max_context for b in p.entry.buckets], T,
                                                       p.max_batch), list(scaled), device))
                 self._launch[n] = variants[(i, scaled)]
-            elif p.entry is None and p.params is not None and p.source.startswith("untuned default"):
+            elif p.untuned and p.params is not None:
                 # no tuning to scale: the backend's own default for this batch size (its NSPLIT
                 # fills the GPU for n requests), not the one sized for max_batch
                 params = p.backend.default_params(self.problem(n))
