@@ -5,13 +5,13 @@ from __future__ import annotations
 import html
 import math
 import os
-import sys
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pandas as pd
 
 from ..config import ConfigError
+from ..log import get_logger
 from .data import Results, load_results, storage_name
 from .sections import Section, build_sections
 
@@ -98,8 +98,7 @@ def write_report(target: str | os.PathLike, out: str | os.PathLike | None = None
         raise ConfigError(f"--out {out}: a file, not a folder; the report is a folder (index.html and its figures)")
     res = load_results(target, storage)
     if res.tuned_error:   # the page shows it too, but nobody reads a page they were not told about
-        print(f"warning: {res.tuned_error}; the report shows the trials without the exported YAML",
-              file=sys.stderr)
+        get_logger(__name__).warning(f"{res.tuned_error}; the report shows the trials without the exported YAML")
     out = Path(out) if out is not None else res.folder / "report"
     out.mkdir(parents=True, exist_ok=True)
     body = [header_html(res), "<ul>"]
