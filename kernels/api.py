@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .backends import Backend, LaunchArgs, SplitTable, call_workspace_bytes, get_backend, launch_all
-from .shapes import MAX_DRAFT_TOKENS, VerifyProblem, overlapping
+from .shapes import MAX_DRAFT_TOKENS, ModelShape, VerifyProblem, overlapping
 
 DEFAULT_KV_LORA_RANK = 512
 
@@ -44,8 +44,8 @@ def _check_q_and_cache(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank) ->
         raise ValueError("kv_cache: rows must be contiguous (last-dimension stride 1)")
     Dk = q.shape[2]
     if kv_cache.shape[1] != Dk:
-        # blame the one that is not the MLA width (kv_lora_rank 512 + rope 64) when the other is
-        mla = DEFAULT_KV_LORA_RANK + 64
+        # blame the one that is not the MLA width (ModelShape's kv_lora_rank 512 + rope 64) when the other is
+        mla = ModelShape(num_heads=1).dk
         who = "q" if kv_cache.shape[1] == mla else "kv_cache"
         raise ValueError(f"{who}: q's Dk {Dk} != kv_cache's row width {kv_cache.shape[1]}; q [B*T, H, Dk] and "
                          f"kv_cache [num_slots, Dk] share Dk = kv_lora_rank + rope dims ({mla} for DeepSeek-V3 "

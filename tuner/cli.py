@@ -64,9 +64,10 @@ def _unknown_arguments(parser: argparse.ArgumentParser, command: str | None, ext
     known = [o for a in target._actions for o in a.option_strings if o.startswith("--")]
     hints = []
     for x in extra:
-        close = difflib.get_close_matches(x.split("=", 1)[0], known, n=1) if x.startswith("-") else []
+        name = x.split("=", 1)[0]
+        close = difflib.get_close_matches(name, known, n=1) if x.startswith("-") else []
         if close:
-            hints.append(f"{x.split('=', 1)[0]}: did you mean {close[0]}?")
+            hints.append(f"{name}: did you mean {close[0]}?")
     target.error("unrecognized arguments: " + " ".join(extra) + ("; " + "; ".join(hints) if hints else ""))
 
 

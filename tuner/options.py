@@ -79,7 +79,6 @@ def _checked(flag, cast, ok, expected):
         if not ok(v):
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
         return v
-    parse.__name__ = flag   # argparse names a failed conversion by its type's name
     return parse
 
 
