@@ -129,6 +129,9 @@ def test_more_heads_per_block_than_heads_warns(device):
     with pytest.warns(UserWarning, match=r"HEADS_PER_BLOCK = 4 exceeds the 2 head\(s\) of q"):
         o = _run(x, "triton", TritonParams(HEADS_PER_BLOCK=4))[0]
     assert torch.equal(o, _run(x, "triton", TritonParams(HEADS_PER_BLOCK=2))[0])
+    from kvtune.kernels import reference_attention, rel_error
+    ref, _ = reference_attention(x.q, x.kv_cache, x.kv_indptr, x.kv_indices, x.tree_mask, x.sm_scale)
+    assert rel_error(o, ref.cpu()) < 1e-2   # right, not only the same as the smaller block
 
 
 def test_non_utf8_yaml_names_the_file(tmp_path):
