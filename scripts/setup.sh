@@ -37,6 +37,30 @@ if ! python -c "import torch" 2>/dev/null; then
             || echo "kvtune: no CPU build of torch 2.13 found; the plain requirement follows (it may be the CUDA build)" >&2
     fi
 fi
-python -m pip install -q -e ".[test,review]" 2>&1 | quiet || true
-python -c "import kvtune.kernels, kvtune.tuner, torch, triton; print(f'kvtune installed: torch {torch.__version__}, triton {triton.__version__}')"
+pip_ok=1
+python -m pip install -q -e ".[test,review]" 2>&1 | quiet || pip_ok=0
+# every module of the package and its extras: a missing extra would otherwise show up only as
+# skipped tests ("needs the review extra") or a tuner that cannot start
+missing=$(python - <<'PY'
+import importlib
+mods = ["kvtune.kernels", "kvtune.tuner", "torch", "triton", "yaml", "cuda.bindings.nvrtc",  # the package
+        "optuna", "pandas", "tqdm",                                                            # tune
+        "pytest", "xdist", "pytest_timeout", "psycopg2",                                       # test
+        "matplotlib", "nbconvert", "nbclient", "ipykernel", "jinja2"]                          # review
+bad = []
+for m in mods:
+    try:
+        importlib.import_module(m)
+    except Exception as e:  # noqa: BLE001 - any failure to import is a broken install
+        bad.append(f"{m} ({type(e).__name__}: {e})")
+print("; ".join(bad))
+PY
+)
+if [ -n "$missing" ]; then
+    echo "kvtune: set-up incomplete in $venv: cannot import $missing" >&2
+    [ "$pip_ok" = 1 ] || echo "kvtune: (pip install -e \".[test,review]\" failed above)" >&2
+    exit 1
+fi
+[ "$pip_ok" = 1 ] || echo "kvtune: pip reported an error, but every module imports; going on" >&2
+python -c "import torch, triton; print(f'kvtune installed: torch {torch.__version__}, triton {triton.__version__}')"
 echo "$stamp" > "$stamp_file"
