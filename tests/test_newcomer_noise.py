@@ -112,15 +112,21 @@ exec "{sys.executable}" "$@"
 
 def test_skipped_gpu_tests_are_explained(tmp_path):
     shutil.copy(REPO / "tests" / "conftest.py", tmp_path / "conftest.py")
+    # test_d: a gpu test whose own skipif (an arch) is met before the marker's skip; still a GPU
+    # test. test_e: a skip of another kind.
     (tmp_path / "test_x.py").write_text("import pytest\n\n@pytest.mark.gpu\ndef test_a():\n    pass\n\n"
-                                        "@pytest.mark.gpu\ndef test_b():\n    pass\n\ndef test_c():\n    pass\n")
+                                        "@pytest.mark.gpu\ndef test_b():\n    pass\n\ndef test_c():\n    pass\n\n"
+                                        "@pytest.mark.gpu\n@pytest.mark.skipif(True, reason='needs sm_90')\n"
+                                        "def test_d():\n    pass\n\n"
+                                        "@pytest.mark.skip(reason='a second device type')\ndef test_e():\n    pass\n")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", str(tmp_path)],
                        capture_output=True, text=True, cwd=tmp_path, timeout=300)
     import torch
     if torch.cuda.is_available():
         assert "GPU tests" not in r.stdout
     else:
-        assert "2 skipped: the GPU tests (marked `gpu`)" in r.stdout and "scripts/test.sh" in r.stdout, r.stdout
+        assert "3 skipped: the GPU tests (marked `gpu`)" in r.stdout and "scripts/test.sh" in r.stdout, r.stdout
+        assert "1 skipped for other reasons" in r.stdout, r.stdout
 
 
 def test_progress_off_a_terminal_is_one_line_per_study(tmp_path):
