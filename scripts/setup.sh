@@ -39,28 +39,15 @@ if ! python -c "import torch" 2>/dev/null; then
 fi
 pip_ok=1
 python -m pip install -q -e ".[test,review]" 2>&1 | quiet || pip_ok=0
-# every module of the package and its extras: a missing extra would otherwise show up only as
-# skipped tests ("needs the review extra") or a tuner that cannot start
-missing=$(python - <<'PY'
-import importlib
-mods = ["kvtune.kernels", "kvtune.tuner", "torch", "triton", "yaml", "cuda.bindings.nvrtc",  # the package
-        "optuna", "pandas", "tqdm",                                                            # tune
-        "pytest", "xdist", "pytest_timeout", "psycopg2",                                       # test
-        "matplotlib", "nbconvert", "nbclient", "ipykernel", "jinja2"]                          # review
-bad = []
-for m in mods:
-    try:
-        importlib.import_module(m)
-    except Exception as e:  # noqa: BLE001 - any failure to import is a broken install
-        bad.append(f"{m} ({type(e).__name__}: {e})")
-print("; ".join(bad))
-PY
-)
-if [ -n "$missing" ]; then
-    echo "kvtune: set-up incomplete in $venv: cannot import $missing" >&2
-    [ "$pip_ok" = 1 ] || echo "kvtune: (pip install -e \".[test,review]\" failed above)" >&2
+# the sweep needs the package and the tune extra: stop, naming each module that does not import
+if ! python scripts/check_install.py package tune; then
+    echo "kvtune: set-up incomplete in $venv (see above)" >&2
+    [ "$pip_ok" = 1 ] || echo "kvtune: pip install -e \".[test,review]\" failed above" >&2
     exit 1
 fi
-[ "$pip_ok" = 1 ] || echo "kvtune: pip reported an error, but every module imports; going on" >&2
+# the test and review extras: said loudly; scripts/test.sh stops on them
+python scripts/check_install.py test review \
+    || echo "kvtune: the test / review extras are incomplete (above): scripts/test.sh needs them" >&2
+[ "$pip_ok" = 1 ] || echo "kvtune: pip reported an error above; the modules the sweep needs import" >&2
 python -c "import torch, triton; print(f'kvtune installed: torch {torch.__version__}, triton {triton.__version__}')"
 echo "$stamp" > "$stamp_file"

@@ -54,6 +54,7 @@ def _setup_with(tmp_path, fake_python: str):
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     shutil.copy(REPO / "scripts" / "setup.sh", repo / "scripts" / "setup.sh")
+    shutil.copy(REPO / "scripts" / "check_install.py", repo / "scripts" / "check_install.py")
     shutil.copy(REPO / "pyproject.toml", repo / "pyproject.toml")
     return lambda: subprocess.run(["bash", str(repo / "scripts" / "setup.sh"), str(venv)], capture_output=True,
                                   text=True, timeout=300, env=dict(os.environ))
@@ -108,6 +109,23 @@ exec "{sys.executable}" "$@"
     assert out.count("ERROR: a real problem pip reports") >= 2, out   # the pip upgrade's and the install's
     for noise in ("BuildBackendWarning", "!!", "Please be careful", "WheelFile", "*****", "WARNING: Location"):
         assert noise not in out, out
+
+
+def test_check_install_names_each_module_that_does_not_import(monkeypatch, capsys):
+    """setup.sh stops when the package or the tune extra does not import, test.sh when any extra
+    does not: each missing module named with its group; the groups are pyproject's extras."""
+    import re
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import check_install
+    section = (REPO / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1].split("\n[")[0]
+    extras = re.findall(r"^(\w+)\s*=", section, re.M)   # no tomllib: Python 3.10 is supported
+    assert set(extras) == set(check_install.GROUPS) - {"package"}
+    assert check_install.main(["package", "tune", "test", "review"]) == 0, capsys.readouterr().err
+    monkeypatch.setitem(check_install.GROUPS, "review", ["jinja2", "no_such_module_kvtune"])
+    assert check_install.main(["package", "review"]) == 1
+    err = capsys.readouterr().err
+    assert "no_such_module_kvtune (review: ModuleNotFoundError" in err and "jinja2" not in err, err
+    assert check_install.main(["tune", "nope"]) == 2 and "nope" in capsys.readouterr().err
 
 
 def test_skipped_gpu_tests_are_explained(tmp_path):
