@@ -3,7 +3,8 @@
 # The CPU build of torch is installed first: a plain `torch` requirement would pull a
 # multi-GB CUDA build on machines without a GPU. A stamp in the environment (the hash of
 # pyproject.toml and this checkout's path) skips the install when nothing it depends on changed:
-# the package is installed editable, so source changes need no reinstall.
+# the package is installed editable, so source changes need no reinstall. The skip also needs
+# every group of scripts/check_install.py to import: a broken extra is installed again.
 set -euo pipefail
 venv=$(realpath -m "${1:-.venv}")
 py=${PYTHON:-python3}
@@ -13,7 +14,7 @@ cd "$(dirname "$0")/.."
 stamp_file="$venv/.kvtune-install-stamp"
 stamp="$(sha256sum pyproject.toml | cut -d' ' -f1) $(pwd)"
 if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ] \
-        && python -c "import kvtune.kernels, kvtune.tuner, torch, triton" 2>/dev/null; then
+        && python scripts/check_install.py package tune test review 2>/dev/null; then
     echo "kvtune: already installed in $venv (pyproject.toml unchanged; delete $stamp_file to reinstall)"
     exit 0
 fi
