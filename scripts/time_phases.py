@@ -20,7 +20,8 @@ tail_chains2 / 3, its S^T in 2 / 3 accumulator chains;
 gather_after_publish / gather_if_free, tile t + 2's gather issued after tile t is published
 (always / when the tail has not handed its buffer back yet); table_lanes, the split table's bounds
 and values loaded a lane each beside kv_indptr; no_q_early, batch 1's instantiation without its Q
-copy under the schedule (the copy shipped: results/kernel/wgmma/phases/q-under-schedule/), with the
+copy under the schedule (the copy shipped: results/kernel/wgmma/phases/q-under-schedule/), last_exits, a
+CTA returning right after its last segment's o store, with the
 controls full_again (one comment changed) and pad_merge (dead code in the warp merge); roll_q /
 roll_store / roll_scrub, once-per-segment loops kept rolled
 (results/kernel/wgmma/phases/variant-order/); uniform_wg, the 64-row warpgroups'
@@ -297,6 +298,18 @@ WGMMA_VARIANTS = {
     # outputs right: the batch-1 instantiation without its Q copy under the schedule (each segment
     # copies its own, as at any batch): what the copy buys
     "no_q_early": [(_Q_EARLY, "  const bool q_early = false;")],
+    # outputs right: a CTA whose segment is its last (items: always; ranges: its cursor reached
+    # its range's end) returns right after storing o, without the two block barriers and the
+    # schedule step that would only find no next segment (the lead "the last segment knows it is
+    # last": about 0.5 us of every CTA's end on the timeline, results/kernel/wgmma/timeline/)
+    "last_exits": [
+        ("        store_o(item);\n"
+         "        __syncthreads();  // (4) o stored: Q's shared memory and the key buffers are free\n",
+         "        store_o(item);\n        if (work_s[4] == 0 || work_s[5] >= work_s[6]) return;\n"
+         "        __syncthreads();  // (4) o stored: Q's shared memory and the key buffers are free\n"),
+        ("  store_o(item);\n  __syncthreads();  // (4) o stored: Q's shared memory and the key buffers are free\n",
+         "  store_o(item);\n  if (work_s[4] == 0 || work_s[5] >= work_s[6]) return;\n"
+         "  __syncthreads();  // (4) o stored: Q's shared memory and the key buffers are free\n")],
     # controls (outputs right; results/kernel/wgmma/phases/variant-order/): full_again, the source
     # with one comment changed (the same code, compiled again); pad_merge, dead stores in the warp
     # merge (its code grows, the split kernel's does not)
@@ -351,7 +364,7 @@ UNSAFE = {"no_stage_barriers"}
 OUTPUTS_RIGHT = {"full", "items", "ranges", "tail_early_release", "tail_chains2", "tail_chains3",
                  "gather_after_publish", "gather_if_free", "uniform_wg", "wgi_plain", "pv_before_s",
                  "table_lanes", "no_q_early", "full_again", "pad_merge", "roll_q", "roll_store",
-                 "roll_scrub"}
+                 "roll_scrub", "last_exits"}
 
 
 def oracle_check(source: str, names: list[str], backend: str, over: dict, tol: float = 1e-2) -> None:
