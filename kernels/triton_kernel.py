@@ -17,7 +17,10 @@ import triton.language as tl
 from .backends import Backend, LaunchArgs
 from .devices import device_sm_count, device_smem_per_block
 from .shapes import VerifyProblem, cdiv, next_pow2
+from .triton_compat import fix_interpreter_index
 from .triton_params import TRITON_PARAMS, TritonParams
+
+fix_interpreter_index()   # on a CPU, Triton <= 3.6's interpreter under NumPy >= 2.4 (triton_compat.py)
 
 LOG2E = 1.4426950408889634
 
