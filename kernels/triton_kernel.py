@@ -20,7 +20,6 @@ from .shapes import VerifyProblem, cdiv, next_pow2
 from .triton_compat import fix_interpreter_index
 from .triton_params import TRITON_PARAMS, TritonParams
 
-fix_interpreter_index()   # on a CPU, Triton <= 3.6's interpreter under NumPy >= 2.4 (triton_compat.py)
 
 LOG2E = 1.4426950408889634
 
@@ -181,6 +180,10 @@ def _interpreting() -> bool:
     """Whether the kernels run under Triton's interpreter: decided when triton.jit wrapped
     them (TRITON_INTERPRET at import time), whatever the environment says now."""
     return type(_verify_split_kernel).__name__ == "InterpretedFunction"
+
+
+if _interpreting():   # Triton 3.4-3.6's interpreter under NumPy >= 2.4 (triton_compat.py)
+    fix_interpreter_index()
 
 
 def partials(problem: VerifyProblem, nsplit: int, workspace: torch.Tensor):

@@ -11,14 +11,16 @@ ver=${1:?"NVRTC version (major.minor), e.g. 13.0"}
 shift
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
+major=${ver%%.*}
 root=${XDG_CACHE_HOME:-$HOME/.cache}/kvtune/nvrtc-$ver
-lib=$root/nvidia/cu13/lib
-if [ ! -e "$lib/libnvrtc.so.13" ]; then
-    mkdir -p "$root/wheel"
+lib=$root/nvidia/cu$major/lib   # the layout of the nvidia-cuda-nvrtc wheels from 13.0 (pyproject's floor)
+if [ ! -e "$lib/libnvrtc.so.$major" ]; then
+    rm -rf "$root/wheel"; mkdir -p "$root/wheel"
     python -m pip download -q --no-deps -d "$root/wheel" "nvidia-cuda-nvrtc==$ver.*" 2> >(grep -v "WARNING: Location" >&2)
-    python -m zipfile -e "$root"/wheel/nvidia_cuda_nvrtc-*.whl "$root"
+    wheels=("$root"/wheel/nvidia_cuda_nvrtc-*.whl)
+    python -m zipfile -e "${wheels[0]}" "$root"
 fi
-export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" LD_PRELOAD="$lib/libnvrtc.so.13"
+export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" LD_PRELOAD="$lib/libnvrtc.so.$major"
 export KVTUNE_CACHE_DIR="$root/compile-cache"
 got=$(python -c "from kvtune.kernels.cuda.nvrtc import nvrtc_version; print(nvrtc_version())")
 [ "$got" = "$ver" ] || { echo "compile_tests_nvrtc.sh: asked for NVRTC $ver, loaded $got" >&2; exit 1; }
