@@ -4,7 +4,7 @@ CI's Triton already takes the one element, so the fix is inert there; these test
 interpreters written as Triton 3.6's (`_patch_lang_tensor(tensor, scope)` and its patch scope) and
 3.4 / 3.5's (`_patch_lang_tensor(tensor)`, patches set for good) are, and check that it leaves a
 fixed interpreter alone. The real Triton 3.6.0 ran the whole CPU suite with it
-(results/compat/triton-3.6-numpy-2.4/)."""
+(results/compat/triton-3.4-to-3.6-numpy-2.4/)."""
 from __future__ import annotations
 
 import operator
