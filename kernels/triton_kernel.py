@@ -20,7 +20,6 @@ from .shapes import VerifyProblem, cdiv, next_pow2
 from .triton_compat import fix_interpreter_index
 from .triton_params import TRITON_PARAMS, TritonParams
 
-
 LOG2E = 1.4426950408889634
 
 
