@@ -1,6 +1,8 @@
 """The CUDA backend without a GPU: NVRTC compiles the kernel for every target arch, the
 resource report is sane, parameter validation names the field, and the cache is used."""
+import dataclasses
 import itertools
+import json
 import os
 
 import pytest
@@ -172,6 +174,38 @@ def test_cache_hit_and_source_hash():
     assert b.from_cache and b.cubin == a.cubin and b.resources == a.resources
     assert a.name.startswith("verify_T3_VEC8_BN16_W8_HPB1_S2") and "sm_90" in a.name
     assert nvrtc.kernel_source_hash() in a.name and len(nvrtc.kernel_source_hash()) == 16
+
+
+def test_a_module_without_a_ptxas_report_is_not_cached(monkeypatch):
+    """A compile whose log lacks the ptxas report of a requested kernel (seen once on a GPU
+    machine's NVRTC 13.0) reads 0 registers and spills: it warns, stays out of the disk cache, and
+    an entry written with such a log before is compiled again, not read."""
+    p = CudaParams(VEC=8, BLOCK_N=16, NUM_WARPS=4, HEADS_PER_BLOCK=1, STAGES=2)
+    real = nvrtc._compile_uncached
+
+    def no_report(*args, **kw):
+        mod = real(*args, **kw)
+        mod.log = "\n".join(line for line in mod.log.splitlines() if not line.startswith("ptxas"))
+        mod.resources = {e: nvrtc.KernelResources() for e in mod.resources}
+        return mod
+    nvrtc._mem_cache.clear()
+    monkeypatch.setattr(nvrtc, "_compile_uncached", no_report)
+    with pytest.warns(RuntimeWarning, match="no ptxas report"):
+        a = compile_params(p, 5, "sm_90")
+    assert split_expr(p, 5) in a.unreported and a.unreported == list(a.lowered)
+    files = list(nvrtc.cache_dir().glob(a.name + ".*"))
+    assert [f.suffix for f in files] == [".lock"], files
+    # the same entry on disk, as an older kvtune wrote it: rebuilt with the report
+    (nvrtc.cache_dir() / f"{a.name}.cubin").write_bytes(a.cubin)
+    (nvrtc.cache_dir() / f"{a.name}.json").write_text(json.dumps(
+        {"name_exprs": list(a.lowered), "lowered": a.lowered, "log": a.log,
+         "resources": {k: dataclasses.asdict(v) for k, v in a.resources.items()}}))
+    monkeypatch.setattr(nvrtc, "_compile_uncached", real)
+    nvrtc._mem_cache.clear()
+    b = compile_params(p, 5, "sm_90")
+    assert not b.from_cache and b.unreported == [] and b.resources[split_expr(p, 5)].registers > 0
+    nvrtc._mem_cache.clear()
+    assert compile_params(p, 5, "sm_90").from_cache
 
 
 def test_compile_error_carries_the_log():
