@@ -208,6 +208,30 @@ def test_a_module_without_a_ptxas_report_is_not_cached(monkeypatch):
     assert compile_params(p, 5, "sm_90").from_cache
 
 
+def test_compile_check_shows_unknown_resources_as_unknown(monkeypatch, tmp_path):
+    """compile-check's row for a kernel without a ptxas report says so and shows no register or
+    spill count, rather than the 0s that would read as a clean compile."""
+    from kvtune.tuner.compile_check import check_one
+    monkeypatch.setenv("KVTUNE_CACHE_DIR", str(tmp_path))
+    cfg = {"VEC": 8, "BLOCK_N": 16, "NUM_WARPS": 4, "HEADS_PER_BLOCK": 1, "STAGES": 2, "CTAS_PER_SM": 1}
+    real = nvrtc._compile_uncached
+
+    def no_report(*args, **kw):
+        mod = real(*args, **kw)
+        mod.log = ""
+        mod.resources = {e: nvrtc.KernelResources() for e in mod.resources}
+        return mod
+    nvrtc._mem_cache.clear()
+    monkeypatch.setattr(nvrtc, "_compile_uncached", no_report)
+    with pytest.warns(RuntimeWarning, match="no ptxas report"):
+        row = check_one(cfg, 7, 8, "sm_90")
+    assert row["registers"] is None and row["spills"] is None and "no ptxas report" in row["reason"], row
+    monkeypatch.setattr(nvrtc, "_compile_uncached", real)
+    nvrtc._mem_cache.clear()
+    row = check_one(cfg, 7, 8, "sm_90")
+    assert row["registers"] > 0 and row["spills"] == 0 and row["fits"] and row["reason"] == "", row
+
+
 def test_compile_error_carries_the_log():
     with pytest.raises(nvrtc.NvrtcError, match="NVRTC log"):
         nvrtc.compile_module("bad", ["kvtune::verify_split_kernel<3,32,8,8,2,9>"], "sm_90")

@@ -65,11 +65,14 @@ def check_one(cfg: dict, T: int, heads: int, arch: str) -> dict:
         row["reason"] = "compile error: " + " ".join(str(e).split())[:300]
         row["compile_error"] = True
         return row
-    res = mod.resources[split_expr(p, T)]
-    row.update(registers=res.registers, spills=res.spills, stack=res.stack)
     why = reject_reason(p, T, arch)          # the module above comes from the cache
     row["fits"] = why is None
     row["reason"] = why or ""
+    if split_expr(p, T) in mod.unreported:   # its zeros are not ptxas's: shown as "-", not as 0
+        row["reason"] = (row["reason"] + "; " if why else "") + "no ptxas report: registers and spills unknown"
+        return row
+    res = mod.resources[split_expr(p, T)]
+    row.update(registers=res.registers, spills=res.spills, stack=res.stack)
     return row
 
 
