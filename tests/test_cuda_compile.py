@@ -194,7 +194,7 @@ def test_a_module_without_a_ptxas_report_is_not_cached(monkeypatch):
         a = compile_params(p, 5, "sm_90")
     assert split_expr(p, 5) in a.unreported and a.unreported == list(a.lowered)
     files = list(nvrtc.cache_dir().glob(a.name + ".*"))
-    assert [f.suffix for f in files] == [".lock"], files
+    assert not [f for f in files if f.suffix in (".cubin", ".json")], files
     # the same entry on disk, as an older kvtune wrote it: rebuilt with the report
     (nvrtc.cache_dir() / f"{a.name}.cubin").write_bytes(a.cubin)
     (nvrtc.cache_dir() / f"{a.name}.json").write_text(json.dumps(
@@ -208,7 +208,7 @@ def test_a_module_without_a_ptxas_report_is_not_cached(monkeypatch):
     assert compile_params(p, 5, "sm_90").from_cache
 
 
-def test_compile_check_shows_unknown_resources_as_unknown(monkeypatch, tmp_path):
+def test_compile_check_shows_unknown_resources_as_unknown(monkeypatch, tmp_path, capsys):
     """compile-check's row for a kernel without a ptxas report says so and shows no register or
     spill count, rather than the 0s that would read as a clean compile."""
     from kvtune.tuner.compile_check import check_one
@@ -226,6 +226,15 @@ def test_compile_check_shows_unknown_resources_as_unknown(monkeypatch, tmp_path)
     with pytest.warns(RuntimeWarning, match="no ptxas report"):
         row = check_one(cfg, 7, 8, "sm_90")
     assert row["registers"] is None and row["spills"] is None and "no ptxas report" in row["reason"], row
+    assert row["fits"], row   # the sweep's verdict (reject_reason) stands: it times the config, it does not prune it
+    # the command: a default whose spills cannot be checked fails it, as a spill would
+    from kvtune.tuner import compile_check
+    from kvtune.tuner.cli import main
+    monkeypatch.setattr(compile_check, "BUILTIN_SPREAD", [])
+    nvrtc._mem_cache.clear()
+    with pytest.warns(RuntimeWarning, match="no ptxas report"):
+        assert main(["compile-check", "--arch", "sm_90", "--jobs", "1"]) == 1
+    assert "registers and spills are unknown" in capsys.readouterr().err
     monkeypatch.setattr(nvrtc, "_compile_uncached", real)
     nvrtc._mem_cache.clear()
     row = check_one(cfg, 7, 8, "sm_90")

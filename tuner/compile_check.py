@@ -122,6 +122,10 @@ def _run(args) -> int:
             hint = fit_hint(args.T, arch_limits(args.arch).smem_per_block, args.arch, f"on {args.arch}")
             print(f"  {hint}", file=sys.stderr)
         return 1
+    if d["registers"] is None:   # built, but NVRTC printed no ptxas report: no spill check was possible
+        print(f"default config built for {args.arch}, but NVRTC printed no ptxas report for it: its registers and "
+              "spills are unknown, so a clean build cannot be confirmed", file=sys.stderr)
+        return 1
     return 0
 
 
