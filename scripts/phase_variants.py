@@ -293,6 +293,75 @@ WGMMA_VARIANTS = {
          "      }\n"
          "    }\n"
          "    }\n  }\n  init_mbarriers();\n")],
+    # outputs right: the same read with an exact content key, as a shippable table would need (the
+    # design in results/kernel/wgmma/phases/work-table-read/): each CTA's entry keeps the whole
+    # kv_indptr it was built for, and a launch hits only when its kv_indptr equals it (read in the
+    # same round trip, a few words per lane), with the grid NSPLIT, the row blocks, T, B and the
+    # split table's bucket count equal. Not keyed by pointers: input sets of the same lengths share
+    # entries, rightly (the same lengths give the same schedule). B <= 79 (else the schedule runs).
+    "table_content": [
+        ("// This launch's schedule: key ranges",
+         "constexpr int WC_ENTRIES = 256, WC_KEY = 160;  // table_content\n"
+         "__device__ int4 g_wc[WC_ENTRIES][3];\n"
+         "__device__ int g_wc_key[WC_ENTRIES][WC_KEY];\n"
+         "__device__ int g_wc_meta[WC_KEY];\n"
+         "// This launch's schedule: key ranges"),
+        ("  if (tid < 32 && batch_idle(a)) {  // another launch of a per-context dispatch serves this batch\n"
+         "    if (blockIdx.y == 0 && mb == 0) mark_idle(a);\n"
+         "    if (lane == 0) work_s[0] = -1;\n"
+         "  } else if (tid < 32) {\n",
+         "  if (tid < 32) {\n"
+         "    const int e = blockIdx.y * gridDim.x + mb, tag1 = (int)gridDim.x * 64 + T;\n"
+         "    const bool in_table = e < WC_ENTRIES && 2 * a.B < WC_KEY, cta00 = blockIdx.y == 0 && mb == 0;\n"
+         "    int4 v = make_int4(0, 0, 0, 0);\n"
+         "    int live[WC_KEY / 32], m[WC_KEY / 32];\n"
+         "    bool same = true;\n"
+         "    if (in_table && lane < 3) v = __ldcg(&g_wc[e][lane]);\n"
+         "#pragma unroll\n"
+         "    for (int k = 0; k < WC_KEY / 32; ++k) {\n"
+         "      const int i = 32 * k + lane;\n"
+         "      const bool in = in_table && i <= a.B;\n"
+         "      live[k] = in ? a.indptr[i] : 0;\n"
+         "      const int kept = in ? __ldcg(&g_wc_key[e][i]) : 0;  // every load issued: one round trip\n"
+         "      same &= kept == live[k];\n"
+         "      m[k] = cta00 && in_table && i < 2 * a.B ? __ldcg(&g_wc_meta[i]) : 0;\n"
+         "    }\n"
+         "    const bool hit = in_table && __all_sync(0xffffffffu, same) &&\n"
+         "                     __shfl_sync(0xffffffffu, v.x, 0) == a.grid_nsplit &&\n"
+         "                     __shfl_sync(0xffffffffu, v.y, 0) == tag1 && __shfl_sync(0xffffffffu, v.z, 0) == a.B &&\n"
+         "                     __shfl_sync(0xffffffffu, v.w, 0) == a.num_buckets + 1;\n"
+         "    if (hit) {\n"
+         "      if (lane == 1) { work_s[0] = v.x; work_s[1] = v.y; work_s[2] = v.z; work_s[3] = v.w; }\n"
+         "      if (lane == 2) { work_s[4] = v.x; work_s[5] = v.y; work_s[6] = v.z; work_s[7] = v.w; }\n"
+         "      if (cta00)\n"
+         "#pragma unroll\n"
+         "        for (int k = 0; k < WC_KEY / 32; ++k)\n"
+         "          if (32 * k + lane < 2 * a.B) a.meta[32 * k + lane] = m[k];\n"
+         "    } else if (batch_idle(a)) {  // another launch of a per-context dispatch serves this batch\n"
+         "      if (cta00) mark_idle(a);\n"
+         "      if (lane == 0) work_s[0] = -1;\n"
+         "    } else {\n"),
+        ("    __syncwarp();\n    publish_next(true);\n  }\n  init_mbarriers();\n",
+         "    __syncwarp();\n    publish_next(true);\n"
+         "    if (in_table) {\n"
+         "      if (lane == 0) g_wc[e][0] = make_int4(0, 0, 0, 0);  // invalid while the key changes\n"
+         "      __threadfence();\n"
+         "      __syncwarp();\n"
+         "#pragma unroll\n"
+         "      for (int k = 0; k < WC_KEY / 32; ++k)\n"
+         "        if (32 * k + lane <= a.B) g_wc_key[e][32 * k + lane] = live[k];\n"
+         "      if (cta00)\n"
+         "        for (int i = lane; i < 2 * a.B; i += 32) g_wc_meta[i] = a.meta[i];\n"
+         "      __threadfence();\n"
+         "      __syncwarp();\n"
+         "      if (lane == 0) {\n"
+         "        g_wc[e][1] = make_int4(work_s[0], work_s[1], work_s[2], work_s[3]);\n"
+         "        g_wc[e][2] = make_int4(work_s[4], work_s[5], work_s[6], work_s[7]);\n"
+         "        __threadfence();\n"
+         "        g_wc[e][0] = make_int4(a.grid_nsplit, tag1, a.B, a.num_buckets + 1);\n"
+         "      }\n"
+         "    }\n"
+         "    }\n  }\n  init_mbarriers();\n")],
     # controls (outputs right; results/kernel/wgmma/phases/variant-order/): full_again, the source
     # with one comment changed (the same code, compiled again); pad_merge, dead stores in the warp
     # merge (its code grows, the split kernel's does not)
@@ -347,7 +416,8 @@ UNSAFE = {"no_stage_barriers"}
 OUTPUTS_RIGHT = {"full", "items", "ranges", "tail_early_release", "tail_chains2", "tail_chains3",
                  "gather_after_publish", "gather_if_free", "uniform_wg", "wgi_plain", "pv_before_s",
                  "table_lanes", "no_q_early", "full_again", "pad_merge", "roll_q", "roll_store",
-                 "roll_scrub", "last_exits", "table_read"}
+                 "roll_scrub", "last_exits", "table_read",
+                 "table_content"}
 
 
 def variants_of(backend: str) -> tuple[dict, str]:

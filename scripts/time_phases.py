@@ -22,7 +22,8 @@ gather_after_publish / gather_if_free, tile t + 2's gather issued after tile t i
 and values loaded a lane each beside kv_indptr; no_q_early, batch 1's instantiation without its Q
 copy under the schedule (the copy shipped: results/kernel/wgmma/phases/q-under-schedule/), last_exits, a
 CTA returning right after its last segment's o store, table_read, the schedule read from a table
-an earlier launch of the same inputs wrote (results/kernel/wgmma/phases/work-table-read/), with the
+an earlier launch of the same inputs wrote (results/kernel/wgmma/phases/work-table-read/), and
+table_content, the same keyed by kv_indptr's values instead of pointers (not yet timed), with the
 controls full_again (one comment changed) and pad_merge (dead code in the warp merge); roll_q /
 roll_store / roll_scrub, once-per-segment loops kept rolled
 (results/kernel/wgmma/phases/variant-order/); uniform_wg, the 64-row warpgroups'
