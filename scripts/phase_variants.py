@@ -64,6 +64,32 @@ _SEG_OPEN = ("  bool first_segment = true;  // later segments find Q's shared me
 _WGI_LINE = ("  const int tid = tid_x(), mb = ctaid_x(), wgi = (int)__reduce_max_sync(0xffffffffu, "
              "(unsigned)tid >> 7),\n            wt = tid & 127, warp = wt >> 5, lane = tid & 31;\n")
 
+#: warp 0's schedule at the CTA's start (the dispatch's idle check, then the schedule) and its
+#: end: where the work-table variants (table_read, table_content) put their read and their write
+_SCHEDULE_OPEN = ("  if (tid < 32 && batch_idle(a)) {  // another launch of a per-context dispatch serves this batch\n"
+                  "    if (blockIdx.y == 0 && mb == 0) mark_idle(a);\n"
+                  "    if (lane == 0) work_s[0] = -1;\n"
+                  "  } else if (tid < 32) {\n")
+_SCHEDULE_CLOSE = "    __syncwarp();\n    publish_next(true);\n  }\n  init_mbarriers();\n"
+
+
+def _table_hit(meta_words: str) -> str:
+    """The work-table variants' branch on `hit` (their entry read into v by lanes 0-2, the merge's
+    meta into m[`meta_words` / 32] for CTA (0, 0)): the entry published as the schedule would have,
+    else the idle check, else (left open) the schedule as shipped."""
+    return ("    if (hit) {\n"
+            "      if (lane == 1) { work_s[0] = v.x; work_s[1] = v.y; work_s[2] = v.z; work_s[3] = v.w; }\n"
+            "      if (lane == 2) { work_s[4] = v.x; work_s[5] = v.y; work_s[6] = v.z; work_s[7] = v.w; }\n"
+            "      if (cta00)\n"
+            "#pragma unroll\n"
+            f"        for (int k = 0; k < {meta_words} / 32; ++k)\n"
+            "          if (32 * k + lane < 2 * a.B) a.meta[32 * k + lane] = m[k];\n"
+            "    } else if (batch_idle(a)) {  // another launch of a per-context dispatch serves this batch\n"
+            "      if (cta00) mark_idle(a);\n"
+            "      if (lane == 0) work_s[0] = -1;\n"
+            "    } else {\n")
+
+
 #: the same stages of the wgmma split kernel (`--backend wgmma`), anchors in verify_wgmma.cu
 WGMMA_VARIANTS = {
     "full": [],
@@ -246,10 +272,7 @@ WGMMA_VARIANTS = {
          "__device__ int4 g_wt[WT_SLOTS][WT_ENTRIES][3];\n"
          "__device__ int g_wt_meta[WT_SLOTS][WT_META];\n"
          "// This launch's schedule: key ranges"),
-        ("  if (tid < 32 && batch_idle(a)) {  // another launch of a per-context dispatch serves this batch\n"
-         "    if (blockIdx.y == 0 && mb == 0) mark_idle(a);\n"
-         "    if (lane == 0) work_s[0] = -1;\n"
-         "  } else if (tid < 32) {\n",
+        (_SCHEDULE_OPEN,
          "  if (tid < 32) {\n"
          "    const unsigned long long ip = (unsigned long long)a.indptr, ix = (unsigned long long)a.indices;\n"
          "    const int slot = (int)((ip >> 9) % WT_SLOTS), e = blockIdx.y * gridDim.x + mb;\n"
@@ -268,18 +291,8 @@ WGMMA_VARIANTS = {
          "                     __shfl_sync(0xffffffffu, v.y, 0) == tag_b &&\n"
          "                     __shfl_sync(0xffffffffu, v.z, 0) == (int)ip &&\n"
          "                     __shfl_sync(0xffffffffu, v.w, 0) == (int)ix;\n"
-         "    if (hit) {\n"
-         "      if (lane == 1) { work_s[0] = v.x; work_s[1] = v.y; work_s[2] = v.z; work_s[3] = v.w; }\n"
-         "      if (lane == 2) { work_s[4] = v.x; work_s[5] = v.y; work_s[6] = v.z; work_s[7] = v.w; }\n"
-         "      if (cta00)\n"
-         "#pragma unroll\n"
-         "        for (int k = 0; k < WT_META / 32; ++k)\n"
-         "          if (32 * k + lane < 2 * a.B) a.meta[32 * k + lane] = m[k];\n"
-         "    } else if (batch_idle(a)) {  // another launch of a per-context dispatch serves this batch\n"
-         "      if (cta00) mark_idle(a);\n"
-         "      if (lane == 0) work_s[0] = -1;\n"
-         "    } else {\n"),
-        ("    __syncwarp();\n    publish_next(true);\n  }\n  init_mbarriers();\n",
+         + _table_hit("WT_META")),
+        (_SCHEDULE_CLOSE,
          "    __syncwarp();\n    publish_next(true);\n"
          "    __syncwarp();\n"
          "    if (in_table) {\n"
@@ -306,10 +319,7 @@ WGMMA_VARIANTS = {
          "__device__ int g_wc_key[WC_ENTRIES][WC_KEY];\n"
          "__device__ int g_wc_meta[WC_KEY];\n"
          "// This launch's schedule: key ranges"),
-        ("  if (tid < 32 && batch_idle(a)) {  // another launch of a per-context dispatch serves this batch\n"
-         "    if (blockIdx.y == 0 && mb == 0) mark_idle(a);\n"
-         "    if (lane == 0) work_s[0] = -1;\n"
-         "  } else if (tid < 32) {\n",
+        (_SCHEDULE_OPEN,
          "  if (tid < 32) {\n"
          "    const int e = blockIdx.y * gridDim.x + mb, tag1 = (int)gridDim.x * 64 + T;\n"
          "    const bool in_table = e < WC_ENTRIES && 2 * a.B < WC_KEY, cta00 = blockIdx.y == 0 && mb == 0;\n"
@@ -330,18 +340,8 @@ WGMMA_VARIANTS = {
          "                     __shfl_sync(0xffffffffu, v.x, 0) == a.grid_nsplit &&\n"
          "                     __shfl_sync(0xffffffffu, v.y, 0) == tag1 && __shfl_sync(0xffffffffu, v.z, 0) == a.B &&\n"
          "                     __shfl_sync(0xffffffffu, v.w, 0) == a.num_buckets + 1;\n"
-         "    if (hit) {\n"
-         "      if (lane == 1) { work_s[0] = v.x; work_s[1] = v.y; work_s[2] = v.z; work_s[3] = v.w; }\n"
-         "      if (lane == 2) { work_s[4] = v.x; work_s[5] = v.y; work_s[6] = v.z; work_s[7] = v.w; }\n"
-         "      if (cta00)\n"
-         "#pragma unroll\n"
-         "        for (int k = 0; k < WC_KEY / 32; ++k)\n"
-         "          if (32 * k + lane < 2 * a.B) a.meta[32 * k + lane] = m[k];\n"
-         "    } else if (batch_idle(a)) {  // another launch of a per-context dispatch serves this batch\n"
-         "      if (cta00) mark_idle(a);\n"
-         "      if (lane == 0) work_s[0] = -1;\n"
-         "    } else {\n"),
-        ("    __syncwarp();\n    publish_next(true);\n  }\n  init_mbarriers();\n",
+         + _table_hit("WC_KEY")),
+        (_SCHEDULE_CLOSE,
          "    __syncwarp();\n    publish_next(true);\n"
          "    if (in_table) {\n"
          "      if (lane == 0) g_wc[e][0] = make_int4(0, 0, 0, 0);  // invalid while the key changes\n"
