@@ -176,11 +176,9 @@ def test_cache_hit_and_source_hash():
     assert nvrtc.kernel_source_hash() in a.name and len(nvrtc.kernel_source_hash()) == 16
 
 
-def test_a_module_without_a_ptxas_report_is_not_cached(monkeypatch):
-    """A compile whose log lacks the ptxas report of a requested kernel (seen once on a GPU
-    machine's NVRTC 13.0) reads 0 registers and spills: it warns, stays out of the disk cache, and
-    an entry written with such a log before is compiled again, not read."""
-    p = CudaParams(VEC=8, BLOCK_N=16, NUM_WARPS=4, HEADS_PER_BLOCK=1, STAGES=2)
+def _compile_without_ptxas_report(monkeypatch):
+    """Make every NVRTC compile from here on lose its `ptxas -v` report, as one GPU machine's NVRTC
+    13.0 did (its resources then read 0); the in-memory cache is emptied. Returns the real compile."""
     real = nvrtc._compile_uncached
 
     def no_report(*args, **kw):
@@ -190,6 +188,15 @@ def test_a_module_without_a_ptxas_report_is_not_cached(monkeypatch):
         return mod
     nvrtc._mem_cache.clear()
     monkeypatch.setattr(nvrtc, "_compile_uncached", no_report)
+    return real
+
+
+def test_a_module_without_a_ptxas_report_is_not_cached(monkeypatch):
+    """A compile whose log lacks the ptxas report of a requested kernel (seen once on a GPU
+    machine's NVRTC 13.0) reads 0 registers and spills: it warns, stays out of the disk cache, and
+    an entry written with such a log before is compiled again, not read."""
+    p = CudaParams(VEC=8, BLOCK_N=16, NUM_WARPS=4, HEADS_PER_BLOCK=1, STAGES=2)
+    real = _compile_without_ptxas_report(monkeypatch)
     with pytest.warns(RuntimeWarning, match="no ptxas report"):
         a = compile_params(p, 5, "sm_90")
     assert split_expr(p, 5) in a.unreported and a.unreported == list(a.lowered)
@@ -214,15 +221,7 @@ def test_compile_check_shows_unknown_resources_as_unknown(monkeypatch, tmp_path,
     from kvtune.tuner.compile_check import check_one
     monkeypatch.setenv("KVTUNE_CACHE_DIR", str(tmp_path))
     cfg = {"VEC": 8, "BLOCK_N": 16, "NUM_WARPS": 4, "HEADS_PER_BLOCK": 1, "STAGES": 2, "CTAS_PER_SM": 1}
-    real = nvrtc._compile_uncached
-
-    def no_report(*args, **kw):
-        mod = real(*args, **kw)
-        mod.log = ""
-        mod.resources = {e: nvrtc.KernelResources() for e in mod.resources}
-        return mod
-    nvrtc._mem_cache.clear()
-    monkeypatch.setattr(nvrtc, "_compile_uncached", no_report)
+    real = _compile_without_ptxas_report(monkeypatch)
     with pytest.warns(RuntimeWarning, match="no ptxas report"):
         row = check_one(cfg, 7, 8, "sm_90")
     assert row["registers"] is None and row["spills"] is None and "no ptxas report" in row["reason"], row
