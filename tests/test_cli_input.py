@@ -268,3 +268,13 @@ def test_a_mistyped_option_is_named_by_its_subcommand_with_the_nearest_one(capsy
         main(["export", "cpu-tiny", "extra"])
     err = capsys.readouterr().err
     assert err.startswith("usage: kvtune export ") and "unrecognized arguments: extra" in err and "did you" not in err
+
+
+def test_an_abbreviated_option_is_not_taken_for_the_full_one(capsys):
+    """`kvtune sweep DEP --trial 3`: argparse would read --trials; the CLI names it instead, so a
+    script's abbreviation never changes meaning when a new option shares its prefix."""
+    with pytest.raises(SystemExit) as e:
+        main(["sweep", "cpu-tiny", "--trial", "3"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert "unrecognized arguments: --trial 3; --trial: did you mean --trials?" in err

@@ -26,11 +26,14 @@ COMMAND_MODULES = [
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvtune", description="Autotune the MLA speculative-decoding verify "
-                                "attention kernel and export per-deployment defaults.")
+                                "attention kernel and export per-deployment defaults.", allow_abbrev=False)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for mod in COMMAND_MODULES:
         importlib.import_module(mod).register(sub)
     for sp in sub.choices.values():
+        # no prefix of an option stands for it: `--dev` would be --device today and an error, or
+        # another option, once a second option starting so exists (read at parse time)
+        sp.allow_abbrev = False
         g = sp.add_mutually_exclusive_group()
         g.add_argument("-v", "--verbose", action="count", default=0, help="more detail on stderr")
         g.add_argument("-q", "--quiet", action="count", default=0, help="only warnings and errors on stderr")
