@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .backends import Backend, LaunchArgs, SplitTable, call_workspace_bytes, get_backend, launch_all
-from .shapes import MAX_DRAFT_TOKENS, ModelShape, VerifyProblem, overlapping
+from .shapes import MAX_DRAFT_TOKENS, ModelShape, VerifyProblem, overlapping, spans_meet
 
 DEFAULT_KV_LORA_RANK = 512
 
@@ -215,6 +215,8 @@ def verify_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, ba
         _check_workspace(workspace, problem, need)
     if split_table is not None:
         _check_split_table(split_table, problem.device, be)
+    check_separate(dict(q=q, kv_cache=kv_cache, kv_indptr=kv_indptr, kv_indices=kv_indices, tree_mask=tree_mask),
+                   dict(out=out, lse=lse, workspace=workspace))
     be.launch(LaunchArgs(problem, q, kv_cache, kv_indptr, kv_indices, tree_mask, float(sm_scale), out, lse,
                          workspace, split_table), params)
     return (out, lse) if return_lse else out
@@ -250,6 +252,8 @@ def verify_attention_dispatch(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_
     if lse is not None:
         check_lse(lse, problem)
     _check_workspace(workspace, problem, call_workspace_bytes(problem, [(p, be) for be, p, _ in calls]))
+    check_separate(dict(q=q, kv_cache=kv_cache, kv_indptr=kv_indptr, kv_indices=kv_indices, tree_mask=tree_mask),
+                   dict(out=out, lse=lse, workspace=workspace))
     launch_all([(be, p, LaunchArgs(problem, q, kv_cache, kv_indptr, kv_indices, tree_mask, float(sm_scale), out,
                                    lse, workspace, t)) for be, p, t in calls])
     return out
@@ -283,6 +287,19 @@ def check_distinct(t: torch.Tensor, name: str) -> None:
     if overlapping(t):
         raise ValueError(f"{name}: its elements overlap in memory (strides {list(t.stride())}): rows would write "
                          "the same place; pass a tensor of distinct elements")
+
+
+def check_separate(inputs: dict, results: dict) -> None:
+    """A ValueError naming both when a result (out, lse, workspace) shares memory with an input
+    (q, kv_cache, ...) or with another result: the kernels read the inputs while other CTAs write
+    the results, so the answer would depend on the order the CTAs ran in. `inputs` and `results`:
+    name -> tensor or None."""
+    res = [(n, t) for n, t in results.items() if t is not None]
+    for i, (rn, r) in enumerate(res):
+        for other, t in [*[(n, t) for n, t in inputs.items() if t is not None], *res[i + 1:]]:
+            if spans_meet(r, t):
+                raise ValueError(f"{rn}: shares memory with {other}: the kernel would read what it writes; "
+                                 f"pass a separate tensor")
 
 
 def _check_workspace(workspace, problem, need: int) -> None:

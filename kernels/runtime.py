@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .api import check_lse, check_out, is_capturing, verify_attention, verify_attention_dispatch
+from .api import check_lse, check_out, check_separate, is_capturing, verify_attention, verify_attention_dispatch
 from .api import check_values as api_check_values
 from .backends import LaunchArgs, SplitTable, bucket_index, call_workspace_bytes, launch_all, split_bounds
 from .plans import DEFAULT_BACKEND, Plan, model_on_rank  # noqa: F401 - DEFAULT_BACKEND re-exported
@@ -435,6 +435,7 @@ class VerifyAttention:
             check_out(out, step.problem)
         if lse is not None:
             check_lse(lse, step.problem)
+        check_separate(dict(q=q, kv_cache=kv_cache), dict(out=out, lse=lse, workspace=self.workspace))
         if sm_scale is None:
             sm_scale = self.sm_scale
         elif isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not 0 < sm_scale < math.inf:

@@ -104,6 +104,46 @@ def test_overlapping_layouts(make, overlaps):
     assert overlapping(make()) is overlaps
 
 
+def test_results_that_share_memory_with_an_input_or_each_other_are_named(x):
+    """out / lse / workspace inside q, kv_cache or one another: the kernel would read what other
+    CTAs write (no error before: a silent race on a GPU). Separate views of one buffer pass and match
+    the oracle."""
+    from kvtune.kernels import reference_attention, rel_error
+    rows, H = x.q.shape[:2]
+    q_buf = x.q.clone()
+    with pytest.raises(ValueError, match="^out: shares memory with q: the kernel would read what it writes"):
+        call(x, q=q_buf, out=q_buf[..., :512])
+    cache = x.kv_cache.clone()
+    in_cache = cache.view(-1)[:rows * H * 576].view(rows, H, 576)[..., :512]
+    with pytest.raises(ValueError, match="^out: shares memory with kv_cache"):
+        call(x, kv_cache=cache, out=in_cache)
+    ws = torch.empty(4096, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(ValueError, match="^lse: shares memory with workspace"):
+        verify_attention(*x.args, backend="reference", lse=ws[:rows * H * 4].view(torch.float32).view(rows, H),
+                         workspace=ws)
+    # q and out side by side in one buffer: no element shared
+    buf = torch.empty(rows * H * (576 + 512), dtype=torch.bfloat16, device=DEVICE)
+    q2 = buf[:rows * H * 576].view(rows, H, 576)
+    q2.copy_(x.q)
+    out = buf[rows * H * 576:].view(rows, H, 512)
+    call(x, q=q2, out=out)
+    assert rel_error(out, reference_attention(*x.args)[0]) < 1e-2
+
+
+@pytest.mark.parametrize("make,span", [
+    (lambda: torch.zeros(3, 4, 8), 96),
+    (lambda: torch.zeros(3, 4, 16)[:, :, :8], 2 * 64 + 3 * 16 + 8),   # the last row's padding is not reached
+    (lambda: torch.zeros(4, 3, 8).transpose(0, 1), 96),
+    (lambda: torch.zeros(1, 4, 8).expand(5, 4, 8), 32),
+    (lambda: torch.zeros(0, 4), 0),
+])
+def test_byte_span(make, span):
+    from kvtune.kernels.shapes import byte_span
+    t = make()
+    lo, hi = byte_span(t)
+    assert lo == t.data_ptr() and hi - lo == span * t.element_size()
+
+
 @pytest.mark.parametrize("kw,field", [
     (dict(NSPLIT=0), "NSPLIT"), (dict(BLOCK_N=24), "BLOCK_N"), (dict(HEADS_PER_BLOCK=0), "HEADS_PER_BLOCK"),
     (dict(NUM_WARPS=3), "NUM_WARPS"), (dict(STAGES=9), "STAGES"), (dict(NSPLIT=2.0), "NSPLIT"),

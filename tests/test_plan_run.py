@@ -157,6 +157,8 @@ def test_value_checks_can_be_left_to_the_engine(device, va):
     (dict(out="a list"), r"out: expected bf16 \[18, 2, 512\] on .*, got list"),
     (dict(sm_scale=-1.0), "sm_scale"),
     (dict(plan="not a plan"), "plan: expected a StepPlan"),
+    (dict(out="inside q"), "out: shares memory with q: the kernel would read what it writes"),
+    (dict(lse="inside the workspace"), "lse: shares memory with workspace"),
 ])
 def test_run_names_shapes_that_do_not_match_the_plan(device, va, change, match):
     inp = make_inputs(2, T, H, [20, 30], tree="random", seed=3, device=device)
@@ -171,7 +173,9 @@ def test_run_names_shapes_that_do_not_match_the_plan(device, va, change, match):
                  "column-major": inp.kv_cache.t().contiguous().t(),
                  "a list": [0.0] * (2 * T),
                  "one row for all": (torch.zeros(1, H, DV, dtype=torch.bfloat16, device=device).expand(2 * T, H, DV)
-                                     if k == "out" else torch.zeros(1, H, device=device).expand(2 * T, H))}.get(v, v)
+                                     if k == "out" else torch.zeros(1, H, device=device).expand(2 * T, H)),
+                 "inside q": inp.q[..., :DV],
+                 "inside the workspace": va.workspace[:2 * T * H * 4].view(torch.float32).view(2 * T, H)}.get(v, v)
     with pytest.raises(ValueError, match=match):
         va.run(kw.pop("q"), kw.pop("kv_cache"), **kw)
 
