@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .backends import Backend, LaunchArgs, SplitTable, call_workspace_bytes, get_backend, launch_all
-from .shapes import MAX_DRAFT_TOKENS, ModelShape, VerifyProblem, overlapping, spans_meet
+from .shapes import MAX_DRAFT_TOKENS, ModelShape, VerifyProblem, byte_span, overlapping
 
 DEFAULT_KV_LORA_RANK = 512
 
@@ -188,6 +188,7 @@ def verify_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, ba
     for a row that sees no key) when `return_lse` or `lse` is given.
     """
     problem = describe_problem(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, kv_lora_rank)
+    given_out, given_lse, given_ws = out is not None, lse is not None, workspace is not None
     be = get_backend(backend)
     why = be.supports(problem.device)
     if why:
@@ -215,8 +216,10 @@ def verify_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, ba
         _check_workspace(workspace, problem, need)
     if split_table is not None:
         _check_split_table(split_table, problem.device, be)
-    check_separate(dict(q=q, kv_cache=kv_cache, kv_indptr=kv_indptr, kv_indices=kv_indices, tree_mask=tree_mask),
-                   dict(out=out, lse=lse, workspace=workspace))
+    check_separate(dict(q=q, kv_cache=kv_cache, kv_indptr=kv_indptr, kv_indices=kv_indices, tree_mask=tree_mask,
+                        **split_table_tensors(split_table)),
+                   dict(out=out if given_out else None, lse=lse if given_lse else None,
+                        workspace=workspace if given_ws else None))
     be.launch(LaunchArgs(problem, q, kv_cache, kv_indptr, kv_indices, tree_mask, float(sm_scale), out, lse,
                          workspace, split_table), params)
     return (out, lse) if return_lse else out
@@ -252,8 +255,9 @@ def verify_attention_dispatch(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_
     if lse is not None:
         check_lse(lse, problem)
     _check_workspace(workspace, problem, call_workspace_bytes(problem, [(p, be) for be, p, _ in calls]))
-    check_separate(dict(q=q, kv_cache=kv_cache, kv_indptr=kv_indptr, kv_indices=kv_indices, tree_mask=tree_mask),
-                   dict(out=out, lse=lse, workspace=workspace))
+    tables = {k: v for i, (_, _, t) in enumerate(calls) for k, v in split_table_tensors(t, f"launches[{i}]").items()}
+    check_separate(dict(q=q, kv_cache=kv_cache, kv_indptr=kv_indptr, kv_indices=kv_indices, tree_mask=tree_mask,
+                        **tables), dict(out=out, lse=lse, workspace=workspace))
     launch_all([(be, p, LaunchArgs(problem, q, kv_cache, kv_indptr, kv_indices, tree_mask, float(sm_scale), out,
                                    lse, workspace, t)) for be, p, t in calls])
     return out
@@ -291,15 +295,24 @@ def check_distinct(t: torch.Tensor, name: str) -> None:
 
 def check_separate(inputs: dict, results: dict) -> None:
     """A ValueError naming both when a result (out, lse, workspace) shares memory with an input
-    (q, kv_cache, ...) or with another result: the kernels read the inputs while other CTAs write
-    the results, so the answer would depend on the order the CTAs ran in. `inputs` and `results`:
-    name -> tensor or None."""
-    res = [(n, t) for n, t in results.items() if t is not None]
-    for i, (rn, r) in enumerate(res):
-        for other, t in [*[(n, t) for n, t in inputs.items() if t is not None], *res[i + 1:]]:
-            if spans_meet(r, t):
+    (q, kv_cache, the metadata, a split table) or with another result: the kernels read the inputs
+    while other CTAs write the results, so the answer would depend on the order the CTAs ran in.
+    `inputs` and `results`: name -> tensor or None. Only results the caller passed need checking (a
+    fresh allocation shares nothing); each span is computed once."""
+    res = [(n, byte_span(t)) for n, t in results.items() if t is not None]
+    if not res:
+        return
+    spans = res + [(n, byte_span(t)) for n, t in inputs.items() if t is not None]
+    for i, (rn, (r0, r1)) in enumerate(res):
+        for other, (t0, t1) in spans[i + 1:]:
+            if r0 < t1 and t0 < r1:
                 raise ValueError(f"{rn}: shares memory with {other}: the kernel would read what it writes; "
                                  f"pass a separate tensor")
+
+
+def split_table_tensors(table, name: str = "split_table") -> dict:
+    """A split table's tensors as check_separate's inputs (none for None)."""
+    return {} if table is None else {f"{name}.max_keys": table.max_keys, f"{name}.nsplit": table.nsplit}
 
 
 def _check_workspace(workspace, problem, need: int) -> None:

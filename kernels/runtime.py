@@ -427,6 +427,7 @@ class VerifyAttention:
         if step.num_slots is not None and kv_cache.shape[0] < step.num_slots:
             raise ValueError(f"kv_cache: {kv_cache.shape[0]} slots, fewer than the num_slots={step.num_slots} "
                              "its plan checked the indices against")
+        out_given = out is not None
         if out is None:
             if self.out_buf is None:
                 raise ValueError("out: required (this VerifyAttention was built with preallocate_out=False)")
@@ -435,7 +436,10 @@ class VerifyAttention:
             check_out(out, step.problem)
         if lse is not None:
             check_lse(lse, step.problem)
-        check_separate(dict(q=q, kv_cache=kv_cache), dict(out=out, lse=lse, workspace=self.workspace))
+        if out_given or lse is not None:  # the runtime's own buffers share nothing with the caller's
+            check_separate(dict(q=q, kv_cache=kv_cache, kv_indptr=step.kv_indptr, kv_indices=step.kv_indices,
+                                tree_mask=step.tree_mask, workspace=self.workspace),
+                           dict(out=out if out_given else None, lse=lse))
         if sm_scale is None:
             sm_scale = self.sm_scale
         elif isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not 0 < sm_scale < math.inf:

@@ -358,6 +358,8 @@ class SGLangVerifyAdapter:
         except ValueError as exc:  # the runtime's checks, in the caller's argument names
             head, sep, rest = str(exc).partition(":")
             if sep and head in _RUNTIME_NAMES:
+                for ours, theirs in _RUNTIME_NAMES.items():  # check_separate names a second argument
+                    rest = rest.replace(f" shares memory with {ours}:", f" shares memory with {theirs}:")
                 raise ValueError(f"{_RUNTIME_NAMES[head]}:{rest}") from None
             raise
 

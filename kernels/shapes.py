@@ -119,15 +119,9 @@ def overlapping(t) -> bool:
 
 def byte_span(t) -> tuple[int, int]:
     """[first, last + 1) byte addresses that tensor `t`'s elements can touch (empty for no elements)."""
-    if t.numel() == 0:
-        return (t.data_ptr(), t.data_ptr())
-    reach = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))  # torch strides are never negative
-    return (t.data_ptr(), t.data_ptr() + (reach + 1) * t.element_size())
-
-
-def spans_meet(a, b) -> bool:
-    """Whether tensors `a` and `b` may share memory: their byte spans intersect (tensors of two
-    allocations never do; two views of one buffer whose elements interleave without touching count
-    as sharing, which only a contrived layout would do)."""
-    (a0, a1), (b0, b1) = byte_span(a), byte_span(b)
-    return a0 < b1 and b0 < a1
+    p, reach = t.data_ptr(), 1
+    for n, s in zip(t.shape, t.stride()):  # torch strides are never negative
+        if n == 0:
+            return (p, p)
+        reach += (n - 1) * s
+    return (p, p + reach * t.element_size())

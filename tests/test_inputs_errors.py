@@ -121,6 +121,12 @@ def test_results_that_share_memory_with_an_input_or_each_other_are_named(x):
     with pytest.raises(ValueError, match="^lse: shares memory with workspace"):
         verify_attention(*x.args, backend="reference", lse=ws[:rows * H * 4].view(torch.float32).view(rows, H),
                          workspace=ws)
+    out = torch.empty(rows, H, 512, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="^out: shares memory with lse"):
+        call(x, out=out, lse=out.view(-1).view(torch.float32)[:rows * H].view(rows, H))
+    from kvtune.kernels.api import verify_attention_dispatch
+    with pytest.raises(ValueError, match="^out: shares memory with q"):
+        verify_attention_dispatch(q_buf, *x.args[1:], [("reference", None, None)], q_buf[..., :512], workspace=ws)
     # q and out side by side in one buffer: no element shared
     buf = torch.empty(rows * H * (576 + 512), dtype=torch.bfloat16, device=DEVICE)
     q2 = buf[:rows * H * 576].view(rows, H, 576)

@@ -394,11 +394,13 @@ def test_journal_storage_resumes(tmp_path):
 
 
 def test_gate_catches_a_tree_mask_bug_invisible_at_long_prefixes(replace_backend):
-    """A kernel that lets every draft see every draft is off by < 1e-2 at a 64k prefix (the
-    drafts hardly weigh there), so the bucket-shaped check alone would pass it; the short-
-    prefix check of the gate rejects it. (At 16k the error is near 1e-2 and depends on the draws:
-    0.0109 in the gate's bucket check on the H200 image's torch 2.11, under 1e-2 on torch 2.13;
-    results/gpu-tests/tree-mask-gate-16k-h200-image.log.)"""
+    """A kernel that lets every draft see every draft is off by little at a 16k prefix (the drafts
+    hardly weigh there), so the bucket-shaped check alone would pass it at a tolerance above that;
+    the short-prefix check of the gate rejects it. The tolerance is 3e-2 here, not the default
+    1e-2: at 16k the bucket check's error is near 1e-2 and differs by machine (0.0109 on the H200
+    image's torch 2.11, which made its bucket check catch the bug first:
+    results/gpu-tests/tree-mask-gate-16k-h200-image.log; under 1e-2 on a CPU with torch 2.13); at
+    short prefixes it is above 0.1."""
     import dataclasses
 
     import torch
@@ -415,16 +417,17 @@ def test_gate_catches_a_tree_mask_bug_invisible_at_long_prefixes(replace_backend
             super().launch(dataclasses.replace(a, tree_mask=torch.full_like(a.tree_mask, -1)), params)
 
     replace_backend("triton-all-drafts-visible", AllDraftsVisible)
-    spec = ProblemSpec(heads=1, batch=1, context=65536, draft_tokens=8, tree="chain")
-    x = make_inputs(1, 8, 1, [65536], tree="chain", seed=3)
+    spec = ProblemSpec(heads=1, batch=1, context=16384, draft_tokens=8, tree="chain")
+    x = make_inputs(1, 8, 1, [16384], tree="chain", seed=3)
     ref = reference_attention(*x.args)[0]
     o = verify_attention(*x.args, backend="triton-all-drafts-visible",
                          params=TritonParams(NSPLIT=4, BLOCK_N=64, HEADS_PER_BLOCK=1))
-    assert rel_error(o, ref) < 0.5e-2            # the long-prefix check alone is blind to it, with room
+    assert rel_error(o, ref) < 1e-2              # the long-prefix check alone is blind to it
     base = dataclasses.asdict(TritonParams(NSPLIT=4, BLOCK_N=64, HEADS_PER_BLOCK=1))
     r = Measurer("cpu").measure("triton-all-drafts-visible", base, spec,
-                                MeasureOptions(timing="eager", cpu_reps=1, warmup=False), None)
+                                MeasureOptions(timing="eager", cpu_reps=1, warmup=False, tol=3e-2), None)
     assert r.outcome == "wrong" and "short prefixes" in r.reason, r
+    assert r.rel_err > 0.1, r  # at short prefixes the bug is no near miss
 
 
 def test_export_after_a_stopped_sweep_names_what_is_missing(tmp_path, capsys):
