@@ -188,7 +188,7 @@ def verify_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, ba
     for a row that sees no key) when `return_lse` or `lse` is given.
     """
     problem = describe_problem(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, kv_lora_rank)
-    given_out, given_lse, given_ws = out is not None, lse is not None, workspace is not None
+    given = dict(out=out, lse=lse, workspace=workspace)  # the results the caller passed (check_separate)
     be = get_backend(backend)
     why = be.supports(problem.device)
     if why:
@@ -217,9 +217,7 @@ def verify_attention(q, kv_cache, kv_indptr, kv_indices, tree_mask, sm_scale, ba
     if split_table is not None:
         _check_split_table(split_table, problem.device, be)
     check_separate(dict(q=q, kv_cache=kv_cache, kv_indptr=kv_indptr, kv_indices=kv_indices, tree_mask=tree_mask,
-                        **split_table_tensors(split_table)),
-                   dict(out=out if given_out else None, lse=lse if given_lse else None,
-                        workspace=workspace if given_ws else None))
+                        **split_table_tensors(split_table)), given)
     be.launch(LaunchArgs(problem, q, kv_cache, kv_indptr, kv_indices, tree_mask, float(sm_scale), out, lse,
                          workspace, split_table), params)
     return (out, lse) if return_lse else out
