@@ -38,17 +38,27 @@ else
     echo "land_sweep.sh: export failed, see $dst/logs/export-no-check.log" >&2; exit 1; }
 fi
 git show "HEAD:kernels/defaults/$dep.yaml" > "$tmp/before.yaml" 2>/dev/null || cp "$dst/$dep.yaml" "$tmp/before.yaml"
-python - "$dst/$dep.yaml" <<'PYEOF' || { echo "land_sweep.sh: $dst/$dep.yaml was not tuned on this checkout's kernels; not packaged" >&2; exit 1; }
+rc=0
+python - "$dst/$dep.yaml" <<'PYEOF' || rc=$?
 import sys
 from kvtune.kernels import get_backend
-from kvtune.kernels.tuned import load_tuned
-tuned = load_tuned(sys.argv[1])
-stale = {n: (tuned.provenance["kernel_hash"].get(n), get_backend(n).kernel_hash()) for n in {e.backend for e in tuned.entries}}
-stale = {n: h for n, h in stale.items() if h[0] != h[1]}
+from kvtune.kernels.tuned import SchemaError, load_tuned
+try:
+    tuned = load_tuned(sys.argv[1])
+except (SchemaError, ValueError) as e:
+    print(f"land_sweep.sh: {e}", file=sys.stderr)
+    sys.exit(3)
+hashes = {n: (tuned.provenance["kernel_hash"].get(n), get_backend(n).kernel_hash()) for n in {e.backend for e in tuned.entries}}
+stale = {n: h for n, h in hashes.items() if h[0] != h[1]}
 for n, (was, now) in stale.items():
     print(f"{sys.argv[1]}: {n} measured on source {was}, this checkout's is {now}", file=sys.stderr)
 sys.exit(1 if stale else 0)
 PYEOF
+case $rc in
+  0) ;;
+  1) echo "land_sweep.sh: $dst/$dep.yaml was not tuned on this checkout's kernels; not packaged" >&2; exit 1;;
+  *) echo "land_sweep.sh: $dst/$dep.yaml does not load; not packaged" >&2; exit 1;;
+esac
 cp "$dst/$dep.yaml" "kernels/defaults/$dep.yaml"
 kvtune report "$dst" --out "$dst/report" > /dev/null
 if [ "$dep" = kimi-k2-h200 ]; then
