@@ -9,6 +9,8 @@
 #                                             # (CALIBRATE=<device profile name>: measure this GPU's ceilings
 #                                             # into configs/devices/<name>.yaml first; PRE_S=N: precompile;
 #                                             # RESUME=1: resume the committed results/<deployment>;
+#                                             # DEP=a,b: the first whose device profile names this GPU,
+#                                             # in $OUT/deployment.txt: for a call that may get either;
 #                                             # FORGET="--backend B --tp N ...": kvtune forget those first;
 #                                             # COMPARE_S=N: serve the changed entries, before and after;
 #                                             # BEFORE=<file>: "before" is that file, not the committed one)
@@ -111,6 +113,23 @@ sweep)
   end=$(( SECONDS + ${DEADLINE_S:-560} ))
   cap() { local left=$(( end - SECONDS )); [ "$left" -lt "$1" ] && echo $(( left > 5 ? left : 5 )) || echo "$1"; }
   . scripts/device_env.sh wheels
+  if [[ $dep_name == *,* ]]; then  # DEP=a,b,...: the first whose device profile names this GPU
+    dep_name=$(python3 - "$dep_name" <<'PYEOF'
+import sys
+import torch
+from kvtune.tuner.config import load_deployment
+gpu = torch.cuda.get_device_name(0)
+names = sys.argv[1].split(",")
+for n in names:
+    if load_deployment(n).device.device_name == gpu:
+        print(n)
+        sys.exit(0)
+sys.exit(f"gpu_evidence.sh: DEP={sys.argv[1]}: no deployment's device profile names this GPU ({gpu})")
+PYEOF
+) || exit 2
+    dep=configs/deployments/$dep_name.yaml
+  fi
+  echo "$dep_name" > $OUT/deployment.txt
   res=/tmp/res; mkdir -p $res/logs   # a copy of results/$dep_name placed there first is resumed
   if [ "${RESUME:-0}" = 1 ]; then  # RESUME=1: that copy made here, from the committed sweep
     mkdir -p $res/$dep_name
