@@ -142,7 +142,7 @@ PYEOF
     echo "== forget $FORGET" >> $res/logs/sweep.log
     $kv forget $dep_name --out $res $FORGET >> $res/logs/sweep.log 2>&1
   fi
-  pack() { tar czf $OUT/sweep.tgz -C $res .; }
+  pack() { tar czf $OUT/sweep.tgz.part -C $res . && mv $OUT/sweep.tgz.part $OUT/sweep.tgz; }  # a kill mid-pack keeps the last whole one
   nvidia-smi --query-gpu=name,driver_version --format=csv >> $res/logs/env.log 2>&1
   if [ -n "${CALIBRATE:-}" ]; then  # this GPU's ceilings, the floors' denominators, before any trial
     timeout $(cap 120) $kv calibrate --name $CALIBRATE --path configs/devices/$CALIBRATE.yaml >> $res/logs/calibrate.log 2>&1

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtune.kernels.tuned import load_tuned
+
 REPO = Path(__file__).resolve().parents[1]
 DEP = "kimi-k2-h200"
 HEADER = "kernel_hash: {wgmma: "
@@ -27,9 +29,9 @@ def _workdir(tmp_path: Path) -> Path:
     return w
 
 
-def _archive(tmp_path: Path, yaml_text: str) -> Path:
+def _archive(tmp_path: Path, yaml_text: str, export_first: bool = False) -> Path:
     """A sweep.tgz as gpu_evidence.sh packs it: <dep>/ with the committed sweep's tables and
-    `yaml_text` as its export (written last, so newer than the trials), logs/."""
+    `yaml_text` as its export (newer than the trials; `export_first`: older), logs/."""
     src = tmp_path / "res"
     (src / DEP).mkdir(parents=True)
     (src / "logs").mkdir()
@@ -41,6 +43,8 @@ def _archive(tmp_path: Path, yaml_text: str) -> Path:
     t = os.path.getmtime(y)
     for f in ("trials.csv", "studies.db", "runs.jsonl"):
         os.utime(src / DEP / f, (t - 10, t - 10))
+    if export_first:
+        os.utime(y, (t - 20, t - 20))
     tgz = tmp_path / "sweep.tgz"
     with tarfile.open(tgz, "w:gz") as tar:
         tar.add(src, arcname=".")
@@ -61,8 +65,43 @@ def test_an_archive_of_another_kernel_source_is_not_packaged(tmp_path):
     w = _workdir(tmp_path)
     r = _run(w, _archive(tmp_path, stale), DEP)
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "wgmma measured on source deadbeefdeadbeef" in r.stderr and "not packaged" in r.stderr
+    assert "wgmma measured on source deadbeefdeadbeef" in r.stderr and "nothing landed" in r.stderr
     assert not (w / "kernels" / "defaults" / f"{DEP}.yaml").exists()
+    assert not (w / "results" / DEP).exists()
+
+
+def test_a_stale_backend_of_one_bucket_is_not_packaged(tmp_path):
+    """A bucket served by another backend (a per-context dispatch) needs that backend's hash
+    too, as the runtime checks it: the packaged file names no wgmma_km hash."""
+    packaged = (REPO / "kernels" / "defaults" / f"{DEP}.yaml").read_text()
+    assert "wgmma_km" not in packaged
+    lines = packaged.splitlines(keepends=True)
+    i = next(i for i, ln in enumerate(lines) if "{max_context: 131072, NSPLIT: " in ln)
+    lines[i] = lines[i].replace("{max_context: 131072, NSPLIT: ", "{max_context: 131072, backend: wgmma_km, "
+                                "params: {DV_SPLIT: 192, SPLIT_ALIGN: 64}, NSPLIT: ", 1)
+    w = _workdir(tmp_path)
+    r = _run(w, _archive(tmp_path, "".join(lines)), DEP)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "wgmma_km measured on source None" in r.stderr and "nothing landed" in r.stderr
+    assert not (w / "results" / DEP).exists()
+
+
+@pytest.mark.parametrize("how", ["torn", "older than the trials"])
+def test_an_export_that_is_not_whole_is_made_again_here(tmp_path, how):
+    """The call's export cut mid-file (no end marker) or left from before the sweep: exported
+    again from the archive's trials, without serving checks, and that export lands."""
+    packaged = (REPO / "kernels" / "defaults" / f"{DEP}.yaml").read_text()
+    w = _workdir(tmp_path)
+    text = packaged.rsplit("#", 1)[0] if how == "torn" else packaged
+    tgz = _archive(tmp_path, text, export_first=how != "torn")
+    r = _run(w, tgz, DEP)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "exporting here, without serving checks" in r.stdout
+    landed = (w / "kernels" / "defaults" / f"{DEP}.yaml").read_text()
+    assert landed.rstrip().endswith("# end of kvtune tuned defaults")
+    assert landed == (w / "results" / DEP / f"{DEP}.yaml").read_text()
+    assert (w / "results" / DEP / "logs" / "export-no-check.log").exists()
+    load_tuned(w / "kernels" / "defaults" / f"{DEP}.yaml")
 
 
 def test_a_current_archive_lands_whole(tmp_path):
@@ -83,8 +122,23 @@ def test_an_export_that_does_not_load_is_not_packaged(tmp_path):
     w = _workdir(tmp_path)
     r = _run(w, _archive(tmp_path, packaged.replace("schema_version: 1", "schema_version: 99")), DEP)
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "schema_version" in r.stderr and "does not load; not packaged" in r.stderr
+    assert "schema_version" in r.stderr and "does not load; nothing landed" in r.stderr
     assert not (w / "kernels" / "defaults" / f"{DEP}.yaml").exists()
+
+
+def test_another_checkouts_kvtune_is_refused(tmp_path):
+    """A checkout whose kernels are not the importable kvtune's: its hashes would be another's."""
+    w = _workdir(tmp_path)
+    (w / "kernels" / "__init__.py").write_text("")
+    r = _run(w, _archive(tmp_path, "x"), DEP)
+    assert r.returncode == 2
+    assert "not from this checkout" in r.stderr
+
+
+def test_outside_the_repository_root_it_says_so(tmp_path):
+    r = _run(tmp_path, tmp_path / "none.tgz", DEP)
+    assert r.returncode == 2
+    assert "repository root" in r.stderr
 
 
 @pytest.mark.parametrize("what", ["archive", "deployment"])
