@@ -140,17 +140,12 @@ def backend_kernel_hash(name: str) -> str | None:
     return be.kernel_hash()
 
 
-def provenance_mismatches(tuned: TunedDefaults, device: torch.device | str,
-                          deployment: str | None = None, model: str | None = None) -> list[str]:
-    """What differs between where `tuned` was measured and what runs here, one line each,
-    naming the file and the key. Empty when everything matches. `model`: the model asked for
-    (its name compared slugged, as a file name spells it)."""
+def kernel_hash_mismatches(tuned: TunedDefaults) -> list[str]:
+    """Each backend `tuned` serves (per-bucket ones too) that was measured on another kernel
+    source than this checkout's, has no recorded hash or cannot be imported: one line each, naming
+    the file and the key. Needs no GPU."""
     src = tuned.source
     out = []
-    want_arch = device_arch(device)
-    if tuned.provenance.get("arch") != want_arch:
-        out.append(f"{src}: provenance.arch: tuned on {tuned.provenance.get('arch')!r}, "
-                   f"this device is {want_arch!r}")
     hashes = tuned.provenance.get("kernel_hash") or {}
     for name in sorted({be for e in tuned.entries for be in e.backends()}):
         try:
@@ -169,6 +164,21 @@ def provenance_mismatches(tuned: TunedDefaults, device: torch.device | str,
         elif recorded != running:
             out.append(f"{src}: provenance.kernel_hash.{name}: tuned against kernel source {recorded!r}, "
                        f"running {running!r}")
+    return out
+
+
+def provenance_mismatches(tuned: TunedDefaults, device: torch.device | str,
+                          deployment: str | None = None, model: str | None = None) -> list[str]:
+    """What differs between where `tuned` was measured and what runs here, one line each,
+    naming the file and the key. Empty when everything matches. `model`: the model asked for
+    (its name compared slugged, as a file name spells it)."""
+    src = tuned.source
+    out = []
+    want_arch = device_arch(device)
+    if tuned.provenance.get("arch") != want_arch:
+        out.append(f"{src}: provenance.arch: tuned on {tuned.provenance.get('arch')!r}, "
+                   f"this device is {want_arch!r}")
+    out += kernel_hash_mismatches(tuned)
     if deployment is not None and tuned.deployment != deployment:
         out.append(f"{src}: deployment: file is for {tuned.deployment!r}, asked for {deployment!r}")
     if model is not None and slug(tuned.model.get("name", "")) != slug(model):

@@ -52,19 +52,15 @@ fi
 rc=0
 python - "$src/$dep.yaml" <<'PYEOF' || rc=$?
 import sys
-from kvtune.kernels import get_backend
+from kvtune.kernels.lookup import kernel_hash_mismatches
 from kvtune.kernels.tuned import SchemaError, load_tuned
 try:
     tuned = load_tuned(sys.argv[1])
 except (SchemaError, ValueError) as e:
     print(f"land_sweep.sh: {e}", file=sys.stderr)
     sys.exit(3)
-kept = tuned.provenance.get("kernel_hash") or {}
-served = {n for e in tuned.entries for n in e.backends()}   # as the runtime checks them
-stale = {n: (kept.get(n), get_backend(n).kernel_hash()) for n in sorted(served)}
-stale = {n: h for n, h in stale.items() if h[0] != h[1]}
-for n, (was, now) in stale.items():
-    print(f"{sys.argv[1].split('/')[-1]}: {n} measured on source {was}, this checkout's is {now}", file=sys.stderr)
+stale = kernel_hash_mismatches(tuned)   # the runtime's own check of the backends the file serves
+print("\n".join(stale), file=sys.stderr, end="\n" if stale else "")
 sys.exit(1 if stale else 0)
 PYEOF
 case $rc in

@@ -65,7 +65,8 @@ def test_an_archive_of_another_kernel_source_is_not_packaged(tmp_path):
     w = _workdir(tmp_path)
     r = _run(w, _archive(tmp_path, stale), DEP)
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "wgmma measured on source deadbeefdeadbeef" in r.stderr and "nothing landed" in r.stderr
+    assert "provenance.kernel_hash.wgmma: tuned against kernel source 'deadbeefdeadbeef'" in r.stderr
+    assert "nothing landed" in r.stderr
     assert not (w / "kernels" / "defaults" / f"{DEP}.yaml").exists()
     assert not (w / "results" / DEP).exists()
 
@@ -82,7 +83,8 @@ def test_a_stale_backend_of_one_bucket_is_not_packaged(tmp_path):
     w = _workdir(tmp_path)
     r = _run(w, _archive(tmp_path, "".join(lines)), DEP)
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "wgmma_km measured on source None" in r.stderr and "nothing landed" in r.stderr
+    assert "provenance.kernel_hash.wgmma_km: missing (entries use backend 'wgmma_km')" in r.stderr
+    assert "nothing landed" in r.stderr
     assert not (w / "results" / DEP).exists()
 
 
