@@ -134,6 +134,9 @@ PYEOF
   if [ "${RESUME:-0}" = 1 ]; then  # RESUME=1: that copy made here, from the committed sweep
     mkdir -p $res/$dep_name
     cp results/$dep_name/trials.csv results/$dep_name/studies.db results/$dep_name/runs.jsonl $res/$dep_name/
+    # a re-tune cut before its end, committed with the rows it set aside: the resumed studies still
+    # measure each bucket's prior (tuner/priors.py) first
+    [ -f results/$dep_name/trials.forgotten.csv ] && cp results/$dep_name/trials.forgotten.csv $res/$dep_name/
     cp results/$dep_name/logs/*.log $res/logs/ 2>/dev/null
     echo "== resumed from results/$dep_name ($(git log -1 --format=%h -- results/$dep_name/trials.csv 2>/dev/null))" \
         >> $res/logs/sweep.log
