@@ -60,7 +60,8 @@ except (SchemaError, ValueError) as e:
     print(f"land_sweep.sh: {e}", file=sys.stderr)
     sys.exit(3)
 stale = kernel_hash_mismatches(tuned)   # the runtime's own check of the backends the file serves
-print("\n".join(stale), file=sys.stderr, end="\n" if stale else "")
+for line in stale:
+    print(line, file=sys.stderr)
 sys.exit(1 if stale else 0)
 PYEOF
 case $rc in
